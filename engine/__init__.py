@@ -1,0 +1,1 @@
+"""Rank-side code (imports torch): engines, PPO step, rollout, reward, tiny models."""

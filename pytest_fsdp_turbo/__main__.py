@@ -1,0 +1,3 @@
+from pytest_fsdp_turbo.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""The environment one group of ranks needs: rendezvous, visible devices, and a per-backend profile.
+
+Pure functions over plain dicts: the pytest process hands the result to child processes and never
+mutates its own os.environ.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
+from pytest_fsdp_turbo.errors import ConfigError
+
+COLLECTIVE_TIMEOUT_VAR = "PYTEST_FSDP_TURBO_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+DEFAULT_CASE_TIMEOUT_S = 600.0
+DEFAULT_HCCL_CONNECT_TIMEOUT_S = 1500
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH", re.IGNORECASE)
+_MASK = "***"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """A collective must time out (and name its rank) before the launcher's watchdog kills the case."""
+
+    collective_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    case_s: float = DEFAULT_CASE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.collective_s <= 0 or self.case_s <= 0:
+            raise ConfigError(
+                f"timeouts: expected positive seconds; got collective={self.collective_s}, "
+                f"case={self.case_s}"
+            )
+        if self.collective_s >= self.case_s:
+            raise ConfigError(
+                f"timeouts: collective timeout ({self.collective_s:g}s, {COLLECTIVE_TIMEOUT_VAR}) "
+                f"must be shorter than the case timeout ({self.case_s:g}s) so a hang is reported "
+                "with its rank before the case is killed"
+            )
+
+
+@dataclass(frozen=True)
+class CollectiveEnv:
+    """Variables for every rank of one group; `from_user` lists the ones the user's env decided."""
+
+    env: dict[str, str]
+    from_user: tuple[str, ...] = field(default=())
+    device_ids: tuple[int, ...] = ()
+    master_port: int = 0
+    world_size: int = 1
+
+    def child_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        merged = dict(os.environ if base is None else base)
+        merged.update(self.env)
+        return merged
+
+
+def parse_port_range(value: str, name: str) -> tuple[int, int]:
+    low_text, sep, high_text = value.strip().partition("-")
+    if sep and low_text.isdigit() and high_text.isdigit():
+        low, high = int(low_text), int(high_text)
+        if 1024 <= low <= high <= 65535:
+            return low, high
+    raise ConfigError(f"{name}: expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535; got {value!r}")
+
+
+def _profile(
+    kind: str,
+    world_size: int,
+    timeouts: Timeouts,
+    port_ranges: tuple[tuple[int, int], tuple[int, int]] | None,
+    cpu_count: int,
+) -> dict[str, str]:
+    profile = {
+        "OMP_NUM_THREADS": str(max(1, cpu_count // max(1, world_size))),
+        COLLECTIVE_TIMEOUT_VAR: f"{timeouts.collective_s:g}",
+    }
+    if kind == "cuda":
+        profile["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    elif kind == "npu":
+        profile["HCCL_CONNECT_TIMEOUT"] = str(DEFAULT_HCCL_CONNECT_TIMEOUT_S)
+        profile["HCCL_EXEC_TIMEOUT"] = str(max(1, int(timeouts.collective_s)))
+        profile["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] = "1"
+        if port_ranges is not None:
+            (host_lo, host_hi), (npu_lo, npu_hi) = port_ranges
+            profile["HCCL_HOST_SOCKET_PORT_RANGE"] = f"{host_lo}-{host_hi}"
+            profile["HCCL_NPU_SOCKET_PORT_RANGE"] = f"{npu_lo}-{npu_hi}"
+    else:
+        profile["GLOO_SOCKET_IFNAME"] = "lo"
+    return profile
+
+
+def build_collective_env(
+    kind: str,
+    device_ids: Sequence[int],
+    master_port: int,
+    *,
+    world_size: int,
+    timeouts: Timeouts | None = None,
+    master_addr: str = "127.0.0.1",
+    port_ranges: tuple[tuple[int, int], tuple[int, int]] | None = None,
+    user_env: Mapping[str, str] | None = None,
+    cpu_count: int | None = None,
+) -> CollectiveEnv:
+    """Rendezvous and visible devices come from the lease; profile variables the user set win."""
+    user_env = os.environ if user_env is None else user_env
+    timeouts = timeouts or Timeouts()
+    profile = _profile(kind, world_size, timeouts, port_ranges, cpu_count or os.cpu_count() or 1)
+    from_user = []
+    for name in list(profile):
+        if name in user_env:
+            profile[name] = user_env[name]
+            from_user.append(name)
+    for name in ("HCCL_HOST_SOCKET_PORT_RANGE", "HCCL_NPU_SOCKET_PORT_RANGE"):
+        if name in profile:
+            parse_port_range(profile[name], name)
+    if COLLECTIVE_TIMEOUT_VAR in from_user:
+        try:
+            collective = float(profile[COLLECTIVE_TIMEOUT_VAR])
+        except ValueError:
+            raise ConfigError(
+                f"{COLLECTIVE_TIMEOUT_VAR}: expected seconds as a number; "
+                f"got {profile[COLLECTIVE_TIMEOUT_VAR]!r}"
+            ) from None
+        Timeouts(collective, timeouts.case_s)
+    env = {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "WORLD_SIZE": str(world_size),
+        **profile,
+    }
+    var = VISIBLE_DEVICES_VAR.get(kind)
+    if var:
+        env[var] = ",".join(str(i) for i in device_ids)
+    return CollectiveEnv(env, tuple(from_user), tuple(device_ids), master_port, world_size)
+
+
+def is_secret_name(name: str) -> bool:
+    return bool(_SECRET_NAME.search(name))
+
+
+def mask_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """Credentials never reach logs, reports or the doctor's output."""
+    return {k: (_MASK if is_secret_name(k) and v else v) for k, v in env.items()}
+
+
+@contextmanager
+def restored_environ() -> Iterator[None]:
+    """Leave os.environ exactly as found, whatever the body did to it."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -1,0 +1,170 @@
+"""Ports, devices and HCCL port ranges leased across pytest-xdist workers and concurrent sessions.
+
+One JSON state file guarded by a filelock records each holder's PID and process start time; an entry
+whose holder is gone (or whose PID was reused) is free again, so a killed worker never strands a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from filelock import FileLock
+
+from pytest_fsdp_turbo.errors import LeaseTimeout
+
+STATE_DIR_VAR = "PYTEST_FSDP_TURBO_STATE_DIR"
+HCCL_RANGE_BASE = 61000  # above Linux's default ephemeral range (32768-60999)
+HCCL_RANGE_SPAN = 64
+HCCL_RANGE_SLOTS = (65535 - HCCL_RANGE_BASE + 1) // (2 * HCCL_RANGE_SPAN)
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get(STATE_DIR_VAR)
+    return Path(env) if env else Path(tempfile.gettempdir()) / f"pytest-fsdp-turbo-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class DeviceLease:
+    kind: str
+    ids: tuple[int, ...]
+    owner_pid: int
+
+
+def _owner(pid: int) -> dict:
+    return {"pid": pid, "started": psutil.Process(pid).create_time()}
+
+
+def _alive(owner: dict) -> bool:
+    try:
+        return abs(psutil.Process(owner["pid"]).create_time() - owner["started"]) < 0.01
+    except (psutil.Error, KeyError, TypeError):
+        return False
+
+
+def _port_bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class LeaseBook:
+    """All leases of one machine (or one state dir); every method is safe across processes."""
+
+    def __init__(self, state_dir: Path | str | None = None, owner_pid: int | None = None):
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = FileLock(str(self.state_dir / "leases.lock"))
+        self._state_file = self.state_dir / "leases.json"
+        self.owner_pid = owner_pid or os.getpid()
+
+    def _read(self) -> dict[str, dict[str, dict]]:
+        try:
+            state = json.loads(self._state_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            state = {}
+        return {
+            table: {key: owner for key, owner in state.get(table, {}).items() if _alive(owner)}
+            for table in ("ports", "devices", "ranges")
+        }
+
+    def _write(self, state: dict) -> None:
+        tmp = self._state_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(state, sort_keys=True))
+        os.replace(tmp, self._state_file)
+
+    def holders(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            state = self._read()
+        return {table: {k: v["pid"] for k, v in rows.items()} for table, rows in state.items()}
+
+    def port(self, attempts: int = 64) -> int:
+        """A port that is bindable now and held by no other live lease."""
+        with self._lock:
+            state = self._read()
+            for _ in range(attempts):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    port = sock.getsockname()[1]
+                if str(port) not in state["ports"] and _port_bindable(port):
+                    state["ports"][str(port)] = _owner(self.owner_pid)
+                    self._write(state)
+                    return port
+        raise LeaseTimeout(f"no free port after {attempts} tries")
+
+    def release_port(self, port: int) -> None:
+        self._release("ports", [str(port)])
+
+    def devices(
+        self,
+        kind: str,
+        pool: Sequence[int],
+        n: int,
+        *,
+        timeout_s: float = 300.0,
+        poll_s: float = 0.1,
+    ) -> DeviceLease:
+        """n ids from pool that no live holder has; waits while others hold them."""
+        if n > len(pool):
+            raise LeaseTimeout(
+                f"asked for {n} {kind} devices; only {len(pool)} exist: {list(pool)}"
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                state = self._read()
+                free = [i for i in pool if f"{kind}:{i}" not in state["devices"]]
+                if len(free) >= n:
+                    chosen = tuple(free[:n])
+                    for i in chosen:
+                        state["devices"][f"{kind}:{i}"] = _owner(self.owner_pid)
+                    self._write(state)
+                    return DeviceLease(kind, chosen, self.owner_pid)
+            if time.monotonic() >= deadline:
+                held = {k: v["pid"] for k, v in state["devices"].items() if k.startswith(kind)}
+                raise LeaseTimeout(
+                    f"waited {timeout_s:g}s for {n} {kind} devices from {list(pool)}; "
+                    f"held by live owners: {held}"
+                )
+            time.sleep(poll_s)
+
+    def release(self, lease: DeviceLease) -> None:
+        self._release("devices", [f"{lease.kind}:{i}" for i in lease.ids])
+
+    def port_ranges(self) -> tuple[int, tuple[tuple[int, int], tuple[int, int]]]:
+        """A slot of two disjoint HCCL socket port ranges (host, npu) no concurrent group uses."""
+        with self._lock:
+            state = self._read()
+            for slot in range(HCCL_RANGE_SLOTS):
+                if str(slot) not in state["ranges"]:
+                    state["ranges"][str(slot)] = _owner(self.owner_pid)
+                    self._write(state)
+                    host = HCCL_RANGE_BASE + 2 * slot * HCCL_RANGE_SPAN
+                    npu = host + HCCL_RANGE_SPAN
+                    return slot, (
+                        (host, host + HCCL_RANGE_SPAN - 1),
+                        (npu, npu + HCCL_RANGE_SPAN - 1),
+                    )
+        raise LeaseTimeout(f"all {HCCL_RANGE_SLOTS} HCCL port-range slots are held")
+
+    def release_port_ranges(self, slot: int) -> None:
+        self._release("ranges", [str(slot)])
+
+    def _release(self, table: str, keys: list[str]) -> None:
+        with self._lock:
+            state = self._read()
+            for key in keys:
+                owner = state[table].get(key)
+                if owner and owner["pid"] == self.owner_pid:
+                    del state[table][key]
+            self._write(state)

@@ -1,0 +1,112 @@
+"""pytest hooks only: options, markers, hardware-aware skips, strict mode, header and summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_fsdp_turbo import fixtures
+from pytest_fsdp_turbo.devices import KIND_BY_MARKER, MARKER_BY_KIND, Accelerator
+from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo.session import SETTINGS_KEY, accelerator_of, settings_of
+from pytest_fsdp_turbo.settings import OPTIONS, _dest, resolve
+
+MARKERS = (
+    "e2e: a distributed end-to-end test (runs on whatever hardware is detected)",
+    "cpu_e2e: an e2e test that runs on CPU rank processes over gloo",
+    "gpu_e2e: an e2e test that needs NVIDIA GPUs (nccl)",
+    "npu_e2e: an e2e test that needs Ascend NPUs (hccl)",
+    "devices(n): the test needs n devices (or CPU rank slots)",
+)
+_HARDWARE_SKIP = pytest.StashKey[str]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fsdp-turbo", "pytest-fsdp-turbo (distributed e2e harness)")
+    for opt in OPTIONS:
+        env_note = f" [env {opt.env}]" if opt.env else ""
+        if opt.is_flag:
+            group.addoption(opt.flag, action="store_true", default=False, help=opt.help + env_note)
+        else:
+            group.addoption(opt.flag, default=None, help=opt.help + env_note)
+        if opt.ini:
+            parser.addini(opt.ini, opt.help)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    values = {_dest(opt.flag): config.getoption(_dest(opt.flag)) for opt in OPTIONS}
+    if values["fsdp_turbo_cases"] is None and config.getini("fsdp_turbo_cases"):
+        values["fsdp_turbo_cases"] = str(config.rootpath / config.getini("fsdp_turbo_cases"))
+    try:
+        config.stash[SETTINGS_KEY] = resolve(values)
+    except ConfigError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.pluginmanager.register(fixtures, "fsdp_turbo_fixtures")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    try:
+        accel = accelerator_of(config)
+    except ConfigError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    lines = [f"fsdp-turbo: {accel.describe()}"]
+    path = settings_of(config).checkout.path
+    if path:
+        lines.append(f"fsdp-turbo: FSDPTurbo checkout {path}")
+    return lines
+
+
+def devices_needed(item: pytest.Item) -> int | None:
+    marker = item.get_closest_marker("devices")
+    if marker is None:
+        return None
+    args = marker.args
+    if len(args) != 1 or not isinstance(args[0], int) or isinstance(args[0], bool) or args[0] < 1:
+        raise pytest.UsageError(
+            f"{item.nodeid}: devices(n) expects one positive integer; got {args}"
+        )
+    return args[0]
+
+
+def hardware_skip_reason(item: pytest.Item, accel: Accelerator) -> str | None:
+    """Why this item cannot run on this hardware, naming what was looked for and what was found."""
+    kinds = {KIND_BY_MARKER[m.name] for m in item.iter_markers() if m.name in KIND_BY_MARKER}
+    needed = devices_needed(item)
+    if kinds and accel.kind not in kinds:
+        wanted = ", ".join(f"{k} ({MARKER_BY_KIND[k]})" for k in sorted(kinds))
+        return f"needs {wanted}; detected {accel.describe()}"
+    if needed is not None and needed > accel.count:
+        unit = "rank slots" if accel.kind == "cpu" else f"{accel.kind} devices"
+        return f"needs {needed} {unit}; found {accel.count} (via {accel.source})"
+    return None
+
+
+def _is_e2e(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(name) for name in ("e2e", *KIND_BY_MARKER))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(_is_e2e(item) or item.get_closest_marker("devices") for item in items):
+        return
+    try:
+        accel = accelerator_of(config)
+    except ConfigError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    for item in items:
+        reason = hardware_skip_reason(item, accel)
+        if reason:
+            item.stash[_HARDWARE_SKIP] = reason
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not settings_of(session.config).strict:
+        return
+    e2e = [item for item in session.items if _is_e2e(item)]
+    blocked = [item for item in e2e if _HARDWARE_SKIP in item.stash]
+    if e2e and len(blocked) == len(e2e):
+        reason = blocked[0].stash[_HARDWARE_SKIP]
+        raise pytest.UsageError(
+            f"--fsdp-turbo-strict: {len(e2e)} e2e test(s) selected and none can run here: {reason}"
+        )

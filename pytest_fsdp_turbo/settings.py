@@ -1,0 +1,129 @@
+"""One place that turns command-line options, ini values and env vars into a Settings object.
+
+The option wins over the env var; both are validated here so bad input fails once, at start-up,
+with a line that names the option or variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_fsdp_turbo.checkout import DEFAULT_REPO, CheckoutRequest, validate_ref, validate_repo
+from pytest_fsdp_turbo.devices import parse_device_override
+from pytest_fsdp_turbo.errors import ConfigError
+
+LAUNCHERS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class Option:
+    """A public option: its flag, the env var read when the flag is absent, and its help."""
+
+    flag: str
+    env: str | None
+    help: str
+    is_flag: bool = False
+    ini: str | None = None
+
+
+OPTIONS = (
+    Option(
+        "--fsdp-turbo-device", "PYTEST_FSDP_TURBO_DEVICE", "override detection: cpu|cuda|npu[:N]"
+    ),
+    Option(
+        "--fsdp-turbo-strict",
+        "PYTEST_FSDP_TURBO_STRICT",
+        "fail the session when selected e2e tests cannot run here or FSDPTurbo is missing",
+        is_flag=True,
+    ),
+    Option("--fsdp-turbo-path", "FSDP_TURBO_PATH", "an existing FSDPTurbo checkout"),
+    Option("--fsdp-turbo-repo", "FSDP_TURBO_REPO", f"FSDPTurbo git URL (default {DEFAULT_REPO})"),
+    Option("--fsdp-turbo-ref", "FSDP_TURBO_REF", "FSDPTurbo branch, tag or full commit id"),
+    Option(
+        "--fsdp-turbo-cases",
+        None,
+        "the e2e case file (default e2e/cases.toml)",
+        ini="fsdp_turbo_cases",
+    ),
+    Option(
+        "--fsdp-turbo-models",
+        "PYTEST_FSDP_TURBO_MODELS",
+        "folder holding local real-model directories",
+    ),
+    Option(
+        "--fsdp-turbo-artifacts",
+        "PYTEST_FSDP_TURBO_ARTIFACTS",
+        "folder for per-case logs and metrics (default ./fsdp-turbo-artifacts)",
+    ),
+    Option(
+        "--fsdp-turbo-record-golden", None, "write goldens instead of checking them", is_flag=True
+    ),
+    Option("--fsdp-turbo-launcher", "PYTEST_FSDP_TURBO_LAUNCHER", "how ranks start: local|ray"),
+    Option(
+        "--fsdp-turbo-ray-address", "RAY_ADDRESS", "join this Ray cluster instead of a local one"
+    ),
+)
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: str | None = None
+    strict: bool = False
+    checkout: CheckoutRequest = CheckoutRequest()
+    cases: Path | None = None
+    models: Path | None = None
+    artifacts: Path = Path("fsdp-turbo-artifacts")
+    record_golden: bool = False
+    launcher: str = "local"
+    ray_address: str | None = None
+
+
+def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
+    """values: option dest -> value (None when not given); env fills the gaps."""
+    env = os.environ if env is None else env
+    raw: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for opt in OPTIONS:
+        dest = _dest(opt.flag)
+        value = values.get(dest)
+        origin[dest] = opt.flag
+        if (value is None or value is False) and opt.env and env.get(opt.env, "") != "":
+            value = env[opt.env]
+            origin[dest] = opt.env
+            if opt.is_flag:
+                if value.lower() not in (*_TRUE, "0", "false", "no", "off"):
+                    raise ConfigError(f"{opt.env}: expected 1 or 0; got {value!r}")
+                value = value.lower() in _TRUE
+        raw[dest] = value
+    device = raw["fsdp_turbo_device"]
+    if device:
+        parse_device_override(device, origin["fsdp_turbo_device"])
+    launcher = raw["fsdp_turbo_launcher"] or "local"
+    if launcher not in LAUNCHERS:
+        raise ConfigError(
+            f"{origin['fsdp_turbo_launcher']}: expected local or ray; got {launcher!r}"
+        )
+    repo = raw["fsdp_turbo_repo"] or DEFAULT_REPO
+    validate_repo(repo, origin["fsdp_turbo_repo"])
+    ref = validate_ref(raw["fsdp_turbo_ref"], origin["fsdp_turbo_ref"])
+    return Settings(
+        device=device,
+        strict=bool(raw["fsdp_turbo_strict"]),
+        checkout=CheckoutRequest(path=raw["fsdp_turbo_path"], repo=repo, ref=ref),
+        cases=Path(raw["fsdp_turbo_cases"]) if raw["fsdp_turbo_cases"] else None,
+        models=Path(raw["fsdp_turbo_models"]) if raw["fsdp_turbo_models"] else None,
+        artifacts=Path(raw["fsdp_turbo_artifacts"] or "fsdp-turbo-artifacts"),
+        record_golden=bool(raw["fsdp_turbo_record_golden"]),
+        launcher=launcher,
+        ray_address=raw["fsdp_turbo_ray_address"],
+    )

@@ -1,0 +1,97 @@
+import os
+
+import pytest
+
+from pytest_fsdp_turbo.environ import (
+    COLLECTIVE_TIMEOUT_VAR,
+    Timeouts,
+    build_collective_env,
+    mask_secrets,
+    parse_port_range,
+    restored_environ,
+)
+from pytest_fsdp_turbo.errors import ConfigError
+
+RANGES = ((61000, 61063), (61064, 61127))
+
+
+def test_gloo_profile_and_rendezvous():
+    group = build_collective_env("cpu", (0, 1), 29555, world_size=2, user_env={}, cpu_count=8)
+    assert group.env["MASTER_ADDR"] == "127.0.0.1"
+    assert group.env["MASTER_PORT"] == "29555"
+    assert group.env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert group.env["OMP_NUM_THREADS"] == "4"
+    assert "CUDA_VISIBLE_DEVICES" not in group.env
+
+
+def test_nccl_profile_sets_visible_devices_and_error_handling():
+    group = build_collective_env("cuda", (2, 3), 1234, world_size=2, user_env={})
+    assert group.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert group.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert float(group.env[COLLECTIVE_TIMEOUT_VAR]) < Timeouts().case_s
+
+
+def test_hccl_profile():
+    group = build_collective_env(
+        "npu", (4, 5, 6, 7), 1234, world_size=4, port_ranges=RANGES, user_env={}
+    )
+    env = group.env
+    assert env["ASCEND_RT_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert env["HCCL_CONNECT_TIMEOUT"] == "1500"
+    assert int(env["HCCL_EXEC_TIMEOUT"]) == int(Timeouts().collective_s)
+    assert env["HCCL_HOST_SOCKET_PORT_RANGE"] == "61000-61063"
+    assert env["HCCL_NPU_SOCKET_PORT_RANGE"] == "61064-61127"
+    assert env["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] == "1"
+
+
+def test_user_value_wins_and_is_reported():
+    user = {"HCCL_CONNECT_TIMEOUT": "7200", "OMP_NUM_THREADS": "3"}
+    group = build_collective_env("npu", (0,), 1, world_size=1, port_ranges=RANGES, user_env=user)
+    assert group.env["HCCL_CONNECT_TIMEOUT"] == "7200"
+    assert set(group.from_user) == {"HCCL_CONNECT_TIMEOUT", "OMP_NUM_THREADS"}
+
+
+def test_bad_user_port_range_names_the_variable():
+    user = {"HCCL_HOST_SOCKET_PORT_RANGE": "70000-80000"}
+    with pytest.raises(ConfigError, match=r"^HCCL_HOST_SOCKET_PORT_RANGE: expected LOW-HIGH"):
+        build_collective_env("npu", (0,), 1, world_size=1, port_ranges=RANGES, user_env=user)
+
+
+@pytest.mark.parametrize("value", ["", "1-", "9000-8000", "a-b", "80-90", "61000"])
+def test_port_range_parse_rejects(value):
+    with pytest.raises(ConfigError):
+        parse_port_range(value, "X")
+    assert parse_port_range("61000-61001", "X") == (61000, 61001)
+
+
+def test_timeout_order_is_enforced():
+    with pytest.raises(ConfigError, match="must be shorter than the case timeout"):
+        Timeouts(collective_s=600, case_s=300)
+    with pytest.raises(ConfigError, match=COLLECTIVE_TIMEOUT_VAR):
+        build_collective_env(
+            "cpu",
+            (0,),
+            1,
+            world_size=1,
+            timeouts=Timeouts(60, 300),
+            user_env={COLLECTIVE_TIMEOUT_VAR: "900"},
+        )
+
+
+def test_secrets_masked():
+    masked = mask_secrets({"HF_TOKEN": "abc", "AWS_SECRET_ACCESS_KEY": "x", "PATH": "/bin"})
+    assert masked == {"HF_TOKEN": "***", "AWS_SECRET_ACCESS_KEY": "***", "PATH": "/bin"}
+
+
+def test_builder_never_touches_os_environ():
+    before = dict(os.environ)
+    build_collective_env("npu", (0,), 5, world_size=1, port_ranges=RANGES)
+    assert dict(os.environ) == before
+
+
+def test_restored_environ_undoes_changes():
+    before = dict(os.environ)
+    with restored_environ():
+        os.environ["PYTEST_FSDP_TURBO_PROBE"] = "1"
+        os.environ.pop("PATH")
+    assert dict(os.environ) == before

@@ -1,0 +1,122 @@
+import json
+import multiprocessing
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pytest_fsdp_turbo.errors import LeaseTimeout
+from pytest_fsdp_turbo.leases import LeaseBook
+
+
+def test_port_is_bindable_and_unique(tmp_path):
+    book = LeaseBook(tmp_path)
+    ports = [book.port() for _ in range(20)]
+    assert len(set(ports)) == 20
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[0]))
+    assert set(book.holders()["ports"]) == {str(p) for p in ports}
+    for port in ports:
+        book.release_port(port)
+    assert book.holders()["ports"] == {}
+
+
+def test_device_leases_are_disjoint_and_wait(tmp_path):
+    book = LeaseBook(tmp_path)
+    first = book.devices("cuda", range(4), 3)
+    with pytest.raises(LeaseTimeout, match=r"waited 0.3s for 2 cuda devices.*held by live owners"):
+        book.devices("cuda", range(4), 2, timeout_s=0.3)
+    book.release(first)
+    second = book.devices("cuda", range(4), 2, timeout_s=0.3)
+    assert len(second.ids) == 2
+
+
+def test_asking_for_more_than_exist_fails_at_once(tmp_path):
+    with pytest.raises(LeaseTimeout, match="only 2 exist"):
+        LeaseBook(tmp_path).devices("npu", [0, 1], 3, timeout_s=60)
+
+
+def _hold_and_die(state_dir, ready):
+    book = LeaseBook(state_dir)
+    book.devices("npu", range(2), 2)
+    book.port()
+    book.port_ranges()
+    ready.set()  # exits without releasing: a killed worker
+
+
+def test_dead_holder_is_reclaimed(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_hold_and_die, args=(str(tmp_path), ready))
+    proc.start()
+    proc.join(30)
+    assert ready.is_set()
+    raw = json.loads((tmp_path / "leases.json").read_text())
+    assert len(raw["devices"]) == 2 and len(raw["ports"]) == 1
+    book = LeaseBook(tmp_path)
+    assert book.devices("npu", range(2), 2, timeout_s=1).ids == (0, 1)
+    assert book.holders()["ports"] == {}
+
+
+def test_hccl_port_range_slots_are_disjoint(tmp_path):
+    book = LeaseBook(tmp_path)
+    (slot_a, ranges_a), (slot_b, ranges_b) = book.port_ranges(), book.port_ranges()
+    assert slot_a != slot_b
+    ports_a = {p for lo, hi in ranges_a for p in range(lo, hi + 1)}
+    ports_b = {p for lo, hi in ranges_b for p in range(lo, hi + 1)}
+    assert not ports_a & ports_b
+    book.release_port_ranges(slot_a)
+    assert book.port_ranges()[0] == slot_a
+
+
+def test_concurrent_leases_under_xdist_never_overlap(pytester, tmp_path):
+    """Forty tests on four xdist workers lease ports and devices; the log proves no overlap."""
+    log = tmp_path / "lease-log.jsonl"
+    pytester.makepyfile(
+        textwrap.dedent(
+            f"""
+            import json, os, time
+            import pytest
+
+            @pytest.mark.parametrize("i", range(40))
+            def test_lease(i, device_lease, free_port):
+                lease = device_lease(2, timeout_s=60)
+                start = time.monotonic()
+                time.sleep(0.02)
+                with open({str(log)!r}, "a") as f:
+                    f.write(json.dumps({{"ids": lease.ids, "port": free_port, "start": start,
+                                        "end": time.monotonic(), "pid": os.getpid()}}) + "\\n")
+            """
+        )
+    )
+    env_state = tmp_path / "state"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "4",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--fsdp-turbo-device=cpu:4",
+            str(pytester.path),
+        ],
+        env={**__import__("os").environ, "PYTEST_FSDP_TURBO_STATE_DIR": str(env_state)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=pytester.path,
+    )
+    assert result.returncode == 0, result.stdout[-2000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(rows) == 40 and len({r["pid"] for r in rows}) > 1
+    for a in rows:
+        for b in rows:
+            if a is b or a["end"] <= b["start"] or b["end"] <= a["start"]:
+                continue
+            assert not set(a["ids"]) & set(b["ids"]), (a, b)
+            assert a["port"] != b["port"], (a, b)

@@ -1,0 +1,207 @@
+"""The plugin as users meet it: options, markers, skips with reasons, strict mode, header."""
+
+import textwrap
+
+import pytest
+
+from tests.helpers import env_with_path, fake_tool, nvidia_smi_listing
+
+E2E_SUITE = textwrap.dedent(
+    """
+    import pytest
+
+    @pytest.mark.e2e
+    @pytest.mark.gpu_e2e
+    @pytest.mark.devices(2)
+    def test_on_gpu():
+        pass
+
+    @pytest.mark.e2e
+    @pytest.mark.npu_e2e
+    def test_on_npu():
+        pass
+
+    @pytest.mark.e2e
+    @pytest.mark.cpu_e2e
+    @pytest.mark.devices(2)
+    def test_on_cpu(accelerator):
+        assert accelerator.kind == "cpu"
+
+    @pytest.mark.cpu_e2e
+    @pytest.mark.devices(64)
+    def test_too_many_cpu_ranks():
+        pass
+    """
+)
+
+
+@pytest.fixture
+def no_gpu_path(pytester, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", env_with_path(tmp_path / "bin")["PATH"])
+    for var in ("PYTEST_FSDP_TURBO_DEVICE", "PYTEST_FSDP_TURBO_STRICT", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path / "bin"
+
+
+def test_options_have_their_own_help_group(pytester):
+    result = pytester.runpytest("--help")
+    text = result.stdout.str()
+    assert "pytest-fsdp-turbo (distributed e2e harness):" in text
+    for flag in (
+        "--fsdp-turbo-device",
+        "--fsdp-turbo-strict",
+        "--fsdp-turbo-path",
+        "--fsdp-turbo-repo",
+        "--fsdp-turbo-ref",
+        "--fsdp-turbo-cases",
+        "--fsdp-turbo-models",
+        "--fsdp-turbo-artifacts",
+        "--fsdp-turbo-record-golden",
+        "--fsdp-turbo-launcher",
+        "--fsdp-turbo-ray-address",
+    ):
+        assert flag in text
+
+
+def test_markers_listed_and_strict_markers_pass(pytester):
+    result = pytester.runpytest("--markers")
+    for marker in ("@pytest.mark.e2e:", "cpu_e2e", "gpu_e2e", "npu_e2e", "devices(n)"):
+        assert marker in result.stdout.str()
+    pytester.makepyfile(E2E_SUITE)
+    assert pytester.runpytest("--strict-markers", "-p", "no:cacheprovider").ret == 0
+
+
+def test_skips_say_what_was_looked_for_and_found(pytester, no_gpu_path):
+    pytester.makepyfile(E2E_SUITE)
+    result = pytester.runpytest("-rs", "--fsdp-turbo-device=cpu:4")
+    result.assert_outcomes(passed=1, skipped=3)
+    out = result.stdout.str()
+    assert "needs cuda (gpu_e2e); detected cpu: 4 rank slots" in out
+    assert "needs npu (npu_e2e)" in out
+    assert "needs 64 rank slots; found 4" in out
+
+
+def test_header_shows_detection(pytester, no_gpu_path):
+    fake_tool(no_gpu_path, "nvidia-smi", nvidia_smi_listing(4))
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest()
+    result.stdout.fnmatch_lines(
+        ["fsdp-turbo: cuda: 4 devices (NVIDIA H200), backend nccl, via nvidia-smi -L"]
+    )
+
+
+def test_fake_gpus_let_gpu_tests_run(pytester, no_gpu_path):
+    fake_tool(no_gpu_path, "nvidia-smi", nvidia_smi_listing(2))
+    pytester.makepyfile(E2E_SUITE)
+    result = pytester.runpytest("-m", "gpu_e2e")
+    result.assert_outcomes(passed=1)
+
+
+def test_strict_fails_session_when_no_selected_e2e_can_run(pytester, no_gpu_path):
+    pytester.makepyfile(E2E_SUITE)
+    result = pytester.runpytest("-m", "gpu_e2e or npu_e2e", "--fsdp-turbo-strict")
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(
+        ["ERROR: --fsdp-turbo-strict: 2 e2e test(s) selected and none can run here: needs *"]
+    )
+    relaxed = pytester.runpytest("-m", "gpu_e2e or npu_e2e")
+    relaxed.assert_outcomes(skipped=2)
+
+
+def test_strict_from_env_and_passes_when_something_runs(pytester, no_gpu_path, monkeypatch):
+    pytester.makepyfile(E2E_SUITE)
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_STRICT", "1")
+    assert pytester.runpytest("-m", "npu_e2e").ret != 0
+    assert pytester.runpytest("-m", "cpu_e2e", "--fsdp-turbo-device=cpu:4").ret == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (
+            ["--fsdp-turbo-device=tpu"],
+            {},
+            "ERROR: --fsdp-turbo-device: expected one of cpu|cuda|npu*",
+        ),
+        ([], {"PYTEST_FSDP_TURBO_DEVICE": "gpu"}, "ERROR: PYTEST_FSDP_TURBO_DEVICE: expected*"),
+        (["--fsdp-turbo-ref=-x"], {}, "ERROR: --fsdp-turbo-ref: expected a branch*"),
+        (
+            [],
+            {"FSDP_TURBO_REPO": "http://x/y.git"},
+            "ERROR: FSDP_TURBO_REPO: expected an https://*",
+        ),
+        (
+            ["--fsdp-turbo-launcher=slurm"],
+            {},
+            "ERROR: --fsdp-turbo-launcher: expected local or ray*",
+        ),
+        (
+            [],
+            {"PYTEST_FSDP_TURBO_STRICT": "maybe"},
+            "ERROR: PYTEST_FSDP_TURBO_STRICT: expected 1 or 0*",
+        ),
+    ],
+)
+def test_bad_options_are_one_clear_line(pytester, monkeypatch, args, env, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([expected])
+    assert "Traceback" not in result.stderr.str()
+
+
+def test_bad_devices_marker_argument(pytester):
+    pytester.makepyfile("import pytest\n@pytest.mark.devices('two')\ndef test_x(): pass\n")
+    result = pytester.runpytest()
+    result.stderr.fnmatch_lines(["ERROR: *test_x: devices(n) expects one positive integer*"])
+
+
+def test_pytest_process_never_imports_torch(pytester):
+    pytester.makepyfile(
+        """
+        import sys
+        def test_light(accelerator, free_port):
+            assert accelerator.kind
+            assert "torch" not in sys.modules
+        """
+    )
+    pytester.makeconftest(
+        "import sys\n"
+        "def pytest_collection_finish(session):\n"
+        "    assert 'torch' not in sys.modules, 'torch imported during collection'\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_collective_env_fixture_uses_the_lease(pytester, no_gpu_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_STATE_DIR", str(tmp_path / "state"))
+    pytester.makepyfile(
+        """
+        import os, pytest
+
+        @pytest.mark.devices(2)
+        def test_env(collective_env, accelerator):
+            assert accelerator.kind == "npu"
+            env = collective_env.env
+            assert env["ASCEND_RT_VISIBLE_DEVICES"] == ",".join(map(str, collective_env.device_ids))
+            assert len(collective_env.device_ids) == 2
+            assert int(env["MASTER_PORT"]) == collective_env.master_port
+            assert "HCCL_HOST_SOCKET_PORT_RANGE" not in os.environ
+        """
+    )
+    pytester.runpytest("--fsdp-turbo-device=npu:4").assert_outcomes(passed=1)
+
+
+def test_checkout_fixture_skips_with_source_and_fails_under_strict(pytester, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    pytester.makepyfile("def test_needs(fsdp_turbo_checkout):\n    pass\n")
+    url = f"file://{tmp_path}/missing.git"
+    result = pytester.runpytest("-rs", f"--fsdp-turbo-repo={url}", "--fsdp-turbo-ref=main")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines([f"*FSDPTurbo from {url}@main: git clone failed*"])
+    strict = pytester.runpytest(f"--fsdp-turbo-repo={url}", "--fsdp-turbo-strict")
+    strict.assert_outcomes(errors=1)
+    strict.stdout.fnmatch_lines(["*--fsdp-turbo-strict: FSDPTurbo from*"])
