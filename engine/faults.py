@@ -1,0 +1,46 @@
+"""Fault injection for the harness's own reliability tests; inert unless the variable is set.
+
+PYTEST_FSDP_TURBO_FAULT=KIND:RANK[:PHASE], KIND one of crash | hang | nan, e.g. "crash:1:rollout".
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+FAULT_VAR = "PYTEST_FSDP_TURBO_FAULT"
+KINDS = ("crash", "hang", "nan")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    phase: str | None = None
+
+    @classmethod
+    def from_env(cls) -> Fault | None:
+        value = os.environ.get(FAULT_VAR, "").strip()
+        if not value:
+            return None
+        parts = value.split(":")
+        if len(parts) not in (2, 3) or parts[0] not in KINDS or not parts[1].isdigit():
+            raise ValueError(
+                f"{FAULT_VAR}: expected KIND:RANK[:PHASE] with KIND in {KINDS}; got {value!r}"
+            )
+        return cls(parts[0], int(parts[1]), parts[2] if len(parts) == 3 else None)
+
+    def at_phase(self, rank: int, phase: str) -> None:
+        """Called at the start of every phase; acts only for the named rank and phase."""
+        if rank != self.rank or self.phase != phase:
+            return
+        if self.kind == "crash":
+            raise InjectedFault(f"injected crash in rank {rank} at phase {phase}")
+        if self.kind == "hang":
+            while True:  # the other ranks block in their next collective
+                time.sleep(1)

@@ -1,0 +1,171 @@
+"""FSDPEngineWithLMHead: FSDP2 (fully_shard per decoder layer, then the root) on a 1-D or HSDP mesh."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from pytest_fsdp_turbo_engine.config import EngineConfig
+from pytest_fsdp_turbo_engine.ppo import entropy_from_logits, response_logprobs
+from pytest_fsdp_turbo_engine.registry import register
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+SYNC_POLICIES = ("deferred", "every_micro_batch")
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+@register(backend="fsdp", device=["cpu", "cuda", "npu"])
+class FSDPEngineWithLMHead:
+    def __init__(self, config: EngineConfig, device: torch.device):
+        if config.sync_policy not in SYNC_POLICIES:
+            raise ValueError(
+                f"sync_policy: expected one of {SYNC_POLICIES}; got {config.sync_policy!r}"
+            )
+        self.config = config
+        self.device = device
+        self.module: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.mesh = self._build_mesh()
+        self.retained_grad_bytes_peak = 0
+
+    # --- topology -------------------------------------------------------------------------------
+    def _build_mesh(self) -> DeviceMesh:
+        cfg = self.config
+        if cfg.fsdp_size < cfg.world_size:
+            return init_device_mesh(
+                self.device.type,
+                (cfg.world_size // cfg.fsdp_size, cfg.fsdp_size),
+                mesh_dim_names=("replicate", "shard"),
+            )
+        return init_device_mesh(self.device.type, (cfg.world_size,), mesh_dim_names=("shard",))
+
+    def data_parallel_rank(self) -> int:
+        return dist.get_rank()
+
+    def data_parallel_size(self) -> int:
+        return dist.get_world_size()
+
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """Ranks holding the same shard (HSDP replicas); None for plain FSDP."""
+        if "replicate" in (self.mesh.mesh_dim_names or ()):
+            return self.mesh.get_group("replicate")
+        return None
+
+    # --- model ----------------------------------------------------------------------------------
+    def _mixed_precision(self) -> MixedPrecisionPolicy:
+        if self.config.dtype == "bf16":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        policy = self._mixed_precision()
+        block_names = set(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in block_names:
+                fully_shard(module, mesh=self.mesh, mp_policy=policy)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        return model
+
+    def build(self, model_path: str, *, trainable: bool = True) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model.to(self.device)
+        wrapped = self._wrap(model)
+        if trainable:
+            self.module = wrapped
+            self.optimizer = torch.optim.AdamW(
+                wrapped.parameters(), lr=self.config.lr, weight_decay=0.0
+            )
+        else:
+            wrapped.requires_grad_(False)
+            wrapped.eval()
+        return wrapped
+
+    def forward_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        prompt_len: int,
+        *,
+        module: torch.nn.Module | None = None,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probabilities (and entropy) of the response tokens under `module` (the policy)."""
+        model = module or self.module
+        logits = model(input_ids=input_ids).logits[:, prompt_len - 1 : -1].float()
+        logprobs = response_logprobs(logits, input_ids[:, prompt_len:])
+        return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+
+    # --- gradient synchronisation ---------------------------------------------------------------
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        self.module.set_requires_gradient_sync(enabled)
+
+    @contextmanager
+    def _gradient_sync_context(self, is_last_micro_batch: bool) -> Iterator[None]:
+        """deferred: reduce-scatter only on the last micro-batch; every_micro_batch: always.
+
+        Sync is switched back on when the body ends, even when the backward raised, so a failed
+        micro-batch never leaves the module silently accumulating unsynchronised gradients.
+        """
+        sync = is_last_micro_batch or self.config.sync_policy == "every_micro_batch"
+        self._set_gradient_sync(sync)
+        try:
+            yield
+        finally:
+            if not sync:
+                self.retained_grad_bytes_peak = max(
+                    self.retained_grad_bytes_peak, self.retained_grad_bytes()
+                )
+            self._set_gradient_sync(True)
+
+    def retained_grad_bytes(self) -> int:
+        """Bytes of unsharded gradients FSDP holds between micro-batches (deferred sync)."""
+        total = 0
+        for module in self.module.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            group = module._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group else ():
+                grad = getattr(param, "unsharded_accumulated_grad", None)
+                if grad is None and hasattr(param, "_unsharded_param"):
+                    grad = param._unsharded_param.grad
+                if grad is not None:
+                    total += grad.numel() * grad.element_size()
+        return total
+
+    # --- optimizer ------------------------------------------------------------------------------
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip, foreach=False)
+        return float(full_tensor(norm))
+
+    def optimizer_step(self) -> float:
+        """Clip by the global norm; a non-finite norm skips the update on every rank alike."""
+        norm = self._clip_grad_norm()
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters, as a rollout engine loads them."""
+        return {name: full_tensor(p.detach()) for name, p in self.module.named_parameters()}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return {
+            name: full_tensor(p.grad.detach())
+            for name, p in self.module.named_parameters()
+            if p.grad is not None
+        }

@@ -1,0 +1,89 @@
+"""Tiny causal LMs built from specs in fixtures/models, saved in HF format and loaded like real ones.
+
+The builder runs once per session (the plugin calls it in a subprocess under a lock); ranks load the
+result with `from_pretrained`, the same path a real checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SPECS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "models"
+SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")
+REQUIRED_FILES = ("config.json", "tokenizer.json")
+
+
+def load_spec(name: str, directory: Path | None = None) -> dict:
+    path = (directory or SPECS_DIR) / f"{name}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in (directory or SPECS_DIR).glob("*.json"))
+        raise FileNotFoundError(
+            f"tiny model spec {name!r} not found in {path.parent}; known: {known}"
+        )
+    return json.loads(path.read_text())
+
+
+def build_byte_tokenizer():
+    """A byte-level tokenizer with no merges: every byte is a token, plus EOS and PAD."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for token in SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[1]
+    )
+
+
+def build_tiny_model(name: str, out_dir: Path, spec_dir: Path | None = None) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = load_spec(name, spec_dir)
+    tokenizer = build_byte_tokenizer()
+    config = AutoConfig.for_model(
+        spec["model_type"],
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        **spec["config"],
+    )
+    torch.manual_seed(spec.get("seed", 0))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def model_dir_problem(path: Path) -> str | None:
+    """Why a directory is not a loadable HF model, or None when it looks complete."""
+    if not path.is_dir():
+        return f"model directory {path} does not exist"
+    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        missing.append("*.safetensors weights")
+    return (
+        f"model directory {path} is incomplete: missing {', '.join(missing)}" if missing else None
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="build a tiny HF model from a fixtures spec")
+    parser.add_argument("name")
+    parser.add_argument("out_dir", type=Path)
+    args = parser.parse_args()
+    print(build_tiny_model(args.name, args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

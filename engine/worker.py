@@ -1,0 +1,77 @@
+"""Entry point of one rank: `python -m pytest_fsdp_turbo_engine.worker SPEC.json`.
+
+Writes rankN.metrics.json on success, rankN.error.json (phase and traceback) on failure, and exits
+non-zero on failure without waiting on collectives that may never complete.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec_path = Path(argv[0])
+    spec = json.loads(spec_path.read_text())
+    out = spec_path.parent
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+    from pytest_fsdp_turbo_engine.faults import Fault
+    from pytest_fsdp_turbo_engine.step import Phase
+
+    phase = Phase(rank)
+    try:
+        phase.fault = Fault.from_env()
+        phase.enter("init")
+        import torch.distributed as dist
+        from pytest_fsdp_turbo_engine.step import run_ppo_step
+
+        backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[spec["device_kind"]]
+        timeout_s = float(os.environ.get("PYTEST_FSDP_TURBO_COLLECTIVE_TIMEOUT_S", "120"))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        assert dist.get_world_size() == world_size
+        metrics, grads = run_ppo_step(spec, rank, phase)
+        phase.enter("write")
+        if grads is not None:
+            _write_json(out / f"rank{rank}.grads.json", grads)
+        _write_json(out / f"rank{rank}.metrics.json", metrics)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure must be reported, then exit
+        text = traceback.format_exc()
+        _write_json(
+            out / f"rank{rank}.error.json",
+            {
+                "rank": rank,
+                "phase": phase.name,
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": text,
+            },
+        )
+        print(text, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

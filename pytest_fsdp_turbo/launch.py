@@ -1,0 +1,214 @@
+"""Start one group of rank processes, watch them, and hand back a structured result.
+
+One log file per rank; one timeout for the group. A rank that fails stops the others at once; a group
+that times out dumps every rank's Python stacks (faulthandler, SIGUSR1) into its log first. Nothing
+the group started outlives it: every process tree is killed through psutil.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+WORKER_MODULE = "pytest_fsdp_turbo_engine.worker"
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+STACK_DUMP_WAIT_S = 1.0
+LOG_TAIL_LINES = 30
+
+
+@dataclass
+class RankResult:
+    rank: int
+    exit_code: int | None
+    duration_s: float
+    log_path: Path
+    metrics: dict | None = None
+    error: dict | None = None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
+class RunResult:
+    case_id: str
+    world_size: int
+    ranks: list[RankResult]
+    artifacts_dir: Path
+    duration_s: float
+    timed_out: bool = False
+    timeout_s: float = 0.0
+    first_failure: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(r.exit_code == 0 and r.metrics for r in self.ranks)
+
+    @property
+    def metrics(self) -> dict:
+        """Rank 0's metrics (every key is reduced across ranks where it needs to be)."""
+        return self.ranks[0].metrics or {}
+
+    def failure_text(self) -> str:
+        if self.ok:
+            return ""
+        head = (
+            f"case {self.case_id}: timed out after {self.timeout_s:g}s; Python stacks of every rank "
+            "are in the log tails below"
+            if self.timed_out
+            else f"case {self.case_id}: rank {self.first_failure} failed first"
+        )
+        parts = [head, f"artifacts: {self.artifacts_dir}"]
+        for rank in self.ranks:
+            if rank.exit_code == 0 and rank.metrics and not self.timed_out:
+                continue
+            parts.append(f"--- rank {rank.rank}: exit {rank.exit_code}, log {rank.log_path}")
+            if rank.error:
+                parts.append(
+                    f"phase {rank.error.get('phase')}: {rank.error.get('type')}: "
+                    f"{rank.error.get('message')}\n{rank.error.get('traceback', '')}".rstrip()
+                )
+            parts.append("log tail:\n" + rank.log_tail())
+        return "\n".join(parts)
+
+
+def rank_env(base: Mapping[str, str], rank: int, world_size: int) -> dict[str, str]:
+    env = dict(base)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        PYTHONUNBUFFERED="1",
+        PYTHONFAULTHANDLER="1",
+    )
+    return env
+
+
+def _process_tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def kill_trees(pids: Sequence[int]) -> None:
+    procs = [p for pid in pids for p in _process_tree(pid)]
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+def _dump_stacks(procs: Sequence[subprocess.Popen]) -> None:
+    alive = [p for p in procs if p.poll() is None]
+    for proc in alive:
+        try:
+            os.kill(proc.pid, STACK_DUMP_SIGNAL)
+        except OSError:
+            pass
+    if alive:
+        time.sleep(STACK_DUMP_WAIT_S)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def launch_local(
+    *,
+    case_id: str,
+    world_size: int,
+    env: Mapping[str, str],
+    artifacts_dir: Path,
+    timeout_s: float,
+    command: Sequence[str] | None = None,
+    poll_s: float = 0.05,
+) -> RunResult:
+    """Run `command` (default: the engine worker on artifacts_dir/spec.json) as world_size ranks."""
+    artifacts_dir.mkdir(parents=True, exist_ok=True)
+    command = list(
+        command or [sys.executable, "-m", WORKER_MODULE, str(artifacts_dir / "spec.json")]
+    )
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    starts: list[float] = []
+    ends: dict[int, float] = {}
+    start = time.monotonic()
+    try:
+        for rank in range(world_size):
+            log_path = artifacts_dir / f"rank{rank}.log"
+            logs.append(log_path)
+            with open(log_path, "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        env=rank_env(env, rank, world_size),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
+            starts.append(time.monotonic())
+        timed_out, first_failure = False, None
+        deadline = start + timeout_s
+        while len(ends) < world_size:
+            for rank, proc in enumerate(procs):
+                if rank not in ends and proc.poll() is not None:
+                    ends[rank] = time.monotonic()
+                    if proc.returncode != 0 and first_failure is None:
+                        first_failure = rank
+            if first_failure is not None and len(ends) < world_size:
+                _dump_stacks(procs)  # which rank waited where, then stop the rest at once
+                break
+            if time.monotonic() >= deadline:
+                timed_out = True
+                _dump_stacks(procs)
+                break
+            time.sleep(poll_s)
+    finally:
+        kill_trees([p.pid for p in procs])
+    now = time.monotonic()
+    ranks = []
+    for rank, proc in enumerate(procs):
+        code = proc.poll()
+        ranks.append(
+            RankResult(
+                rank=rank,
+                exit_code=code,
+                duration_s=ends.get(rank, now) - starts[rank],
+                log_path=logs[rank],
+                metrics=_read_json(artifacts_dir / f"rank{rank}.metrics.json"),
+                error=_read_json(artifacts_dir / f"rank{rank}.error.json"),
+            )
+        )
+    return RunResult(
+        case_id=case_id,
+        world_size=world_size,
+        ranks=ranks,
+        artifacts_dir=artifacts_dir,
+        duration_s=now - start,
+        timed_out=timed_out,
+        timeout_s=timeout_s,
+        first_failure=first_failure,
+    )
