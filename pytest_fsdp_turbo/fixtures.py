@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import psutil
 import pytest
 
+from pytest_fsdp_turbo.cases import Case, CaseParam
 from pytest_fsdp_turbo.checkout import Checkout, resolve_checkout
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import CollectiveEnv, build_collective_env
 from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, LeaseTimeout
+from pytest_fsdp_turbo.launch import RunResult
 from pytest_fsdp_turbo.leases import DeviceLease, LeaseBook
-from pytest_fsdp_turbo.session import accelerator_of, settings_of
+from pytest_fsdp_turbo.models import ModelUnavailable, build_tiny_model, resolve_model
+from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, artifact_name, junit_properties, summary_row
+from pytest_fsdp_turbo.runs import RunRequest, run_case
+from pytest_fsdp_turbo.session import accelerator_of, artifacts_root, cases_of, settings_of
 
 
 @pytest.fixture(scope="session")
@@ -87,9 +94,85 @@ def fsdp_turbo_checkout(pytestconfig: pytest.Config) -> Checkout:
     try:
         return resolve_checkout(settings.checkout)
     except (CheckoutUnavailable, ConfigError) as exc:
-        if settings.strict:
-            pytest.fail(f"--fsdp-turbo-strict: {exc}", pytrace=False)
-        pytest.skip(str(exc))
+        _skip_or_fail(settings.strict, str(exc))
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Callable[[str], Path]:
+    """Factory: tiny spec name -> HF model directory (built once, shared by xdist workers)."""
+
+    def build(name: str) -> Path:
+        try:
+            return build_tiny_model(name)
+        except ModelUnavailable as exc:
+            pytest.fail(str(exc), pytrace=False)
+
+    return build
+
+
+@pytest.fixture
+def ppo_run(
+    request: pytest.FixtureRequest,
+    accelerator: Accelerator,
+    fsdp_turbo_lease_book: LeaseBook,
+) -> Callable[..., RunResult]:
+    """Factory: a case (object, parameter or id) plus field overrides -> the run's result.
+
+    It does not assert: call pytest_fsdp_turbo.checks on the result. Missing model directories and
+    FSDPTurbo checkouts skip (fail under --fsdp-turbo-strict) with the path or source tried.
+    """
+    config = request.config
+    settings = settings_of(config)
+    calls = [0]
+
+    def run(
+        case: Case | CaseParam | str,
+        *,
+        engine_modules: Sequence[str] = (),
+        pythonpath: Sequence[str] = (),
+        extra_env: dict[str, str] | None = None,
+        **overrides: object,
+    ) -> RunResult:
+        if isinstance(case, CaseParam):
+            case = case.case
+        elif isinstance(case, str):
+            case = cases_of(config).get(case)
+        if overrides:
+            case = dataclasses.replace(case, **overrides)
+        try:
+            model_path = resolve_model(case.model, settings.models)
+        except ModelUnavailable as exc:
+            _skip_or_fail(settings.strict, f"case {case.id}: {exc}")
+        checkout = None
+        if case.backend == "fsdp_turbo":
+            checkout = request.getfixturevalue("fsdp_turbo_checkout")
+        calls[0] += 1
+        name = artifact_name(request.node.nodeid) + (f"-{calls[0]}" if calls[0] > 1 else "")
+        result = run_case(
+            RunRequest(
+                case=case,
+                model_path=model_path,
+                artifacts_dir=artifacts_root(config) / name,
+                accelerator=accelerator,
+                checkout=checkout,
+                engine_modules=list(engine_modules),
+                pythonpath=list(pythonpath),
+                extra_env=dict(extra_env or {}),
+            ),
+            fsdp_turbo_lease_book,
+        )
+        for key, value in junit_properties(result):
+            request.node.user_properties.append((key, value))
+        request.node.user_properties.append((SUMMARY_PROPERTY, summary_row(result)))
+        return result
+
+    return run
+
+
+def _skip_or_fail(strict: bool, message: str) -> None:
+    if strict:
+        pytest.fail(f"--fsdp-turbo-strict: {message}", pytrace=False)
+    pytest.skip(message)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ the group started outlives it: every process tree is killed through psutil.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -109,20 +110,16 @@ def _process_tree(pid: int) -> list[psutil.Process]:
 def kill_trees(pids: Sequence[int]) -> None:
     procs = [p for pid in pids for p in _process_tree(pid)]
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.Error):
             proc.kill()
-        except psutil.Error:
-            pass
     psutil.wait_procs(procs, timeout=5)
 
 
 def _dump_stacks(procs: Sequence[subprocess.Popen]) -> None:
     alive = [p for p in procs if p.poll() is None]
     for proc in alive:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(proc.pid, STACK_DUMP_SIGNAL)
-        except OSError:
-            pass
     if alive:
         time.sleep(STACK_DUMP_WAIT_S)
 

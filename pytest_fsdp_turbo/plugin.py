@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+import json
+
 from pytest_fsdp_turbo import fixtures
 from pytest_fsdp_turbo.devices import KIND_BY_MARKER, MARKER_BY_KIND, Accelerator
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.session import SETTINGS_KEY, accelerator_of, settings_of
+from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, render_table
+from pytest_fsdp_turbo.session import SETTINGS_KEY, accelerator_of, cases_of, settings_of
 from pytest_fsdp_turbo.settings import OPTIONS, _dest, resolve
 
 MARKERS = (
@@ -110,3 +113,44 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         raise pytest.UsageError(
             f"--fsdp-turbo-strict: {len(e2e)} e2e test(s) selected and none can run here: {reason}"
         )
+
+
+CASE_FIXTURE = "fsdp_turbo_case"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that asks for `fsdp_turbo_case` runs once per case x device kind of the case file."""
+    if CASE_FIXTURE not in metafunc.fixturenames:
+        return
+    try:
+        book = cases_of(metafunc.config)
+    except ConfigError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    params = [
+        pytest.param(
+            param,
+            id=param.id,
+            marks=[
+                pytest.mark.e2e,
+                getattr(pytest.mark, MARKER_BY_KIND[param.kind]),
+                pytest.mark.devices(param.case.world_size),
+            ],
+        )
+        for param in book.params()
+    ]
+    metafunc.parametrize(CASE_FIXTURE, params)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    rows = []
+    for outcome in ("passed", "failed", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if getattr(report, "when", "call") != "call" and outcome != "error":
+                continue
+            for name, value in getattr(report, "user_properties", ()):
+                if name == SUMMARY_PROPERTY:
+                    rows.append((json.loads(value), outcome))
+    if rows:
+        terminalreporter.write_sep("=", "fsdp-turbo e2e runs")
+        for line in render_table(rows):
+            terminalreporter.write_line(line)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from pytest_fsdp_turbo.cases import CaseBook, load_cases
 from pytest_fsdp_turbo.devices import Accelerator, detect
 from pytest_fsdp_turbo.settings import Settings
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 ACCELERATOR_KEY = pytest.StashKey[Accelerator]()
+CASES_KEY = pytest.StashKey[CaseBook]()
+DEFAULT_CASES = Path("e2e") / "cases.toml"
 
 
 def settings_of(config: pytest.Config) -> Settings:
@@ -26,3 +31,20 @@ def accelerator_of(config: pytest.Config) -> Accelerator:
         )
         config.stash[ACCELERATOR_KEY] = detect(settings.device, override_origin=origin)
     return config.stash[ACCELERATOR_KEY]
+
+
+def cases_path(config: pytest.Config) -> Path:
+    return settings_of(config).cases or config.rootpath / DEFAULT_CASES
+
+
+def cases_of(config: pytest.Config) -> CaseBook:
+    """The case file, loaded and validated once per session (ConfigError on bad input)."""
+    if CASES_KEY not in config.stash:
+        path = cases_path(config)
+        config.stash[CASES_KEY] = CaseBook(path, load_cases(path))
+    return config.stash[CASES_KEY]
+
+
+def artifacts_root(config: pytest.Config) -> Path:
+    root = settings_of(config).artifacts
+    return root if root.is_absolute() else config.invocation_params.dir / root

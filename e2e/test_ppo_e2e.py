@@ -1,0 +1,43 @@
+"""One real 1-step PPO run per case x device kind, and every check that a run can prove."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from pytest_fsdp_turbo import checks, goldens
+
+
+def test_ppo_one_step(fsdp_turbo_case, ppo_run, pytestconfig, no_leaked_processes):
+    case = fsdp_turbo_case.case
+    result = ppo_run(fsdp_turbo_case)
+    checks.check_all(result, budget_mb=case.memory_budget_mb)
+    if case.with_reference_checks():
+        checks.check_params_updated(result)
+    if case.golden_tier == "none":
+        return
+    kind = fsdp_turbo_case.kind
+    path = goldens.golden_path(case.id, kind, case.dtype_on(kind), case.world_size)
+    if pytestconfig.getoption("fsdp_turbo_record_golden"):
+        goldens.record_golden(path, result.metrics)
+    elif path.is_file():
+        problems = goldens.compare_golden(path, result.metrics, case.golden_tier)
+        assert not problems, "\n".join(problems)
+    else:
+        warnings.warn(f"no golden at {path}; record with --fsdp-turbo-record-golden", stacklevel=1)
+
+
+@pytest.mark.e2e
+@pytest.mark.cpu_e2e
+@pytest.mark.devices(2)
+def test_sync_policies_agree_and_differ_in_cost(ppo_run):
+    """Deferred and every-micro-batch sync: same gradients, different memory and communication."""
+    deferred = ppo_run("tiny-qwen3_5-fsdp2-deferred")
+    every = ppo_run("tiny-qwen3_5-fsdp2-every_micro_batch")
+    for result in (deferred, every):
+        checks.check_completed(result)
+    assert checks.check_policies_agree(deferred, every) <= 1e-6
+    assert deferred.metrics["comm/reduce_scatter_calls"] < every.metrics["comm/reduce_scatter_calls"]
+    assert deferred.metrics["sync/retained_grad_bytes"] > 0
+    assert every.metrics["sync/retained_grad_bytes"] == 0

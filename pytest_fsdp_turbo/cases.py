@@ -1,0 +1,242 @@
+"""The e2e case file: schema, loading, validation and parametrization (torch-free).
+
+Every problem is a ConfigError naming the file, the case id, the field and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pytest_fsdp_turbo.devices import KINDS
+from pytest_fsdp_turbo.errors import ConfigError
+
+FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
+TINY_PREFIX = "tiny-"
+BUILTIN_BACKENDS = ("fsdp", "fsdp_turbo")
+ENGINE_ENTRY_POINTS = "pytest_fsdp_turbo.engines"
+SYNC_POLICIES = ("deferred", "every_micro_batch")
+DTYPES = ("auto", "fp32", "bf16")
+ROLLOUTS = ("hf", "vllm")
+GOLDEN_TIERS = ("exact", "relative", "none")
+TURBO_DEVICES = ("cuda", "npu")
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    model: str
+    backend: str = "fsdp"
+    world_size: int = 2
+    fsdp_size: int = 0  # 0: world_size // sp_size (plain FSDP)
+    sp_size: int = 1
+    micro_batches: int = 2
+    dtype: str = "auto"
+    gradient_sync: str = "deferred"
+    rollout: str = "hf"
+    devices: tuple[str, ...] = ("cpu",)
+    timeout: float = 300.0
+    collective_timeout: float = 120.0
+    memory_budget_mb: float | None = None
+    golden_tier: str = "relative"
+    turbo_config: dict = field(default_factory=dict)
+    num_prompts: int = 4
+    n: int = 4
+    max_new_tokens: int = 12
+    lr: float = 1e-4
+    reference_checks: bool | None = None  # default: on for tiny models
+    description: str = ""
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.model.startswith(TINY_PREFIX)
+
+    @property
+    def shard_size(self) -> int:
+        return self.fsdp_size or self.world_size // self.sp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    def dtype_on(self, kind: str) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "fp32" if kind == "cpu" else "bf16"
+
+    def with_reference_checks(self) -> bool:
+        return self.is_tiny if self.reference_checks is None else self.reference_checks
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Case)}
+_EXPECTED = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    dict: "a table",
+    tuple: "a list of strings",
+}
+_TYPES = {
+    "id": str, "model": str, "backend": str, "world_size": int, "fsdp_size": int, "sp_size": int,
+    "micro_batches": int, "dtype": str, "gradient_sync": str, "rollout": str, "devices": tuple,
+    "timeout": float, "collective_timeout": float, "memory_budget_mb": float, "golden_tier": str,
+    "turbo_config": dict, "num_prompts": int, "n": int, "max_new_tokens": int, "lr": float,
+    "reference_checks": bool, "description": str,
+}
+
+
+def known_backends() -> tuple[str, ...]:
+    """Built-ins plus downstream engines announced by entry point (names only, nothing loaded)."""
+    extra = tuple(ep.name for ep in metadata.entry_points(group=ENGINE_ENTRY_POINTS))
+    return BUILTIN_BACKENDS + extra
+
+
+def tiny_specs(fixtures_dir: Path = FIXTURES_DIR) -> list[str]:
+    return sorted(p.stem for p in (fixtures_dir / "models").glob("*.json"))
+
+
+class _Where:
+    def __init__(self, path: Path, case_id: str):
+        self.path, self.case_id = path, case_id
+
+    def error(self, name: str, expected: str, got: Any) -> ConfigError:
+        return ConfigError(
+            f"{self.path}: case {self.case_id!r}: field {name!r}: expected {expected}; got {got!r}"
+        )
+
+
+def _coerce(where: _Where, name: str, value: Any) -> Any:
+    kind = _TYPES[name]
+    if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    if kind in (str, bool, dict) and isinstance(value, kind):
+        return value
+    raise where.error(name, _EXPECTED[kind], value)
+
+
+def _choice(where: _Where, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise where.error(name, "one of " + ", ".join(allowed), value)
+
+
+def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
+    case_id = raw.get("id")
+    where = _Where(path, case_id if isinstance(case_id, str) else "?")
+    if not isinstance(case_id, str) or not case_id:
+        raise where.error("id", "a non-empty string", case_id)
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise where.error(unknown[0], "a known field (" + ", ".join(_FIELDS) + ")", raw[unknown[0]])
+    if "model" not in raw:
+        raise where.error("model", "a tiny spec (tiny-...) or a local model name", None)
+    values = {name: _coerce(where, name, value) for name, value in raw.items()}
+    case = Case(**values)
+    if case.is_tiny and case.model not in specs:
+        raise where.error("model", "a tiny spec in fixtures/models (" + ", ".join(specs) + ")", case.model)
+    _choice(where, "backend", case.backend, known_backends())
+    _choice(where, "dtype", case.dtype, DTYPES)
+    _choice(where, "gradient_sync", case.gradient_sync, SYNC_POLICIES)
+    _choice(where, "rollout", case.rollout, ROLLOUTS)
+    _choice(where, "golden_tier", case.golden_tier, GOLDEN_TIERS)
+    if not case.devices:
+        raise where.error("devices", "at least one of " + ", ".join(KINDS), list(case.devices))
+    for kind in case.devices:
+        _choice(where, "devices", kind, KINDS)
+    for name in ("world_size", "sp_size", "micro_batches", "num_prompts", "n", "max_new_tokens"):
+        if getattr(case, name) < 1:
+            raise where.error(name, "a positive integer", getattr(case, name))
+    if case.fsdp_size < 0:
+        raise where.error("fsdp_size", "a positive integer (or 0 for world_size / sp_size)", case.fsdp_size)
+    if case.world_size % (case.shard_size * case.sp_size):
+        raise where.error(
+            "world_size", f"divisible by fsdp_size x sp_size = {case.shard_size * case.sp_size}", case.world_size
+        )
+    if case.sp_size > 1 and case.backend != "fsdp_turbo":
+        raise where.error("sp_size", "1 unless backend is fsdp_turbo (Ulysses SP lives there)", case.sp_size)
+    if case.turbo_config and case.backend != "fsdp_turbo":
+        raise where.error("turbo_config", "no turbo_config unless backend is fsdp_turbo", "a table")
+    if case.backend == "fsdp_turbo" and "cpu" in case.devices:
+        raise where.error("devices", "cuda and/or npu for backend fsdp_turbo", list(case.devices))
+    if not 0 < case.collective_timeout < case.timeout:
+        raise where.error(
+            "collective_timeout",
+            f"positive and shorter than timeout ({case.timeout:g}s) so a hang names its rank",
+            case.collective_timeout,
+        )
+    if case.num_prompts % case.data_parallel_size:
+        raise where.error(
+            "num_prompts", f"divisible by the data-parallel size {case.data_parallel_size}", case.num_prompts
+        )
+    rows = case.num_prompts // case.data_parallel_size * case.n
+    if case.micro_batches > rows:
+        raise where.error("micro_batches", f"at most the {rows} rows each rank trains on", case.micro_batches)
+    if case.memory_budget_mb is not None and case.memory_budget_mb <= 0:
+        raise where.error("memory_budget_mb", "a positive number of MiB", case.memory_budget_mb)
+    return case
+
+
+def load_cases(path: Path, fixtures_dir: Path = FIXTURES_DIR) -> list[Case]:
+    if not path.is_file():
+        raise ConfigError(f"--fsdp-turbo-cases / fsdp_turbo_cases: case file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    rows = data.get("case")
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError(f"{path}: expected one or more [[case]] tables")
+    defaults = data.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise ConfigError(f"{path}: [defaults] must be a table")
+    specs = tiny_specs(fixtures_dir)
+    cases, seen = [], set()
+    for row in rows:
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}: every [[case]] entry must be a table")
+        case = validate_case({**defaults, **row}, path, specs)
+        if case.id in seen:
+            raise ConfigError(f"{path}: case {case.id!r}: field 'id': expected a unique id; got a duplicate")
+        seen.add(case.id)
+        cases.append(case)
+    return cases
+
+
+@dataclass(frozen=True)
+class CaseParam:
+    """One test parameter: a case on one device kind."""
+
+    case: Case
+    kind: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.case.id}-{self.kind}"
+
+
+class CaseBook:
+    """The loaded case file, looked up by id."""
+
+    def __init__(self, path: Path, cases: list[Case]):
+        self.path, self.cases = path, cases
+
+    def get(self, case_id: str) -> Case:
+        return find_case(self.cases, case_id, self.path)
+
+    def params(self) -> list[CaseParam]:
+        return [CaseParam(case, kind) for case in self.cases for kind in case.devices]
+
+
+def find_case(cases: list[Case], case_id: str, path: Path) -> Case:
+    for case in cases:
+        if case.id == case_id:
+            return case
+    raise ConfigError(f"{path}: no case {case_id!r}; known: {', '.join(c.id for c in cases)}")

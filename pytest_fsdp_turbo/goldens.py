@@ -1,0 +1,61 @@
+"""Hardware-keyed goldens: metrics recorded per case, device kind, dtype and world size.
+
+Tiers: exact (bit-equal floats, same hardware and versions) and relative. NaN never passes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pytest_fsdp_turbo.cases import FIXTURES_DIR
+from pytest_fsdp_turbo.checks import CheckFailure
+
+GOLDEN_KEYS = (
+    "actor/grad_norm",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/kl_loss",
+    "actor/pg_clipfrac",
+    "critic/score/mean",
+    "response_length/mean",
+)
+RELATIVE_TOL = 1e-3
+ABSOLUTE_FLOOR = 1e-6
+DEFAULT_DIR = FIXTURES_DIR / "goldens"
+
+
+def golden_path(case_id: str, kind: str, dtype: str, world_size: int, root: Path = DEFAULT_DIR) -> Path:
+    return root / case_id / f"{kind}-{dtype}-ws{world_size}.json"
+
+
+def within(tier: str, expected: float, actual: float) -> bool:
+    if not (isinstance(actual, int | float) and math.isfinite(actual)):
+        return False
+    if not math.isfinite(expected):
+        return False
+    if tier == "exact":
+        return actual == expected
+    return abs(actual - expected) <= max(RELATIVE_TOL * abs(expected), ABSOLUTE_FLOOR)
+
+
+def record_golden(path: Path, metrics: dict) -> None:
+    values = {key: metrics[key] for key in GOLDEN_KEYS if key in metrics}
+    for key, value in values.items():
+        if not math.isfinite(value):
+            raise CheckFailure(f"check g: refusing to record golden {path}: {key} = {value}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(values, indent=1, sort_keys=True) + "\n")
+
+
+def compare_golden(path: Path, metrics: dict, tier: str) -> list[str]:
+    """Mismatches as messages (empty when everything is within the tier)."""
+    expected = json.loads(path.read_text())
+    problems = []
+    for key, want in sorted(expected.items()):
+        got = metrics.get(key)
+        if got is None or not within(tier, want, got):
+            tol = "exact" if tier == "exact" else f"relative {RELATIVE_TOL:g}"
+            problems.append(f"check g: metric {key} = {got!r}, golden {want!r} ({tol}; {path})")
+    return problems

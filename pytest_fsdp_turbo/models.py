@@ -1,0 +1,104 @@
+"""Model directories for cases: tiny models built once (in a subprocess: torch stays out of pytest)
+and cached under a lock, or local real-model directories checked for completeness."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from filelock import FileLock
+
+from pytest_fsdp_turbo.cases import FIXTURES_DIR, TINY_PREFIX
+
+BUILDER_MODULE = "pytest_fsdp_turbo_engine.tiny_models"
+BUILD_TIMEOUT_S = 300
+REQUIRED_FILES = ("config.json",)
+
+
+class ModelUnavailable(LookupError):
+    """A case's model cannot be had here; the message names the path that was tried."""
+
+
+def default_model_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pytest-fsdp-turbo" / "models"
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def tiny_model_key(name: str, fixtures_dir: Path = FIXTURES_DIR) -> str:
+    spec = (fixtures_dir / "models" / f"{name}.json").read_bytes()
+    digest = hashlib.sha256(spec + _version("transformers").encode() + _version("torch").encode())
+    return f"{name}-{digest.hexdigest()[:12]}"
+
+
+def build_tiny_model(name: str, cache_dir: Path | None = None, fixtures_dir: Path = FIXTURES_DIR) -> Path:
+    """Build (once per spec, transformers and torch version) and return the HF model directory."""
+    spec_path = fixtures_dir / "models" / f"{name}.json"
+    if not spec_path.is_file():
+        known = sorted(p.stem for p in (fixtures_dir / "models").glob("*.json"))
+        raise ModelUnavailable(f"tiny model spec {spec_path} does not exist; known: {known}")
+    cache = cache_dir or default_model_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    final = cache / tiny_model_key(name, fixtures_dir)
+    with FileLock(str(final) + ".lock"):
+        if (final / "config.json").is_file():
+            return final
+        scratch = Path(f"{final}.partial-{os.getpid()}")
+        shutil.rmtree(scratch, ignore_errors=True)
+        done = subprocess.run(
+            [sys.executable, "-m", BUILDER_MODULE, name, str(scratch)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
+            check=False,
+        )
+        if done.returncode != 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+            tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+            raise ModelUnavailable(f"building tiny model {name!r} failed:\n{tail}")
+        os.replace(scratch, final)
+    return final
+
+
+def local_model_dir(name: str, models_dir: Path | None) -> Path:
+    """A real model the user keeps locally; missing or incomplete is a skip, with the path."""
+    if models_dir is None:
+        raise ModelUnavailable(
+            f"model {name!r} is a local model; set --fsdp-turbo-models / PYTEST_FSDP_TURBO_MODELS "
+            "to the folder that holds it"
+        )
+    path = models_dir / name
+    if not path.is_dir():
+        raise ModelUnavailable(f"model directory {path} does not exist")
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        missing.append("weights (*.safetensors)")
+    if missing:
+        raise ModelUnavailable(f"model directory {path} is incomplete: missing {', '.join(missing)}")
+    return path
+
+
+def model_type_of(path: Path) -> str:
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type", "*")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelUnavailable(f"{path / 'config.json'}: unreadable: {exc}") from None
+
+
+def resolve_model(name: str, models_dir: Path | None, cache_dir: Path | None = None) -> Path:
+    if name.startswith(TINY_PREFIX):
+        return build_tiny_model(name, cache_dir)
+    return local_model_dir(name, models_dir)

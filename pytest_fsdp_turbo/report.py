@@ -1,0 +1,80 @@
+"""Artifacts, junit properties and the end-of-session table of e2e runs.
+
+Rows travel in each test report's user_properties, so the table is complete under pytest-xdist too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from pytest_fsdp_turbo.launch import RunResult
+
+SUMMARY_PROPERTY = "fsdp_turbo_run"
+COLUMNS = ("case", "device", "ranks", "grad norm", "loss", "peak MiB", "retained MiB", "RS calls",
+           "step s", "verdict")
+
+
+def artifact_name(nodeid: str) -> str:
+    name = nodeid.split("::")[-1]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
+
+
+def junit_properties(result: RunResult) -> list[tuple[str, object]]:
+    props: list[tuple[str, object]] = [("fsdp_turbo/artifacts", str(result.artifacts_dir))]
+    for key, value in sorted(result.metrics.items()):
+        if isinstance(value, int | float | str | bool):
+            props.append((key, value))
+    return props
+
+
+def summary_row(result: RunResult) -> str:
+    m = result.metrics
+    row = {
+        "case": result.case_id,
+        "device": m.get("case/device", "?"),
+        "ranks": result.world_size,
+        "grad_norm": m.get("actor/grad_norm"),
+        "loss": m.get("actor/pg_loss"),
+        "peak": m.get("perf/peak_memory_bytes"),
+        "retained": m.get("sync/retained_grad_bytes"),
+        "rs_calls": m.get("comm/reduce_scatter_calls"),
+        "step_s": m.get("perf/step_time_s"),
+        "ok": result.ok,
+    }
+    return json.dumps(row)
+
+
+def _fmt(value, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "mib":
+        return f"{value / 2**20:.1f}"
+    if kind == "float":
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render_table(rows: list[tuple[dict, str]]) -> list[str]:
+    """rows: (summary row, test outcome) -> aligned text lines."""
+    cells = [COLUMNS]
+    for row, outcome in rows:
+        verdict = outcome if row.get("ok") or outcome != "passed" else "passed"
+        cells.append((
+            row["case"], row["device"], str(row["ranks"]), _fmt(row["grad_norm"], "float"),
+            _fmt(row["loss"], "float"), _fmt(row["peak"], "mib"), _fmt(row["retained"], "mib"),
+            _fmt(row["rs_calls"], "int"), _fmt(row["step_s"], "float"), verdict,
+        ))
+    widths = [max(len(str(c[i])) for c in cells) for i in range(len(COLUMNS))]
+    return ["  ".join(str(c[i]).ljust(widths[i]) for i in range(len(COLUMNS))).rstrip() for c in cells]
+
+
+def read_case_artifacts(folder: Path) -> dict:
+    """One case folder -> {'case': case.json, 'spec': spec.json, 'ranks': [metrics...]}."""
+    ranks = sorted(folder.glob("rank*.metrics.json"), key=lambda p: int(re.findall(r"\d+", p.name)[0]))
+    return {
+        "case": json.loads((folder / "case.json").read_text()) if (folder / "case.json").is_file() else {},
+        "spec": json.loads((folder / "spec.json").read_text()) if (folder / "spec.json").is_file() else {},
+        "ranks": [json.loads(p.read_text()) for p in ranks],
+    }
