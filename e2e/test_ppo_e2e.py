@@ -38,6 +38,8 @@ def test_sync_policies_agree_and_differ_in_cost(ppo_run):
     for result in (deferred, every):
         checks.check_completed(result)
     assert checks.check_policies_agree(deferred, every) <= 1e-6
-    assert deferred.metrics["comm/reduce_scatter_calls"] < every.metrics["comm/reduce_scatter_calls"]
+    assert (
+        deferred.metrics["comm/reduce_scatter_calls"] < every.metrics["comm/reduce_scatter_calls"]
+    )
     assert deferred.metrics["sync/retained_grad_bytes"] > 0
     assert every.metrics["sync/retained_grad_bytes"] == 0

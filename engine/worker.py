@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 "type": type(exc).__name__,
                 "message": str(exc),
                 "traceback": text,
+                "time": time.time(),
             },
         )
         print(text, file=sys.stderr, flush=True)

@@ -82,11 +82,28 @@ _EXPECTED = {
     tuple: "a list of strings",
 }
 _TYPES = {
-    "id": str, "model": str, "backend": str, "world_size": int, "fsdp_size": int, "sp_size": int,
-    "micro_batches": int, "dtype": str, "gradient_sync": str, "rollout": str, "devices": tuple,
-    "timeout": float, "collective_timeout": float, "memory_budget_mb": float, "golden_tier": str,
-    "turbo_config": dict, "num_prompts": int, "n": int, "max_new_tokens": int, "lr": float,
-    "reference_checks": bool, "description": str,
+    "id": str,
+    "model": str,
+    "backend": str,
+    "world_size": int,
+    "fsdp_size": int,
+    "sp_size": int,
+    "micro_batches": int,
+    "dtype": str,
+    "gradient_sync": str,
+    "rollout": str,
+    "devices": tuple,
+    "timeout": float,
+    "collective_timeout": float,
+    "memory_budget_mb": float,
+    "golden_tier": str,
+    "turbo_config": dict,
+    "num_prompts": int,
+    "n": int,
+    "max_new_tokens": int,
+    "lr": float,
+    "reference_checks": bool,
+    "description": str,
 }
 
 
@@ -141,7 +158,9 @@ def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
     values = {name: _coerce(where, name, value) for name, value in raw.items()}
     case = Case(**values)
     if case.is_tiny and case.model not in specs:
-        raise where.error("model", "a tiny spec in fixtures/models (" + ", ".join(specs) + ")", case.model)
+        raise where.error(
+            "model", "a tiny spec in fixtures/models (" + ", ".join(specs) + ")", case.model
+        )
     _choice(where, "backend", case.backend, known_backends())
     _choice(where, "dtype", case.dtype, DTYPES)
     _choice(where, "gradient_sync", case.gradient_sync, SYNC_POLICIES)
@@ -155,13 +174,19 @@ def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
         if getattr(case, name) < 1:
             raise where.error(name, "a positive integer", getattr(case, name))
     if case.fsdp_size < 0:
-        raise where.error("fsdp_size", "a positive integer (or 0 for world_size / sp_size)", case.fsdp_size)
+        raise where.error(
+            "fsdp_size", "a positive integer (or 0 for world_size / sp_size)", case.fsdp_size
+        )
     if case.world_size % (case.shard_size * case.sp_size):
         raise where.error(
-            "world_size", f"divisible by fsdp_size x sp_size = {case.shard_size * case.sp_size}", case.world_size
+            "world_size",
+            f"divisible by fsdp_size x sp_size = {case.shard_size * case.sp_size}",
+            case.world_size,
         )
     if case.sp_size > 1 and case.backend != "fsdp_turbo":
-        raise where.error("sp_size", "1 unless backend is fsdp_turbo (Ulysses SP lives there)", case.sp_size)
+        raise where.error(
+            "sp_size", "1 unless backend is fsdp_turbo (Ulysses SP lives there)", case.sp_size
+        )
     if case.turbo_config and case.backend != "fsdp_turbo":
         raise where.error("turbo_config", "no turbo_config unless backend is fsdp_turbo", "a table")
     if case.backend == "fsdp_turbo" and "cpu" in case.devices:
@@ -174,11 +199,15 @@ def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
         )
     if case.num_prompts % case.data_parallel_size:
         raise where.error(
-            "num_prompts", f"divisible by the data-parallel size {case.data_parallel_size}", case.num_prompts
+            "num_prompts",
+            f"divisible by the data-parallel size {case.data_parallel_size}",
+            case.num_prompts,
         )
     rows = case.num_prompts // case.data_parallel_size * case.n
     if case.micro_batches > rows:
-        raise where.error("micro_batches", f"at most the {rows} rows each rank trains on", case.micro_batches)
+        raise where.error(
+            "micro_batches", f"at most the {rows} rows each rank trains on", case.micro_batches
+        )
     if case.memory_budget_mb is not None and case.memory_budget_mb <= 0:
         raise where.error("memory_budget_mb", "a positive number of MiB", case.memory_budget_mb)
     return case
@@ -204,7 +233,9 @@ def load_cases(path: Path, fixtures_dir: Path = FIXTURES_DIR) -> list[Case]:
             raise ConfigError(f"{path}: every [[case]] entry must be a table")
         case = validate_case({**defaults, **row}, path, specs)
         if case.id in seen:
-            raise ConfigError(f"{path}: case {case.id!r}: field 'id': expected a unique id; got a duplicate")
+            raise ConfigError(
+                f"{path}: case {case.id!r}: field 'id': expected a unique id; got a duplicate"
+            )
         seen.add(case.id)
         cases.append(case)
     return cases

@@ -45,7 +45,9 @@ def check_grad_norm(result: RunResult) -> None:
     norms = list(_per_rank(result, "actor/grad_norm"))
     for rank, value in norms:
         if value is None or not math.isfinite(value):
-            raise CheckFailure(f"check a: rank {rank}: actor/grad_norm = {value}, expected a finite value")
+            raise CheckFailure(
+                f"check a: rank {rank}: actor/grad_norm = {value}, expected a finite value"
+            )
     base_rank, base = norms[0]
     for rank, value in norms[1:]:
         if abs(value - base) > NORM_AGREEMENT_REL * max(abs(base), 1e-12):
@@ -91,12 +93,16 @@ def load_gradient_fingerprint(result: RunResult) -> dict:
     return json.loads(path.read_text())
 
 
-def check_policies_agree(deferred: RunResult, every: RunResult, tolerance: float | None = None) -> float:
+def check_policies_agree(
+    deferred: RunResult, every: RunResult, tolerance: float | None = None
+) -> float:
     """c. Both gradient-sync policies produce the same gradients; returns the largest difference."""
     tol = POLICY_AGREEMENT_TOL[_dtype(deferred)] if tolerance is None else tolerance
     a, b = load_gradient_fingerprint(deferred), load_gradient_fingerprint(every)
     if set(a) != set(b):
-        raise CheckFailure(f"check c: parameters differ between policies: {sorted(set(a) ^ set(b))[:5]}")
+        raise CheckFailure(
+            f"check c: parameters differ between policies: {sorted(set(a) ^ set(b))[:5]}"
+        )
     worst = 0.0
     for name in a:
         scale = max(max(abs(v) for v in a[name]["head"]), abs(a[name]["norm"]), 1e-12)
@@ -134,7 +140,9 @@ def check_memory(result: RunResult, budget_mb: float | None) -> None:
     """f. Peak memory within budget; retained gradient bytes reported."""
     for rank, value in _per_rank(result, "sync/retained_grad_bytes"):
         if not isinstance(value, int) or value < 0:
-            raise CheckFailure(f"check f: rank {rank}: sync/retained_grad_bytes = {value!r}, expected bytes")
+            raise CheckFailure(
+                f"check f: rank {rank}: sync/retained_grad_bytes = {value!r}, expected bytes"
+            )
     if budget_mb is None:
         return
     for rank, value in _per_rank(result, "perf/peak_memory_bytes"):
@@ -148,7 +156,9 @@ def check_memory(result: RunResult, budget_mb: float | None) -> None:
 def check_params_updated(result: RunResult) -> None:
     for rank, value in _per_rank(result, "actor/param_update_max_abs"):
         if not value > 0:
-            raise CheckFailure(f"rank {rank}: actor/param_update_max_abs = {value}, expected parameters to change")
+            raise CheckFailure(
+                f"rank {rank}: actor/param_update_max_abs = {value}, expected parameters to change"
+            )
 
 
 def check_all(result: RunResult, budget_mb: float | None = None) -> None:

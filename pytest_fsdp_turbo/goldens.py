@@ -26,7 +26,9 @@ ABSOLUTE_FLOOR = 1e-6
 DEFAULT_DIR = FIXTURES_DIR / "goldens"
 
 
-def golden_path(case_id: str, kind: str, dtype: str, world_size: int, root: Path = DEFAULT_DIR) -> Path:
+def golden_path(
+    case_id: str, kind: str, dtype: str, world_size: int, root: Path = DEFAULT_DIR
+) -> Path:
     return root / case_id / f"{kind}-{dtype}-ws{world_size}.json"
 
 

@@ -199,6 +199,9 @@ def launch_local(
                 error=_read_json(artifacts_dir / f"rank{rank}.error.json"),
             )
         )
+    reported = [r for r in ranks if r.error and isinstance(r.error.get("time"), int | float)]
+    if reported:  # the rank that raised first, not the peer that noticed its exit first
+        first_failure = min(reported, key=lambda r: r.error["time"]).rank
     return RunResult(
         case_id=case_id,
         world_size=world_size,

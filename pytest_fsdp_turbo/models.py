@@ -43,7 +43,9 @@ def tiny_model_key(name: str, fixtures_dir: Path = FIXTURES_DIR) -> str:
     return f"{name}-{digest.hexdigest()[:12]}"
 
 
-def build_tiny_model(name: str, cache_dir: Path | None = None, fixtures_dir: Path = FIXTURES_DIR) -> Path:
+def build_tiny_model(
+    name: str, cache_dir: Path | None = None, fixtures_dir: Path = FIXTURES_DIR
+) -> Path:
     """Build (once per spec, transformers and torch version) and return the HF model directory."""
     spec_path = fixtures_dir / "models" / f"{name}.json"
     if not spec_path.is_file():
@@ -87,7 +89,9 @@ def local_model_dir(name: str, models_dir: Path | None) -> Path:
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         missing.append("weights (*.safetensors)")
     if missing:
-        raise ModelUnavailable(f"model directory {path} is incomplete: missing {', '.join(missing)}")
+        raise ModelUnavailable(
+            f"model directory {path} is incomplete: missing {', '.join(missing)}"
+        )
     return path
 
 

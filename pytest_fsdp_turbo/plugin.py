@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
+
+import pytest
 
 from pytest_fsdp_turbo import fixtures
 from pytest_fsdp_turbo.devices import KIND_BY_MARKER, MARKER_BY_KIND, Accelerator

@@ -12,8 +12,18 @@ from pathlib import Path
 from pytest_fsdp_turbo.launch import RunResult
 
 SUMMARY_PROPERTY = "fsdp_turbo_run"
-COLUMNS = ("case", "device", "ranks", "grad norm", "loss", "peak MiB", "retained MiB", "RS calls",
-           "step s", "verdict")
+COLUMNS = (
+    "case",
+    "device",
+    "ranks",
+    "grad norm",
+    "loss",
+    "peak MiB",
+    "retained MiB",
+    "RS calls",
+    "step s",
+    "verdict",
+)
 
 
 def artifact_name(nodeid: str) -> str:
@@ -60,21 +70,38 @@ def render_table(rows: list[tuple[dict, str]]) -> list[str]:
     """rows: (summary row, test outcome) -> aligned text lines."""
     cells = [COLUMNS]
     for row, outcome in rows:
-        verdict = outcome if row.get("ok") or outcome != "passed" else "passed"
-        cells.append((
-            row["case"], row["device"], str(row["ranks"]), _fmt(row["grad_norm"], "float"),
-            _fmt(row["loss"], "float"), _fmt(row["peak"], "mib"), _fmt(row["retained"], "mib"),
-            _fmt(row["rs_calls"], "int"), _fmt(row["step_s"], "float"), verdict,
-        ))
+        verdict = outcome if row.get("ok") else f"{outcome} (run failed)"
+        cells.append(
+            (
+                row["case"],
+                row["device"],
+                str(row["ranks"]),
+                _fmt(row["grad_norm"], "float"),
+                _fmt(row["loss"], "float"),
+                _fmt(row["peak"], "mib"),
+                _fmt(row["retained"], "mib"),
+                _fmt(row["rs_calls"], "int"),
+                _fmt(row["step_s"], "float"),
+                verdict,
+            )
+        )
     widths = [max(len(str(c[i])) for c in cells) for i in range(len(COLUMNS))]
-    return ["  ".join(str(c[i]).ljust(widths[i]) for i in range(len(COLUMNS))).rstrip() for c in cells]
+    return [
+        "  ".join(str(c[i]).ljust(widths[i]) for i in range(len(COLUMNS))).rstrip() for c in cells
+    ]
 
 
 def read_case_artifacts(folder: Path) -> dict:
     """One case folder -> {'case': case.json, 'spec': spec.json, 'ranks': [metrics...]}."""
-    ranks = sorted(folder.glob("rank*.metrics.json"), key=lambda p: int(re.findall(r"\d+", p.name)[0]))
+    ranks = sorted(
+        folder.glob("rank*.metrics.json"), key=lambda p: int(re.findall(r"\d+", p.name)[0])
+    )
     return {
-        "case": json.loads((folder / "case.json").read_text()) if (folder / "case.json").is_file() else {},
-        "spec": json.loads((folder / "spec.json").read_text()) if (folder / "spec.json").is_file() else {},
+        "case": json.loads((folder / "case.json").read_text())
+        if (folder / "case.json").is_file()
+        else {},
+        "spec": json.loads((folder / "spec.json").read_text())
+        if (folder / "spec.json").is_file()
+        else {},
         "ranks": [json.loads(p.read_text()) for p in ranks],
     }

@@ -74,7 +74,11 @@ def run_case(request: RunRequest, book: LeaseBook, lease_timeout_s: float = 600.
     slot, ranges = book.port_ranges() if accel.kind == "npu" else (None, None)
     try:
         group = build_collective_env(
-            accel.kind, lease.ids, port, world_size=case.world_size, port_ranges=ranges,
+            accel.kind,
+            lease.ids,
+            port,
+            world_size=case.world_size,
+            port_ranges=ranges,
             timeouts=Timeouts(case.collective_timeout, case.timeout),
         )
         env = group.child_env()
@@ -88,7 +92,11 @@ def run_case(request: RunRequest, book: LeaseBook, lease_timeout_s: float = 600.
             env["PYTHONPATH"] = os.pathsep.join(paths)
         env.update(request.extra_env)
         return launch_local(
-            case_id=case.id, world_size=case.world_size, env=env, artifacts_dir=out, timeout_s=case.timeout
+            case_id=case.id,
+            world_size=case.world_size,
+            env=env,
+            artifacts_dir=out,
+            timeout_s=case.timeout,
         )
     finally:
         book.release(lease)

@@ -1,0 +1,119 @@
+"""Engine pieces on a real single-rank gloo process group inside this test process."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = torch.distributed
+
+from pytest_fsdp_turbo_engine.config import EngineConfig  # noqa: E402
+from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead  # noqa: E402
+from pytest_fsdp_turbo_engine.rollout import response_mask  # noqa: E402
+from pytest_fsdp_turbo_engine.tiny_models import build_tiny_model, model_dir_problem  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Recorder(FSDPEngineWithLMHead):
+    def _set_gradient_sync(self, enabled):
+        self.toggles.append(enabled)
+        super()._set_gradient_sync(enabled)
+
+
+def make_engine(policy):
+    from torch.distributed.fsdp import fully_shard
+
+    engine = Recorder(
+        EngineConfig(world_size=1, fsdp_size=1, sync_policy=policy), torch.device("cpu")
+    )
+    engine.toggles = []
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    fully_shard(model[0], mesh=engine.mesh)
+    engine.module = fully_shard(model, mesh=engine.mesh)
+    engine.optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return engine
+
+
+def reduce_flags(engine):
+    return [
+        m._get_fsdp_state()._fsdp_param_group.reduce_grads
+        for m in (engine.module, engine.module[0])
+    ]
+
+
+def test_sync_context_order(process_group):
+    deferred = make_engine("deferred")
+    with deferred._gradient_sync_context(is_last_micro_batch=False):
+        assert reduce_flags(deferred) == [False, False]
+    with deferred._gradient_sync_context(is_last_micro_batch=True):
+        assert reduce_flags(deferred) == [True, True]
+    assert deferred.toggles == [False, True, True, True]
+    every = make_engine("every_micro_batch")
+    with every._gradient_sync_context(is_last_micro_batch=False):
+        assert reduce_flags(every) == [True, True]
+    assert every.toggles == [True, True]
+
+
+def test_sync_context_restores_on_exception(process_group):
+    engine = make_engine("deferred")
+    with (
+        pytest.raises(RuntimeError, match="backward blew up"),
+        engine._gradient_sync_context(is_last_micro_batch=False),
+    ):
+        raise RuntimeError("backward blew up")
+    assert engine.toggles == [False, True]
+    assert reduce_flags(engine) == [True, True]
+
+
+def test_deferred_retains_unsharded_grads(process_group):
+    engine = make_engine("deferred")
+    x = torch.randn(3, 4)
+    with engine._gradient_sync_context(is_last_micro_batch=False):
+        engine.module(x).sum().backward()
+    assert engine.retained_grad_bytes_peak == (16 + 4 + 4 + 1) * 4
+
+
+def test_optimizer_step_skips_non_finite(process_group):
+    engine = make_engine("deferred")
+    engine.module(torch.randn(2, 4)).sum().backward()
+    before = [p.detach().to_local().clone() for p in engine.module.parameters()]
+    next(engine.module.parameters()).grad.to_local()[0, 0] = float("nan")
+    norm = engine.optimizer_step()
+    assert norm != norm  # NaN is reported, not hidden
+    after = [p.detach().to_local() for p in engine.module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(p.grad is None for p in engine.module.parameters())
+    engine.module(torch.randn(2, 4)).sum().backward()
+    norm = engine.optimizer_step()
+    assert norm > 0 and not torch.equal(
+        before[0], next(engine.module.parameters()).detach().to_local()
+    )
+
+
+def test_response_mask_cuts_after_first_eos():
+    ids = torch.tensor([[5, 9, 6, 9], [1, 2, 3, 4]])
+    assert response_mask(ids, eos_id=9).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+
+
+def test_tiny_model_builder_saves_hf_format(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = build_tiny_model("tiny-qwen3_5", tmp_path / "m")
+    assert model_dir_problem(out) is None
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text"
+    assert set(config["layer_types"]) == {"linear_attention", "full_attention"}
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.decode(tokenizer("héllo", add_special_tokens=False).input_ids) == "héllo"
+    again = AutoModelForCausalLM.from_pretrained(build_tiny_model("tiny-qwen3_5", tmp_path / "m2"))
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name  # fixed seed: the same weights every build
+    assert "incomplete" in model_dir_problem(tmp_path)

@@ -1,0 +1,92 @@
+"""PPO / GRPO math against values computed by hand."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pytest_fsdp_turbo_engine import ppo  # noqa: E402
+
+
+def test_grpo_normalises_within_each_group():
+    scores = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 3.0])
+    adv = ppo.grpo_advantages(scores, group_size=3, eps=0.0)
+    s3 = math.sqrt(3.0)
+    expected = torch.tensor([-1.0, 0.0, 1.0, -1 / s3, -1 / s3, 2 / s3])
+    assert torch.allclose(adv, expected, atol=1e-6)
+
+
+def test_grpo_identical_rewards_give_zero_advantage():
+    assert torch.equal(ppo.grpo_advantages(torch.ones(4), 4), torch.zeros(4))
+
+
+def test_gae_by_hand():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    adv, ret = ppo.gae_advantages(rewards, values, mask, gamma=0.5, lam=1.0)
+    assert torch.allclose(adv, torch.tensor([[0.25, 0.5, 1.0]]))
+    assert torch.allclose(ret, adv)
+    values = torch.tensor([[0.5, 0.5, 0.5]])
+    adv, ret = ppo.gae_advantages(rewards, values, mask, gamma=1.0, lam=0.0)
+    # lam = 0: one-step TD errors r_t + V_{t+1} - V_t (V after the last token is 0)
+    assert torch.allclose(adv, torch.tensor([[0.0, 0.0, 0.5]]))
+    assert torch.allclose(ret, torch.tensor([[0.5, 0.5, 1.0]]))
+
+
+def test_policy_loss_on_policy_is_minus_mean_advantage():
+    logp = torch.tensor([[-1.0, -2.0]])
+    adv = torch.tensor([[1.0, -2.0]])
+    loss, clipfrac, kl = ppo.policy_loss(logp, logp.clone(), adv, torch.ones(1, 2), global_tokens=2)
+    assert loss.item() == pytest.approx(0.5)
+    assert clipfrac.item() == 0.0 and kl.item() == 0.0
+
+
+def test_policy_loss_clips_positive_advantage():
+    old = torch.zeros(1, 1)
+    new = torch.log(torch.tensor([[1.5]]))
+    loss, clipfrac, kl = ppo.policy_loss(
+        new, old, torch.ones(1, 1), torch.ones(1, 1), 1, clip_ratio=0.2
+    )
+    assert loss.item() == pytest.approx(-1.2)
+    assert clipfrac.item() == 1.0
+    assert kl.item() == pytest.approx(-math.log(1.5))
+
+
+def test_dual_clip_bounds_negative_advantage():
+    old = torch.zeros(1, 1)
+    new = torch.log(torch.tensor([[5.0]]))
+    loss, _, _ = ppo.policy_loss(new, old, -torch.ones(1, 1), torch.ones(1, 1), 1, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx(3.0)
+
+
+def test_token_mean_over_global_batch_is_split_invariant():
+    logp = torch.randn(4, 5)
+    old = logp + 0.1 * torch.randn(4, 5)
+    adv = torch.randn(4, 5)
+    mask = (torch.rand(4, 5) > 0.3).float()
+    tokens = float(mask.sum())
+    whole, _, _ = ppo.policy_loss(logp, old, adv, mask, tokens)
+    parts = sum(
+        ppo.policy_loss(logp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], tokens)[0]
+        for i in range(4)
+    )
+    assert whole.item() == pytest.approx(parts.item(), rel=1e-6)
+
+
+def test_low_var_kl_by_hand():
+    kl = ppo.low_var_kl(torch.tensor([0.0]), torch.tensor([math.log(2.0)]))
+    assert kl.item() == pytest.approx(2.0 - math.log(2.0) - 1.0)
+    assert ppo.low_var_kl(torch.tensor([0.3]), torch.tensor([0.3])).item() == 0.0
+
+
+def test_entropy_of_uniform_logits():
+    assert ppo.entropy_from_logits(torch.zeros(2, 4)).tolist() == pytest.approx([math.log(4)] * 2)
+
+
+def test_response_logprobs_gathers_taken_tokens():
+    logits = torch.log(torch.tensor([[[0.25, 0.75]]]))
+    assert ppo.response_logprobs(logits, torch.tensor([[1]])).item() == pytest.approx(
+        math.log(0.75)
+    )

@@ -1,0 +1,87 @@
+import pytest
+from pytest_fsdp_turbo_engine import registry
+from pytest_fsdp_turbo_engine.reward import closeness_reward, load_prompts
+
+
+@pytest.fixture
+def clean_registry():
+    saved = dict(registry._REGISTRY)
+    yield
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(saved)
+
+
+def test_register_lists_and_lookup(clean_registry):
+    @registry.register(model_type=["qwen3", "llama"], backend="mine", device=["cpu", "cuda"])
+    class Mine:
+        pass
+
+    assert registry.lookup("llama", "mine", "cuda") is Mine
+    assert (
+        "qwen3",
+        "mine",
+        "cpu",
+        "test_register_lists_and_lookup.<locals>.Mine",
+    ) in registry.registered()
+
+
+def test_wildcard_model_type(clean_registry):
+    @registry.register(backend="any-model", device="cpu")
+    class AnyModel:
+        pass
+
+    assert registry.lookup("whatever", "any-model", "cpu") is AnyModel
+
+
+def test_duplicate_registration_is_an_error(clean_registry):
+    @registry.register(backend="dup", device="cpu")
+    class First:
+        pass
+
+    with pytest.raises(registry.RegistryError, match="already registered: .*First"):
+
+        @registry.register(backend="dup", device=["npu", "cpu"])
+        class Second:
+            pass
+
+    assert registry.lookup("x", "dup", "cpu") is First
+    with pytest.raises(registry.RegistryError):
+        registry.lookup("x", "dup", "npu")  # the failed registration left nothing behind
+
+
+def test_lookup_error_lists_registered(clean_registry):
+    @registry.register(backend="listed", device="cpu")
+    class Listed:
+        pass
+
+    with pytest.raises(
+        registry.RegistryError, match=r"no engine for .*backend='nope'.*\*/listed/cpu -> .*Listed"
+    ):
+        registry.lookup("llama", "nope", "cpu")
+
+
+def test_engine_modules_env_var_is_imported(clean_registry, tmp_path, monkeypatch):
+    (tmp_path / "downstream_engines.py").write_text(
+        "from pytest_fsdp_turbo_engine.registry import register\n"
+        "@register(backend='downstream', device='cpu')\n"
+        "class Downstream: pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(registry.MODULES_VAR, "downstream_engines")
+    registry.load_engine_plugins()
+    assert registry.lookup("any", "downstream", "cpu").__name__ == "Downstream"
+    assert registry.lookup("qwen3", "fsdp", "cpu").__name__ == "FSDPEngineWithLMHead"
+
+
+def test_reward_is_dense_and_deterministic():
+    assert closeness_reward(b"mmmm", "m") == 1.0
+    assert closeness_reward(b"", "m") == 0.0
+    assert closeness_reward(b"a", "m") == pytest.approx(1 - 12 / 255)
+    random_like = [bytes([i, 200 - i, 37 + i]) for i in range(8)]
+    assert len({closeness_reward(r, "m") for r in random_like}) == 8
+
+
+def test_prompts_have_equal_length():
+    prompts = load_prompts()
+    assert len(prompts) >= 8
+    assert len({len(p.text.encode()) for p in prompts}) == 1
