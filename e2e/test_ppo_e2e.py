@@ -7,25 +7,22 @@ import warnings
 import pytest
 
 from pytest_fsdp_turbo import checks, goldens
+from pytest_fsdp_turbo.session import settings_of
 
 
-def test_ppo_one_step(fsdp_turbo_case, ppo_run, pytestconfig, no_leaked_processes):
+def test_ppo_one_step(fsdp_turbo_case, ppo_run, pytestconfig, record_property, no_leaked_processes):
     case = fsdp_turbo_case.case
     result = ppo_run(fsdp_turbo_case)
     checks.check_all(result, budget_mb=case.memory_budget_mb)
     if case.with_reference_checks():
         checks.check_params_updated(result)
-    if case.golden_tier == "none":
-        return
-    kind = fsdp_turbo_case.kind
-    path = goldens.golden_path(case.id, kind, case.dtype_on(kind), case.world_size)
-    if pytestconfig.getoption("fsdp_turbo_record_golden"):
-        goldens.record_golden(path, result.metrics)
-    elif path.is_file():
-        problems = goldens.compare_golden(path, result.metrics, case.golden_tier)
-        assert not problems, "\n".join(problems)
-    else:
-        warnings.warn(f"no golden at {path}; record with --fsdp-turbo-record-golden", stacklevel=1)
+    settings = settings_of(pytestconfig)
+    status = goldens.check_or_record(
+        result, case, fsdp_turbo_case.kind, settings.goldens, settings.record_golden
+    )
+    record_property("fsdp_turbo/golden", status)
+    if status.startswith("missing"):
+        warnings.warn(f"golden {status}; record with --fsdp-turbo-record-golden", stacklevel=1)
 
 
 @pytest.mark.e2e

@@ -60,6 +60,66 @@ def doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def run(args: argparse.Namespace) -> int:
+    """One case outside pytest: the same leases, env and launcher as the ppo_run fixture."""
+    import json
+    from pathlib import Path
+
+    from pytest_fsdp_turbo import checks
+    from pytest_fsdp_turbo.cases import CaseBook, load_cases
+    from pytest_fsdp_turbo.leases import LeaseBook
+    from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
+    from pytest_fsdp_turbo.runs import RunRequest, run_case
+
+    settings = resolve(
+        {
+            "fsdp_turbo_device": args.device,
+            "fsdp_turbo_cases": args.cases,
+            "fsdp_turbo_artifacts": args.artifacts,
+        }
+    )
+    path = settings.cases or Path("e2e") / "cases.toml"
+    case = CaseBook(path, load_cases(path)).get(args.case_id)
+    accel = detect(settings.device)
+    if accel.kind not in case.devices:
+        print(
+            f"case {case.id} runs on {', '.join(case.devices)}; detected {accel.describe()}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        model = resolve_model(case.model, settings.models)
+    except ModelUnavailable as exc:
+        print(f"pytest-fsdp-turbo run: {exc}", file=sys.stderr)
+        return 2
+    checkout = resolve_checkout(settings.checkout) if case.backend == "fsdp_turbo" else None
+    out = settings.artifacts / f"{case.id}-{accel.kind}"
+    result = run_case(RunRequest(case, model, out.resolve(), accel, checkout), LeaseBook())
+    print(json.dumps(result.metrics, indent=1, sort_keys=True))
+    try:
+        checks.check_all(result, case.memory_budget_mb)
+    except checks.CheckFailure as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    print(f"case {case.id} on {accel.kind}: passed ({result.duration_s:.1f}s; artifacts {out})")
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pytest_fsdp_turbo.compare import compare_runs, render, write_png
+
+    rows, label_a, label_b = compare_runs(Path(args.a), Path(args.b))
+    for line in render(rows, label_a, label_b):
+        print(line)
+    if args.png:
+        write_png(rows, label_a, label_b, Path(args.png))
+        print(f"chart: {args.png}")
+    differs = [r for r in rows if r.verdict.startswith(("differs", "only in"))]
+    return 1 if differs and args.fail_on_diff else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pytest-fsdp-turbo")
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -68,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--require", choices=KINDS, help="exit 1 unless this device kind is present")
     doc.add_argument("--clone", action="store_true", help="clone FSDPTurbo if not yet cached")
     doc.set_defaults(func=doctor)
+    one = verbs.add_parser("run", help="run one case outside pytest and print its metrics")
+    one.add_argument("case_id")
+    one.add_argument("--cases", help="case file (default e2e/cases.toml)")
+    one.add_argument("--device", help="override detection: cpu|cuda|npu[:N]")
+    one.add_argument("--artifacts", help="artifact folder (default ./fsdp-turbo-artifacts)")
+    one.set_defaults(func=run)
+    cmp = verbs.add_parser("compare", help="two runs' artifacts side by side")
+    cmp.add_argument("a", help="artifact folder of run A (e.g. the cuda run)")
+    cmp.add_argument("b", help="artifact folder of run B (e.g. the npu run)")
+    cmp.add_argument("--png", help="also write the comparison as a PNG chart (needs matplotlib)")
+    cmp.add_argument("--fail-on-diff", action="store_true", help="exit 1 when a metric differs")
+    cmp.set_defaults(func=compare)
     return parser
 
 

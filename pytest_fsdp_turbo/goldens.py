@@ -61,3 +61,19 @@ def compare_golden(path: Path, metrics: dict, tier: str) -> list[str]:
             tol = "exact" if tier == "exact" else f"relative {RELATIVE_TOL:g}"
             problems.append(f"check g: metric {key} = {got!r}, golden {want!r} ({tol}; {path})")
     return problems
+
+
+def check_or_record(result, case, kind: str, root: Path | None, record: bool) -> str:
+    """Record the golden (with --fsdp-turbo-record-golden) or check it; returns what happened."""
+    if case.golden_tier == "none":
+        return "not compared (tier none)"
+    path = golden_path(case.id, kind, case.dtype_on(kind), case.world_size, root or DEFAULT_DIR)
+    if record:
+        record_golden(path, result.metrics)
+        return f"recorded {path}"
+    if not path.is_file():
+        return f"missing {path}"
+    problems = compare_golden(path, result.metrics, case.golden_tier)
+    if problems:
+        raise CheckFailure("\n".join(problems))
+    return f"matched {path}"

@@ -62,6 +62,11 @@ OPTIONS = (
     Option(
         "--fsdp-turbo-record-golden", None, "write goldens instead of checking them", is_flag=True
     ),
+    Option(
+        "--fsdp-turbo-goldens",
+        "PYTEST_FSDP_TURBO_GOLDENS",
+        "folder of hardware-keyed goldens (default fixtures/goldens)",
+    ),
     Option("--fsdp-turbo-launcher", "PYTEST_FSDP_TURBO_LAUNCHER", "how ranks start: local|ray"),
     Option(
         "--fsdp-turbo-ray-address", "RAY_ADDRESS", "join this Ray cluster instead of a local one"
@@ -84,6 +89,7 @@ class Settings:
     models: Path | None = None
     artifacts: Path = Path("fsdp-turbo-artifacts")
     record_golden: bool = False
+    goldens: Path | None = None
     launcher: str = "local"
     ray_address: str | None = None
 
@@ -124,6 +130,7 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
         models=Path(raw["fsdp_turbo_models"]) if raw["fsdp_turbo_models"] else None,
         artifacts=Path(raw["fsdp_turbo_artifacts"] or "fsdp-turbo-artifacts"),
         record_golden=bool(raw["fsdp_turbo_record_golden"]),
+        goldens=Path(raw["fsdp_turbo_goldens"]) if raw["fsdp_turbo_goldens"] else None,
         launcher=launcher,
         ray_address=raw["fsdp_turbo_ray_address"],
     )

@@ -1,0 +1,124 @@
+"""The case file: validation at collection, with the file, case, field and expectation named."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pytest_fsdp_turbo.cases import CaseBook, load_cases
+from pytest_fsdp_turbo.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path, body: str) -> Path:
+    path = tmp_path / "cases.toml"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+GOOD = """
+[[case]]
+id = "ok"
+model = "tiny-qwen3"
+world_size = 2
+"""
+
+
+def test_repository_matrix_is_valid_and_complete():
+    cases = load_cases(REPO / "e2e" / "cases.toml")
+    by_id = {c.id: c for c in cases}
+    tiny = [c for c in cases if c.is_tiny]
+    assert {c.model for c in tiny} == {"tiny-qwen3_5", "tiny-qwen3", "tiny-llama"}
+    assert {c.gradient_sync for c in tiny} == {"deferred", "every_micro_batch"}
+    assert {c.world_size for c in tiny} >= {1, 2, 4}
+    assert any(c.shard_size < c.world_size for c in tiny)  # HSDP
+    assert all(set(c.devices) == {"cpu", "cuda", "npu"} for c in tiny)
+    gpu = by_id["qwen3_5-0_8b-fsdp_turbo-fsdp8-vllm"]
+    assert (
+        gpu.model,
+        gpu.backend,
+        gpu.world_size,
+        gpu.shard_size,
+        gpu.sp_size,
+        gpu.rollout,
+        gpu.devices,
+    ) == ("Qwen3.5-0.8B", "fsdp_turbo", 8, 8, 1, "vllm", ("cuda",))
+    npu = by_id["qwen3_5-2b-fsdp_turbo-fsdp4-sp2"]
+    assert (npu.model, npu.backend, npu.world_size, npu.shard_size, npu.sp_size, npu.devices) == (
+        "Qwen3.5-2B",
+        "fsdp_turbo",
+        8,
+        4,
+        2,
+        ("npu",),
+    )
+    ids = [p.id for p in CaseBook(Path("x"), cases).params()]
+    assert "tiny-qwen3_5-fsdp2-deferred-cpu" in ids and "qwen3_5-2b-fsdp_turbo-fsdp4-sp2-npu" in ids
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "expected"),
+    [
+        ('backend = "megatron"', "backend", "one of fsdp, fsdp_turbo"),
+        ("world_size = 3\nfsdp_size = 2", "world_size", "divisible by fsdp_size x sp_size = 2"),
+        ("sp_size = 2", "sp_size", "1 unless backend is fsdp_turbo"),
+        ("timeout = 60\ncollective_timeout = 120", "collective_timeout", "shorter than timeout"),
+        ('world_size = "two"', "world_size", "an integer"),
+        ('gradient_sync = "sometimes"', "gradient_sync", "one of deferred, every_micro_batch"),
+        ('devices = ["tpu"]', "devices", "one of cpu, cuda, npu"),
+        ("micro_batches = 99", "micro_batches", "at most the 8 rows"),
+        ("colour = 1", "colour", "a known field"),
+        (
+            "[case.turbo_config]\nx = 1",
+            "turbo_config",
+            "no turbo_config unless backend is fsdp_turbo",
+        ),
+    ],
+)
+def test_bad_fields_name_file_case_field_and_expectation(tmp_path, extra, field, expected):
+    path = write(tmp_path, GOOD.replace("world_size = 2\n", "") + extra + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_cases(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: case 'ok': field '{field}': expected ")
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_unknown_tiny_spec(tmp_path):
+    path = write(tmp_path, GOOD.replace("tiny-qwen3", "tiny-gpt9"))
+    with pytest.raises(
+        ConfigError, match=r"field 'model': expected a tiny spec in fixtures/models"
+    ):
+        load_cases(path)
+
+
+def test_turbo_on_cpu_rejected(tmp_path):
+    path = write(tmp_path, GOOD + 'backend = "fsdp_turbo"\ndevices = ["cpu"]\n')
+    with pytest.raises(ConfigError, match="field 'devices': expected cuda and/or npu"):
+        load_cases(path)
+
+
+def test_malformed_toml_and_missing_file(tmp_path):
+    path = write(tmp_path, "[[case]\nid = ")
+    with pytest.raises(ConfigError, match=r"cases.toml: not valid TOML"):
+        load_cases(path)
+    with pytest.raises(ConfigError, match="case file .* does not exist"):
+        load_cases(tmp_path / "absent.toml")
+
+
+def test_duplicate_ids(tmp_path):
+    with pytest.raises(ConfigError, match="expected a unique id"):
+        load_cases(write(tmp_path, GOOD + GOOD))
+
+
+def test_collection_error_is_one_clear_line(pytester):
+    pytester.makefile(".toml", cases=GOOD + 'gradient_sync = "never"\n')
+    pytester.makepyfile("def test_x(fsdp_turbo_case):\n    pass\n")
+    result = pytester.runpytest("--fsdp-turbo-cases=cases.toml")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(
+        ["*cases.toml: case 'ok': field 'gradient_sync': expected one of deferred*"]
+    )
+    assert "Traceback" not in result.stdout.str()

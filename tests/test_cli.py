@@ -1,0 +1,88 @@
+"""The console script as a user runs it: doctor, run and compare."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import env_with_path, fake_tool, npu_smi_table
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, env=None, cwd=REPO):
+    return subprocess.run(
+        [sys.executable, "-m", "pytest_fsdp_turbo", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        timeout=300,
+    )
+
+
+def test_doctor_shows_devices_env_user_values_and_masks_secrets(tmp_path):
+    fake_tool(tmp_path / "bin", "npu-smi", npu_smi_table(8))
+    env = {
+        "PATH": env_with_path(tmp_path / "bin")["PATH"] + os.pathsep + os.environ["PATH"],
+        "HCCL_CONNECT_TIMEOUT": "3600",
+        "HCCL_AUTH_TOKEN": "s3cr3t",
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    done = cli("doctor", env=env)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "devices:   npu: 8 devices (910B3), backend hccl, via npu-smi info" in out
+    assert "HCCL_CONNECT_TIMEOUT=3600  (set by user)" in out
+    assert "HCCL_HOST_SOCKET_PORT_RANGE=" in out and "ASCEND_RT_VISIBLE_DEVICES=0,1" in out
+    assert "s3cr3t" not in out
+    assert "FSDPTurbo: not available" in out and "--clone" in out
+    assert "versions:  torch " in out
+    assert cli("doctor", "--require", "npu", env=env).returncode == 0
+    missing = cli("doctor", "--require", "cuda", env=env)
+    assert missing.returncode == 1 and "doctor --require cuda: detected npu" in missing.stderr
+
+
+def test_doctor_bad_override_is_one_line():
+    done = cli("doctor", "--device", "tpu")
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        == "pytest-fsdp-turbo: --fsdp-turbo-device: expected one of cpu|cuda|npu[:N]; got 'tpu'"
+    )
+
+
+def test_run_one_case_and_compare_two_runs(tmp_path):
+    done = cli(
+        "run", "tiny-qwen3-single-rank", "--artifacts", str(tmp_path / "a"), "--device", "cpu"
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    metrics = json.loads(done.stdout[: done.stdout.rindex("}") + 1])
+    assert metrics["actor/grad_norm"] > 0 and metrics["case/world_size"] == 1
+    assert "case tiny-qwen3-single-rank on cpu: passed" in done.stdout
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    metrics_b = tmp_path / "b" / "tiny-qwen3-single-rank-cpu" / "rank0.metrics.json"
+    changed = json.loads(metrics_b.read_text())
+    changed["actor/pg_loss"] *= 2
+    metrics_b.write_text(json.dumps(changed))
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "cmp.png"
+    cmp = cli(
+        "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--png", str(png), "--fail-on-diff"
+    )
+    assert cmp.returncode == 1
+    lines = cmp.stdout.splitlines()
+    assert any("actor/grad_norm" in line and line.rstrip().endswith("match") for line in lines)
+    assert any("actor/pg_loss" in line and "differs (relative)" in line for line in lines)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_unknown_case_and_compare_empty_folder(tmp_path):
+    done = cli("run", "no-such-case")
+    assert done.returncode == 2 and "no case 'no-such-case'; known: tiny-" in done.stderr
+    empty = cli("compare", str(tmp_path), str(tmp_path))
+    assert empty.returncode == 2 and "holds no case artifacts" in empty.stderr

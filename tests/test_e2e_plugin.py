@@ -1,0 +1,63 @@
+"""The e2e suite as users drive it: markers on this CPU box, strict mode, goldens, junit."""
+
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_run(*args, cwd=REPO):
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+    )
+
+
+def test_gpu_and_npu_cases_skip_here_with_reasons():
+    for marker, kind in (("gpu_e2e", "cuda"), ("npu_e2e", "npu")):
+        done = pytest_run("e2e", "-m", marker, "-rs", "--fsdp-turbo-device=cpu")
+        assert done.returncode == 0, done.stdout[-1500:]
+        assert " passed" not in done.stdout.splitlines()[-1]
+        assert f"needs {kind} ({marker}); detected cpu" in done.stdout
+        strict = pytest_run("e2e", "-m", marker, "--fsdp-turbo-strict", "--fsdp-turbo-device=cpu")
+        assert strict.returncode != 0
+        errors = [line for line in strict.stderr.splitlines() if line.startswith("ERROR:")]
+        assert len(errors) == 1 and "none can run here" in errors[0]
+
+
+def test_record_golden_then_check_and_junit_properties(tmp_path):
+    (tmp_path / "cases.toml").write_text(
+        '[[case]]\nid = "one"\nmodel = "tiny-qwen3"\nworld_size = 1\ngolden_tier = "exact"\n'
+    )
+    shutil.copy(REPO / "e2e" / "test_ppo_e2e.py", tmp_path / "test_ppo_e2e.py")
+    common = [
+        "-k",
+        "test_ppo_one_step",
+        f"--fsdp-turbo-cases={tmp_path / 'cases.toml'}",
+        f"--fsdp-turbo-goldens={tmp_path / 'goldens'}",
+        f"--fsdp-turbo-artifacts={tmp_path / 'art'}",
+        str(tmp_path / "test_ppo_e2e.py"),
+        f"--rootdir={tmp_path}",
+    ]
+    junit = tmp_path / "junit.xml"
+    first = pytest_run(*common, "--fsdp-turbo-record-golden", f"--junitxml={junit}", cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-2000:]
+    golden = tmp_path / "goldens" / "one" / "cpu-fp32-ws1.json"
+    assert golden.is_file()
+    props = {p.get("name"): p.get("value") for p in ET.parse(junit).iter("property")}
+    assert float(props["actor/grad_norm"]) > 0
+    assert props["fsdp_turbo/golden"].startswith("recorded ")
+    assert "fsdp-turbo e2e runs" in first.stdout and "one" in first.stdout
+    assert (tmp_path / "art" / "test_ppo_one_step-one-cpu" / "rank0.log").is_file()
+    second = pytest_run(*common, cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-2000:]
+    golden.write_text(golden.read_text().replace('"actor/grad_norm": ', '"actor/grad_norm": 1'))
+    third = pytest_run(*common, cwd=tmp_path)
+    assert third.returncode == 1
+    assert "check g: metric actor/grad_norm" in third.stdout

@@ -1,0 +1,34 @@
+import math
+
+import pytest
+
+from pytest_fsdp_turbo import goldens
+from pytest_fsdp_turbo.checks import CheckFailure
+
+METRICS = {"actor/grad_norm": 0.5, "actor/pg_loss": -0.1, "critic/score/mean": 0.7}
+
+
+def test_record_then_check(tmp_path):
+    path = goldens.golden_path("c", "cpu", "fp32", 2, tmp_path)
+    goldens.record_golden(path, METRICS)
+    assert path == tmp_path / "c" / "cpu-fp32-ws2.json"
+    assert goldens.compare_golden(path, METRICS, "exact") == []
+    nudged = {**METRICS, "actor/grad_norm": 0.5 * (1 + 1e-4)}
+    assert goldens.compare_golden(path, nudged, "relative") == []
+    problems = goldens.compare_golden(path, nudged, "exact")
+    assert problems and problems[0].startswith("check g: metric actor/grad_norm = 0.50005")
+    far = {**METRICS, "actor/pg_loss": -0.2}
+    assert "actor/pg_loss" in goldens.compare_golden(path, far, "relative")[0]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, None])
+def test_nan_never_passes(tmp_path, bad):
+    path = goldens.golden_path("c", "cpu", "fp32", 1, tmp_path)
+    goldens.record_golden(path, METRICS)
+    for tier in ("exact", "relative"):
+        assert goldens.compare_golden(path, {**METRICS, "actor/grad_norm": bad}, tier)
+
+
+def test_refuses_to_record_nan(tmp_path):
+    with pytest.raises(CheckFailure, match="refusing to record"):
+        goldens.record_golden(tmp_path / "g.json", {"actor/grad_norm": math.nan})
