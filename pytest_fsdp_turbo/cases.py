@@ -6,9 +6,7 @@ Every problem is a ConfigError naming the file, the case id, the field and what 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +107,8 @@ _TYPES = {
 
 def known_backends() -> tuple[str, ...]:
     """Built-ins plus downstream engines announced by entry point (names only, nothing loaded)."""
+    from importlib import metadata
+
     extra = tuple(ep.name for ep in metadata.entry_points(group=ENGINE_ENTRY_POINTS))
     return BUILTIN_BACKENDS + extra
 
@@ -214,6 +214,8 @@ def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
 
 
 def load_cases(path: Path, fixtures_dir: Path = FIXTURES_DIR) -> list[Case]:
+    import tomllib
+
     if not path.is_file():
         raise ConfigError(f"--fsdp-turbo-cases / fsdp_turbo_cases: case file {path} does not exist")
     try:

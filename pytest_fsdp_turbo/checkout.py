@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock
-
 from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError
 
 DEFAULT_REPO = "https://gitcode.com/Ascend/FSDPTurbo.git"
@@ -169,6 +167,8 @@ def _verified_cached(final: Path, ref: str | None) -> str | None:
 
 
 def clone_cached(request: CheckoutRequest, clone: bool = True) -> Checkout:
+    from filelock import FileLock
+
     repo = validate_repo(request.repo)
     ref = validate_ref(request.ref)
     cache = request.cache_dir or default_cache_dir()

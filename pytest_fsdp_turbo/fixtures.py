@@ -6,21 +6,22 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import psutil
 import pytest
 
-from pytest_fsdp_turbo.cases import Case, CaseParam
-from pytest_fsdp_turbo.checkout import Checkout, resolve_checkout
-from pytest_fsdp_turbo.devices import Accelerator
-from pytest_fsdp_turbo.environ import CollectiveEnv, build_collective_env
 from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, LeaseTimeout
-from pytest_fsdp_turbo.launch import RunResult
-from pytest_fsdp_turbo.leases import DeviceLease, LeaseBook
-from pytest_fsdp_turbo.models import ModelUnavailable, build_tiny_model, resolve_model
-from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, artifact_name, junit_properties, summary_row
-from pytest_fsdp_turbo.runs import RunRequest, run_case
 from pytest_fsdp_turbo.session import accelerator_of, artifacts_root, cases_of, settings_of
+
+if TYPE_CHECKING:  # the heavier modules load on first use, so installing the plugin costs nothing
+    import psutil
+
+    from pytest_fsdp_turbo.cases import Case, CaseParam
+    from pytest_fsdp_turbo.checkout import Checkout
+    from pytest_fsdp_turbo.devices import Accelerator
+    from pytest_fsdp_turbo.environ import CollectiveEnv
+    from pytest_fsdp_turbo.launch import RunResult
+    from pytest_fsdp_turbo.leases import DeviceLease, LeaseBook
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +31,8 @@ def accelerator(pytestconfig: pytest.Config) -> Accelerator:
 
 @pytest.fixture(scope="session")
 def fsdp_turbo_lease_book() -> LeaseBook:
+    from pytest_fsdp_turbo.leases import LeaseBook
+
     return LeaseBook()
 
 
@@ -70,6 +73,8 @@ def collective_env(
     fsdp_turbo_lease_book: LeaseBook,
 ) -> Iterator[CollectiveEnv]:
     """Env for one group sized by the test's devices(n) marker (1 when absent)."""
+    from pytest_fsdp_turbo.environ import build_collective_env
+
     marker = request.node.get_closest_marker("devices")
     world_size = marker.args[0] if marker else 1
     lease = device_lease(world_size)
@@ -90,6 +95,8 @@ def collective_env(
 @pytest.fixture(scope="session")
 def fsdp_turbo_checkout(pytestconfig: pytest.Config) -> Checkout:
     """Skips (fails under --fsdp-turbo-strict) with the source and git's last error."""
+    from pytest_fsdp_turbo.checkout import resolve_checkout
+
     settings = settings_of(pytestconfig)
     try:
         return resolve_checkout(settings.checkout)
@@ -100,6 +107,7 @@ def fsdp_turbo_checkout(pytestconfig: pytest.Config) -> Checkout:
 @pytest.fixture(scope="session")
 def tiny_model() -> Callable[[str], Path]:
     """Factory: tiny spec name -> HF model directory (built once, shared by xdist workers)."""
+    from pytest_fsdp_turbo.models import ModelUnavailable, build_tiny_model
 
     def build(name: str) -> Path:
         try:
@@ -121,6 +129,16 @@ def ppo_run(
     It does not assert: call pytest_fsdp_turbo.checks on the result. Missing model directories and
     FSDPTurbo checkouts skip (fail under --fsdp-turbo-strict) with the path or source tried.
     """
+    from pytest_fsdp_turbo.cases import CaseParam
+    from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
+    from pytest_fsdp_turbo.report import (
+        SUMMARY_PROPERTY,
+        artifact_name,
+        junit_properties,
+        summary_row,
+    )
+    from pytest_fsdp_turbo.runs import RunRequest, run_case
+
     config = request.config
     settings = settings_of(config)
     calls = [0]
@@ -178,6 +196,8 @@ def _skip_or_fail(strict: bool, message: str) -> None:
 @pytest.fixture
 def no_leaked_processes() -> Iterator[None]:
     """Fails the test if a process it started is still alive shortly after it ends."""
+    import psutil
+
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     yield

@@ -85,12 +85,16 @@ def hardware_skip_reason(item: pytest.Item, accel: Accelerator) -> str | None:
     return None
 
 
+E2E_MARKERS = frozenset(("e2e", *KIND_BY_MARKER))
+HARDWARE_MARKERS = E2E_MARKERS | {"devices"}
+
+
 def _is_e2e(item: pytest.Item) -> bool:
-    return any(item.get_closest_marker(name) for name in ("e2e", *KIND_BY_MARKER))
+    return any(m.name in E2E_MARKERS for m in item.iter_markers())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not any(_is_e2e(item) or item.get_closest_marker("devices") for item in items):
+    if not any(m.name in HARDWARE_MARKERS for item in items for m in item.iter_markers()):
         return
     try:
         accel = accelerator_of(config)

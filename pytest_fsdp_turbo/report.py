@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pytest_fsdp_turbo.launch import RunResult
+if TYPE_CHECKING:
+    from pytest_fsdp_turbo.launch import RunResult
 
 SUMMARY_PROPERTY = "fsdp_turbo_run"
 COLUMNS = (

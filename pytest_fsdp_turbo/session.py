@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_fsdp_turbo.cases import CaseBook, load_cases
 from pytest_fsdp_turbo.devices import Accelerator, detect
 from pytest_fsdp_turbo.settings import Settings
 
+if TYPE_CHECKING:
+    from pytest_fsdp_turbo.cases import CaseBook
+
 SETTINGS_KEY = pytest.StashKey[Settings]()
 ACCELERATOR_KEY = pytest.StashKey[Accelerator]()
-CASES_KEY = pytest.StashKey[CaseBook]()
+CASES_KEY = pytest.StashKey["CaseBook"]()
 DEFAULT_CASES = Path("e2e") / "cases.toml"
 
 
@@ -40,6 +43,8 @@ def cases_path(config: pytest.Config) -> Path:
 def cases_of(config: pytest.Config) -> CaseBook:
     """The case file, loaded and validated once per session (ConfigError on bad input)."""
     if CASES_KEY not in config.stash:
+        from pytest_fsdp_turbo.cases import CaseBook, load_cases
+
         path = cases_path(config)
         config.stash[CASES_KEY] = CaseBook(path, load_cases(path))
     return config.stash[CASES_KEY]

@@ -1,0 +1,100 @@
+"""The 2-rank tiny case through the plugin's launcher vs the same worker started bare with torchrun.
+
+Alternates the two so noise hits both alike; prints medians, the ratio (target <= 1.10) and the peak
+RSS per rank (target < 1.5 GB).  Usage: python benchmarks/launcher.py [--rounds N] [--case ID]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pytest_fsdp_turbo.cases import CaseBook, load_cases
+from pytest_fsdp_turbo.devices import detect
+from pytest_fsdp_turbo.environ import Timeouts, build_collective_env
+from pytest_fsdp_turbo.launch import WORKER_MODULE, launch_local
+from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.models import resolve_model
+from pytest_fsdp_turbo.runs import RunRequest, worker_spec
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--case", default="tiny-qwen3_5-fsdp2-deferred")
+    args = parser.parse_args()
+    case = CaseBook(Path("cases"), load_cases(REPO / "e2e" / "cases.toml")).get(args.case)
+    accel = detect("cpu")
+    model = resolve_model(case.model, None)
+    book = LeaseBook()
+    ours, bare, rss = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for mode in ("launcher", "torchrun"):
+                out = Path(tmp) / f"{mode}-{round_}"
+                out.mkdir()
+                spec = worker_spec(RunRequest(case, model, out, accel))
+                (out / "spec.json").write_text(json.dumps(spec))
+                port = book.port()
+                env = build_collective_env(
+                    "cpu",
+                    range(case.world_size),
+                    port,
+                    world_size=case.world_size,
+                    timeouts=Timeouts(case.collective_timeout, case.timeout),
+                ).child_env()
+                start = time.perf_counter()
+                if mode == "launcher":
+                    result = launch_local(
+                        case_id=case.id,
+                        world_size=case.world_size,
+                        env=env,
+                        artifacts_dir=out,
+                        timeout_s=case.timeout,
+                    )
+                    ok = result.ok
+                else:
+                    done = subprocess.run(
+                        [
+                            sys.executable,
+                            "-m",
+                            "torch.distributed.run",
+                            "--standalone",
+                            f"--nproc-per-node={case.world_size}",
+                            "-m",
+                            WORKER_MODULE,
+                            str(out / "spec.json"),
+                        ],
+                        env={**env, "PYTHONPATH": os.pathsep.join(sys.path)},
+                        capture_output=True,
+                        check=False,
+                    )
+                    ok = done.returncode == 0
+                elapsed = time.perf_counter() - start
+                book.release_port(port)
+                if not ok:
+                    raise SystemExit(f"{mode} run failed; see {out}")
+                (ours if mode == "launcher" else bare).append(elapsed)
+                if mode == "launcher":
+                    for rank in range(case.world_size):
+                        metrics = json.loads((out / f"rank{rank}.metrics.json").read_text())
+                        rss.append(metrics["perf/peak_memory_bytes"])
+    a, b = statistics.median(ours), statistics.median(bare)
+    print(
+        f"{case.id} ({case.world_size} ranks, cpu), median of {args.rounds}: launcher {a:.2f}s, "
+        f"torchrun {b:.2f}s, ratio {a / b:.3f} (target <= 1.10)"
+    )
+    print(f"peak RSS per rank: max {max(rss) / 2**30:.2f} GiB (target < 1.5 GB)")
+
+
+if __name__ == "__main__":
+    main()
