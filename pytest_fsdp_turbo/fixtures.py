@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -22,6 +23,38 @@ if TYPE_CHECKING:  # the heavier modules load on first use, so installing the pl
     from pytest_fsdp_turbo.environ import CollectiveEnv
     from pytest_fsdp_turbo.launch import RunResult
     from pytest_fsdp_turbo.leases import DeviceLease, LeaseBook
+
+
+ENV_GUARD_INI = "fsdp_turbo_env_guard"
+_PYTEST_OWN = ("PYTEST_CURRENT_TEST",)
+
+
+@pytest.fixture(autouse=True)
+def _fsdp_turbo_env_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test leaves os.environ and the working directory as it found them."""
+    if not request.config.getini(ENV_GUARD_INI):
+        yield
+        return
+    env, cwd = dict(os.environ), os.getcwd()
+    yield
+    now = {k: v for k, v in os.environ.items() if k not in _PYTEST_OWN}
+    before = {k: v for k, v in env.items() if k not in _PYTEST_OWN}
+    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    moved = os.getcwd() != cwd
+    if not changed and not moved:
+        return
+    for name in changed:
+        if name in before:
+            os.environ[name] = before[name]
+        else:
+            os.environ.pop(name, None)
+    os.chdir(cwd)
+    what = [f"environment variable {name}" for name in changed] + (["working directory"] if moved else [])
+    pytest.fail(
+        f"test changed {', '.join(what)} and did not restore it (restored now; "
+        f"ini {ENV_GUARD_INI} = false turns this check off)",
+        pytrace=False,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ WORKER_MODULE = "pytest_fsdp_turbo_engine.worker"
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 STACK_DUMP_WAIT_S = 1.0
 LOG_TAIL_LINES = 30
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -99,6 +100,18 @@ def rank_env(base: Mapping[str, str], rank: int, world_size: int) -> dict[str, s
     return env
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: a rank is killed when the process that launched it dies,
+    so a killed pytest-xdist worker never leaves ranks behind (Linux; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def _process_tree(pid: int) -> list[psutil.Process]:
     try:
         root = psutil.Process(pid)
@@ -107,12 +120,18 @@ def _process_tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def kill_trees(pids: Sequence[int]) -> None:
-    procs = [p for pid in pids for p in _process_tree(pid)]
-    for proc in procs:
+def kill_trees(children: Sequence[subprocess.Popen]) -> None:
+    """Kill each rank and everything it started; reap ranks through Popen to keep exit codes."""
+    descendants = [p for child in children for p in _process_tree(child.pid)[1:]]
+    for proc in descendants:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    psutil.wait_procs(procs, timeout=5)
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)
+    psutil.wait_procs(descendants, timeout=5)
 
 
 def _dump_stacks(procs: Sequence[subprocess.Popen]) -> None:
@@ -164,6 +183,7 @@ def launch_local(
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
                         start_new_session=True,
+                        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
                     )
                 )
             starts.append(time.monotonic())
@@ -184,7 +204,7 @@ def launch_local(
                 break
             time.sleep(poll_s)
     finally:
-        kill_trees([p.pid for p in procs])
+        kill_trees(procs)
     now = time.monotonic()
     ranks = []
     for rank, proc in enumerate(procs):

@@ -33,6 +33,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             group.addoption(opt.flag, default=None, help=opt.help + env_note)
         if opt.ini:
             parser.addini(opt.ini, opt.help)
+    parser.addini(
+        "fsdp_turbo_env_guard",
+        "fail a test that leaves os.environ or the working directory changed",
+        type="bool",
+        default=True,
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

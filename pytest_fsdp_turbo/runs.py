@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -11,12 +12,14 @@ from pathlib import Path
 from pytest_fsdp_turbo.cases import Case
 from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.devices import Accelerator
-from pytest_fsdp_turbo.environ import Timeouts, build_collective_env
+from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
 from pytest_fsdp_turbo.launch import RunResult, launch_local
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.models import model_type_of
 
 CHECKOUT_VAR = "PYTEST_FSDP_TURBO_CHECKOUT"
+PORT_ATTEMPTS = 3
+PORT_CLASH = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 
 
 @dataclass
@@ -60,46 +63,94 @@ def worker_spec(request: RunRequest) -> dict:
     }
 
 
-def run_case(request: RunRequest, book: LeaseBook, lease_timeout_s: float = 600.0) -> RunResult:
-    """Lease devices and ports, write the spec, start the ranks; leases are freed whatever happens."""
+def _port_clash(result: RunResult) -> bool:
+    if result.ok:
+        return False
+    for rank in result.ranks:
+        text = (rank.error or {}).get("message", "") + rank.log_tail(80)
+        if PORT_CLASH.search(text):
+            return True
+    return False
+
+
+def _child_env(request: RunRequest, lease_ids, port: int, ranges) -> dict[str, str]:
+    case, accel = request.case, request.accelerator
+    group = build_collective_env(
+        accel.kind,
+        lease_ids,
+        port,
+        world_size=case.world_size,
+        port_ranges=ranges,
+        timeouts=Timeouts(case.collective_timeout, case.timeout),
+    )
+    env = group.child_env()
+    paths = [*request.pythonpath]
+    if request.checkout is not None:
+        paths.append(request.checkout.pythonpath)
+        env[CHECKOUT_VAR] = str(request.checkout.path)
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update(request.extra_env)
+    return env
+
+
+def _set_aside(out: Path, folder: Path) -> None:
+    folder.mkdir()
+    for path in out.glob("rank*"):
+        path.rename(folder / path.name)
+
+
+def run_case(
+    request: RunRequest,
+    book: LeaseBook,
+    lease_timeout_s: float = 600.0,
+    port_attempts: int = PORT_ATTEMPTS,
+) -> RunResult:
+    """Lease devices and ports, write the spec, start the ranks; leases are freed whatever happens.
+
+    A port taken by someone else between the lease and rank 0's bind is retried on a fresh port a
+    bounded number of times; each retry is logged and the failed attempt's logs are kept.
+    """
     case, accel = request.case, request.accelerator
     out = request.artifacts_dir
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    spec = worker_spec(request)
-    (out / "spec.json").write_text(json.dumps(spec, indent=1))
+    (out / "spec.json").write_text(json.dumps(worker_spec(request), indent=1))
     (out / "case.json").write_text(json.dumps(asdict(case), indent=1, default=list))
     lease = book.devices(accel.kind, accel.ids, case.world_size, timeout_s=lease_timeout_s)
-    port = book.port()
     slot, ranges = book.port_ranges() if accel.kind == "npu" else (None, None)
+    notes: list[str] = []
     try:
-        group = build_collective_env(
-            accel.kind,
-            lease.ids,
-            port,
-            world_size=case.world_size,
-            port_ranges=ranges,
-            timeouts=Timeouts(case.collective_timeout, case.timeout),
-        )
-        env = group.child_env()
-        paths = [*request.pythonpath]
-        if request.checkout is not None:
-            paths.append(request.checkout.pythonpath)
-            env[CHECKOUT_VAR] = str(request.checkout.path)
-        if env.get("PYTHONPATH"):
-            paths.append(env["PYTHONPATH"])
-        if paths:
-            env["PYTHONPATH"] = os.pathsep.join(paths)
-        env.update(request.extra_env)
-        return launch_local(
-            case_id=case.id,
-            world_size=case.world_size,
-            env=env,
-            artifacts_dir=out,
-            timeout_s=case.timeout,
-        )
+        for attempt in range(1, port_attempts + 1):
+            port = book.port()
+            try:
+                env = _child_env(request, lease.ids, port, ranges)
+                (out / "env.json").write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
+                result = launch_local(
+                    case_id=case.id,
+                    world_size=case.world_size,
+                    env=env,
+                    artifacts_dir=out,
+                    timeout_s=case.timeout,
+                )
+            finally:
+                book.release_port(port)
+            if attempt == port_attempts or not _port_clash(result):
+                break
+            kept = out / f"attempt{attempt}-port{port}"
+            _set_aside(out, kept)
+            note = (
+                f"port {port} was taken before rank 0 could bind it; retrying on a fresh port "
+                f"(attempt {attempt + 1} of {port_attempts}); the failed attempt's logs are in {kept}"
+            )
+            notes.append(note)
+            with open(out / "launcher.log", "a") as log:
+                log.write(note + "\n")
+        result.notes = notes
+        return result
     finally:
         book.release(lease)
-        book.release_port(port)
         if slot is not None:
             book.release_port_ranges(slot)
