@@ -196,7 +196,10 @@ def fingerprint(grads: dict[str, torch.Tensor]) -> dict[str, dict]:
     }
 
 
-def run_ppo_step(spec: dict, rank: int, phase: Phase) -> tuple[dict[str, Any], dict | None]:
+def run_ppo_step(
+    spec: dict, rank: int, phase: Phase, metrics: dict[str, Any]
+) -> tuple[dict[str, Any], dict | None]:
+    """Fills `metrics` as it goes, so a failure late in the step still leaves what was measured."""
     from pytest_fsdp_turbo_engine.registry import load_engine_plugins, lookup
     from transformers import AutoTokenizer
 
@@ -269,7 +272,6 @@ def run_ppo_step(spec: dict, rank: int, phase: Phase) -> tuple[dict[str, Any], d
         local_tensor(first.grad).view(-1)[0] = float("nan")
 
     grads_report = None
-    metrics: dict[str, Any] = {}
     if cfg.reference_checks:
         phase.enter("reference")
         sharded = engine.full_gradients()
@@ -284,6 +286,7 @@ def run_ppo_step(spec: dict, rank: int, phase: Phase) -> tuple[dict[str, Any], d
 
     phase.enter("optimizer")
     grad_norm = engine.optimizer_step()
+    metrics["actor/grad_norm"] = grad_norm
     step_time = time.perf_counter() - step_start
 
     phase.enter("checks")

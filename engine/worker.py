@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from pytest_fsdp_turbo_engine.step import Phase
 
     phase = Phase(rank)
+    metrics: dict = {}
     try:
         phase.fault = Fault.from_env()
         phase.enter("init")
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s = float(os.environ.get("PYTEST_FSDP_TURBO_COLLECTIVE_TIMEOUT_S", "120"))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         assert dist.get_world_size() == world_size
-        metrics, grads = run_ppo_step(spec, rank, phase)
+        metrics, grads = run_ppo_step(spec, rank, phase, metrics)
         phase.enter("write")
         if grads is not None:
             _write_json(out / f"rank{rank}.grads.json", grads)
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 "time": time.time(),
             },
         )
+        if metrics:
+            _write_json(out / f"rank{rank}.partial-metrics.json", metrics)
         print(text, file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)

@@ -49,7 +49,9 @@ def _fsdp_turbo_env_guard(request: pytest.FixtureRequest) -> Iterator[None]:
         else:
             os.environ.pop(name, None)
     os.chdir(cwd)
-    what = [f"environment variable {name}" for name in changed] + (["working directory"] if moved else [])
+    what = [f"environment variable {name}" for name in changed] + (
+        ["working directory"] if moved else []
+    )
     pytest.fail(
         f"test changed {', '.join(what)} and did not restore it (restored now; "
         f"ini {ENV_GUARD_INI} = false turns this check off)",

@@ -127,7 +127,9 @@ def run_case(
             port = book.port()
             try:
                 env = _child_env(request, lease.ids, port, ranges)
-                (out / "env.json").write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
+                (out / "env.json").write_text(
+                    json.dumps(mask_secrets(env), indent=1, sort_keys=True)
+                )
                 result = launch_local(
                     case_id=case.id,
                     world_size=case.world_size,

@@ -7,11 +7,12 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = torch.distributed
 
-from pytest_fsdp_turbo.environ import restored_environ  # noqa: E402
 from pytest_fsdp_turbo_engine.config import EngineConfig  # noqa: E402
 from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead  # noqa: E402
 from pytest_fsdp_turbo_engine.rollout import response_mask  # noqa: E402
 from pytest_fsdp_turbo_engine.tiny_models import build_tiny_model, model_dir_problem  # noqa: E402
+
+from pytest_fsdp_turbo.environ import restored_environ  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

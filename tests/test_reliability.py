@@ -1,0 +1,268 @@
+"""Each fault injected into real rank processes on this machine, and what the harness must do."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo.cases import Case
+from pytest_fsdp_turbo.devices import detect
+from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.runs import RunRequest, run_case
+
+REPO = Path(__file__).resolve().parent.parent
+FAULT = "PYTEST_FSDP_TURBO_FAULT"
+
+
+def test_hang_in_a_collective_is_reported_with_every_rank_stack(ppo_run, no_leaked_processes):
+    start = time.monotonic()
+    result = ppo_run(
+        "tiny-qwen3-single-rank",
+        world_size=2,
+        timeout=60.0,
+        collective_timeout=6.0,
+        extra_env={FAULT: "hang:1:rollout"},
+    )
+    assert time.monotonic() - start < 40  # the collective timeout, not the case timeout, ends it
+    assert not result.ok
+    text = result.failure_text()
+    assert "Timed out waiting 6000ms" in text  # rank 0: where it waited, and for how long
+    assert "in at_phase" in text and "phase rollout" in text  # rank 1: its dumped Python stack
+    assert "--- rank 0" in text and "--- rank 1" in text
+
+
+def test_nan_in_one_rank_skips_the_update_everywhere(ppo_run):
+    result = ppo_run("tiny-qwen3_5-fsdp2-deferred", extra_env={FAULT: "nan:1"})
+    checks.check_completed(result)  # the run itself completes and reports
+    for rank in result.ranks:
+        assert rank.metrics["actor/grad_norm_finite"] is False
+        assert rank.metrics["actor/param_update_max_abs"] == 0.0  # bit-identical to before the step
+    with pytest.raises(
+        checks.CheckFailure,
+        match=r"^check a: rank 0: actor/grad_norm = nan, expected a finite value",
+    ):
+        checks.check_grad_norm(result)
+
+
+class FirstPortTaken(LeaseBook):
+    """Hands out, once, a port that another process grabbed after the lease."""
+
+    def __init__(self, state_dir, squatted: int):
+        super().__init__(state_dir)
+        self.squatted = [squatted]
+
+    def port(self, attempts: int = 64) -> int:
+        return self.squatted.pop() if self.squatted else super().port(attempts)
+
+    def release_port(self, port: int) -> None:
+        super().release_port(port)
+
+
+def test_port_taken_between_lease_and_bind_is_retried(tiny_model, tmp_path, no_leaked_processes):
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    case = Case(id="port-clash", model="tiny-qwen3", world_size=2)
+    request = RunRequest(case, tiny_model("tiny-qwen3"), tmp_path / "art", detect("cpu:4"))
+    try:
+        result = run_case(request, FirstPortTaken(tmp_path / "state", taken))
+    finally:
+        squatter.close()
+    checks.check_completed(result)
+    assert len(result.notes) == 1 and f"port {taken} was taken" in result.notes[0]
+    assert f"port {taken} was taken" in (tmp_path / "art" / "launcher.log").read_text()
+    kept = tmp_path / "art" / f"attempt1-port{taken}"
+    assert "EADDRINUSE" in (kept / "rank0.error.json").read_text()
+
+
+def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_path):
+    state = tmp_path / "state"
+    (tmp_path / "test_inner.py").write_text(
+        textwrap.dedent(
+            """
+        def test_hangs(ppo_run):
+            ppo_run("tiny-qwen3-single-rank", world_size=2, timeout=300.0, collective_timeout=200.0,
+                    extra_env={"PYTEST_FSDP_TURBO_FAULT": "hang:1:init"})
+        """
+        )
+    )
+    env = {**os.environ, "PYTEST_FSDP_TURBO_STATE_DIR": str(state)}
+    inner = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "1",
+            "-q",
+            f"--fsdp-turbo-cases={REPO / 'e2e' / 'cases.toml'}",
+            "--fsdp-turbo-device=cpu:2",
+            f"--fsdp-turbo-artifacts={tmp_path / 'art'}",
+            str(tmp_path / "test_inner.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        ranks: list[psutil.Process] = []
+        while time.monotonic() < deadline and len(ranks) < 2:
+            ranks = [
+                p
+                for p in psutil.Process(inner.pid).children(recursive=True)
+                if "pytest_fsdp_turbo_engine.worker" in " ".join(p.cmdline())
+            ]
+            time.sleep(0.2)
+        assert len(ranks) == 2, "the ranks never started"
+        worker = ranks[0].parent()
+        assert "python" in worker.name()
+        book = LeaseBook(state)
+        assert book.holders()["devices"], "the worker should hold its devices now"
+        worker.send_signal(signal.SIGKILL)  # the xdist worker dies mid-case
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive, f"ranks outlived their worker: {[p.pid for p in alive]}"
+        lease = book.devices("cpu", [0, 1], 2, timeout_s=5)  # reclaimed, not stuck behind the dead
+        assert lease.ids == (0, 1)
+    finally:
+        inner.kill()
+        inner.wait(30)
+
+
+def test_git_never_prompts_and_never_runs_through_a_shell(tmp_path, monkeypatch):
+    from pytest_fsdp_turbo.checkout import CheckoutRequest, clone_cached
+    from pytest_fsdp_turbo.errors import CheckoutUnavailable
+
+    record = tmp_path / "calls.jsonl"
+    fake = tmp_path / "bin" / "git"
+    fake.parent.mkdir()
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"open({str(record)!r}, 'a').write(json.dumps({{'argv': sys.argv[1:], "
+        "'prompt': os.environ.get('GIT_TERMINAL_PROMPT'), 'tty': sys.stdin.isatty()}) + '\\n')\n"
+        "sys.stderr.write('fatal: could not read Username: terminal prompts disabled\\n'); sys.exit(128)\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(CheckoutUnavailable, match="terminal prompts disabled.*after 2 attempt"):
+        clone_cached(
+            CheckoutRequest(
+                repo="https://example.invalid/FSDPTurbo.git; rm -rf /",
+                ref="main",
+                cache_dir=tmp_path / "cache",
+                attempts=2,
+                backoff_s=0.01,
+            )
+        )
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(calls) == 2
+    for call in calls:
+        assert call["prompt"] == "0" and call["tty"] is False
+        assert (
+            call["argv"][-2] == "https://example.invalid/FSDPTurbo.git; rm -rf /"
+        )  # one argv entry
+        assert "--" in call["argv"]
+
+
+def test_missing_or_incomplete_local_model_skips_with_the_path(pytester, tmp_path):
+    models = tmp_path / "models"
+    (models / "Half-Model").mkdir(parents=True)
+    (models / "Half-Model" / "config.json").write_text("{}")
+    pytester.makefile(
+        ".toml",
+        cases=textwrap.dedent(
+            """
+        [[case]]
+        id = "real-absent"
+        model = "Qwen3.5-2B"
+        world_size = 1
+        [[case]]
+        id = "real-half"
+        model = "Half-Model"
+        world_size = 1
+        """
+        ),
+    )
+    pytester.makepyfile("def test_run(fsdp_turbo_case, ppo_run):\n    ppo_run(fsdp_turbo_case)\n")
+    result = pytester.runpytest(
+        "-rs",
+        "--fsdp-turbo-cases=cases.toml",
+        f"--fsdp-turbo-models={models}",
+        "--fsdp-turbo-device=cpu",
+    )
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(
+        [
+            f"*case real-absent: model directory {models / 'Qwen3.5-2B'} does not exist*",
+            f"*case real-half: model directory {models / 'Half-Model'} is incomplete: missing weights*",
+        ]
+    )
+    strict = pytester.runpytest(
+        "--fsdp-turbo-cases=cases.toml",
+        f"--fsdp-turbo-models={models}",
+        "--fsdp-turbo-device=cpu",
+        "--fsdp-turbo-strict",
+    )
+    strict.assert_outcomes(failed=2)
+
+
+def test_env_guard_names_the_leaked_variable_and_can_be_turned_off(pytester):
+    pytester.makepyfile(
+        "import os\n"
+        "def test_leaks():\n    os.environ['LEAKY_SETTING'] = '1'\n"
+        "def test_moves(tmp_path):\n    os.chdir(tmp_path)\n"
+    )
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=2, errors=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*test changed environment variable LEAKY_SETTING and did not restore it*",
+            "*test changed working directory and did not restore it*",
+        ]
+    )
+    pytester.makeini("[pytest]\nfsdp_turbo_env_guard = false\n")
+    pytester.runpytest_subprocess().assert_outcomes(passed=2)
+
+
+def test_secrets_are_masked_in_artifacts(ppo_run):
+    result = ppo_run(
+        "tiny-qwen3-single-rank", extra_env={"HF_TOKEN": "hf_topsecret", "MY_API_KEY": "k"}
+    )
+    checks.check_completed(result)
+    saved = json.loads((result.artifacts_dir / "env.json").read_text())
+    assert saved["HF_TOKEN"] == "***" and saved["MY_API_KEY"] == "***"
+    for path in result.artifacts_dir.iterdir():
+        assert "hf_topsecret" not in path.read_text(errors="replace"), path
+
+
+def test_failed_case_keeps_every_log_traceback_and_metric(ppo_run):
+    result = ppo_run("tiny-qwen3-single-rank", world_size=2, extra_env={FAULT: "crash:0:checks"})
+    assert not result.ok
+    names = {p.name for p in result.artifacts_dir.iterdir()}
+    assert {
+        "rank0.log",
+        "rank1.log",
+        "rank0.error.json",
+        "spec.json",
+        "case.json",
+        "env.json",
+    } <= names
+    assert json.loads((result.artifacts_dir / "rank0.error.json").read_text())["phase"] == "checks"
+    assert "phase checks" in result.ranks[1].log_path.read_text()
+    partial = json.loads((result.artifacts_dir / "rank0.partial-metrics.json").read_text())
+    assert partial["actor/grad_norm"] > 0 and "sync/grad_max_rel_err" in partial
