@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pytest_fsdp_turbo.checkout import DEFAULT_REPO, CheckoutRequest, validate_ref, validate_repo
 from pytest_fsdp_turbo.devices import parse_device_override
@@ -19,8 +19,7 @@ from pytest_fsdp_turbo.errors import ConfigError
 LAUNCHERS = ("local", "ray")
 
 
-@dataclass(frozen=True)
-class Option:
+class Option(NamedTuple):
     """A public option: its flag, the env var read when the flag is absent, and its help."""
 
     flag: str
