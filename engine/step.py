@@ -4,6 +4,7 @@ the case's gradient-sync policy -> optimizer step -> in-rank checks -> metrics."
 from __future__ import annotations
 
 import math
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -206,7 +207,7 @@ def run_ppo_step(
     engine_cfg = EngineConfig(**spec["engine"])
     cfg = PPOConfig(**spec["ppo"])
     kind = spec["device_kind"]
-    device = device_for(kind, int(spec.get("local_rank", rank)))
+    device = device_for(kind, int(os.environ.get("LOCAL_RANK", rank)))
     torch.manual_seed(cfg.seed)
 
     phase.enter("load")

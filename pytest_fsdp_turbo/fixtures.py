@@ -153,6 +153,37 @@ def tiny_model() -> Callable[[str], Path]:
     return build
 
 
+@pytest.fixture(scope="session")
+def ray_cluster(pytestconfig: pytest.Config) -> Iterator[dict]:
+    """Joins --fsdp-turbo-ray-address, or starts a local Ray instance and stops it at the end.
+
+    ray.init() exports a few variables into the driver's environment; they are put back at once
+    so the pytest process (and the env guard) see the environment they started with.
+    """
+    from pytest_fsdp_turbo.environ import restored_environ
+
+    try:
+        import ray
+    except ImportError:
+        pytest.skip("the ray launcher needs ray: pip install 'pytest-fsdp-turbo[ray]'")
+    settings = settings_of(pytestconfig)
+    if ray.is_initialized():
+        yield {"address": "already initialised", "started": False}
+        return
+    with restored_environ():
+        if settings.ray_address:
+            info = ray.init(address=settings.ray_address, log_to_driver=False)
+        else:
+            info = ray.init(
+                num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False
+            )
+    try:
+        yield {"address": info.address_info.get("address"), "started": not settings.ray_address}
+    finally:
+        with restored_environ():
+            ray.shutdown()
+
+
 @pytest.fixture
 def ppo_run(
     request: pytest.FixtureRequest,
@@ -172,7 +203,7 @@ def ppo_run(
         junit_properties,
         summary_row,
     )
-    from pytest_fsdp_turbo.runs import RunRequest, run_case
+    from pytest_fsdp_turbo.runs import RunRequest, run_case, run_case_on_ray
 
     config = request.config
     settings = settings_of(config)
@@ -184,6 +215,7 @@ def ppo_run(
         engine_modules: Sequence[str] = (),
         pythonpath: Sequence[str] = (),
         extra_env: dict[str, str] | None = None,
+        launcher: str | None = None,
         **overrides: object,
     ) -> RunResult:
         if isinstance(case, CaseParam):
@@ -201,19 +233,21 @@ def ppo_run(
             checkout = request.getfixturevalue("fsdp_turbo_checkout")
         calls[0] += 1
         name = artifact_name(request.node.nodeid) + (f"-{calls[0]}" if calls[0] > 1 else "")
-        result = run_case(
-            RunRequest(
-                case=case,
-                model_path=model_path,
-                artifacts_dir=artifacts_root(config) / name,
-                accelerator=accelerator,
-                checkout=checkout,
-                engine_modules=list(engine_modules),
-                pythonpath=list(pythonpath),
-                extra_env=dict(extra_env or {}),
-            ),
-            fsdp_turbo_lease_book,
+        run_request = RunRequest(
+            case=case,
+            model_path=model_path,
+            artifacts_dir=artifacts_root(config) / name,
+            accelerator=accelerator,
+            checkout=checkout,
+            engine_modules=list(engine_modules),
+            pythonpath=list(pythonpath),
+            extra_env=dict(extra_env or {}),
         )
+        if (launcher or settings.launcher) == "ray":
+            request.getfixturevalue("ray_cluster")
+            result = run_case_on_ray(run_request)
+        else:
+            result = run_case(run_request, fsdp_turbo_lease_book)
         for key, value in junit_properties(result):
             request.node.user_properties.append((key, value))
         request.node.user_properties.append((SUMMARY_PROPERTY, summary_row(result)))

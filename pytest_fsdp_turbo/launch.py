@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
@@ -134,20 +135,118 @@ def kill_trees(children: Sequence[subprocess.Popen]) -> None:
     psutil.wait_procs(descendants, timeout=5)
 
 
-def _dump_stacks(procs: Sequence[subprocess.Popen]) -> None:
-    alive = [p for p in procs if p.poll() is None]
-    for proc in alive:
-        with contextlib.suppress(OSError):
-            os.kill(proc.pid, STACK_DUMP_SIGNAL)
-    if alive:
-        time.sleep(STACK_DUMP_WAIT_S)
-
-
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+class RankHandle(Protocol):
+    """One running rank, wherever it runs (a local process, a Ray actor)."""
+
+    rank: int
+    log_path: Path
+
+    def poll(self) -> int | None: ...
+
+    def dump_stacks(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class LocalRank:
+    def __init__(self, rank: int, command: Sequence[str], env: Mapping[str, str], log_path: Path):
+        self.rank, self.log_path = rank, log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                list(command),
+                env=dict(env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def dump_stacks(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.kill(self.proc.pid, STACK_DUMP_SIGNAL)
+
+    def kill(self) -> None:
+        kill_trees([self.proc])
+
+
+def supervise(handles: Sequence[RankHandle], timeout_s: float, poll_s: float = 0.05):
+    """Wait for every rank; on the first failure or at the timeout, dump the stacks of the ranks
+    still alive (which rank waited where) and stop them. Returns (timed_out, first_failure, ends)."""
+    start = time.monotonic()
+    ends: dict[int, float] = {}
+    timed_out, first_failure = False, None
+    try:
+        while len(ends) < len(handles):
+            for handle in handles:
+                if handle.rank not in ends and (code := handle.poll()) is not None:
+                    ends[handle.rank] = time.monotonic()
+                    if code != 0 and first_failure is None:
+                        first_failure = handle.rank
+            stop = first_failure is not None and len(ends) < len(handles)
+            timed_out = not stop and time.monotonic() - start >= timeout_s
+            if stop or timed_out:
+                for handle in handles:
+                    if handle.rank not in ends:
+                        handle.dump_stacks()
+                time.sleep(STACK_DUMP_WAIT_S)
+                break
+            time.sleep(poll_s)
+    finally:
+        for handle in handles:
+            handle.kill()
+    return timed_out, first_failure, ends
+
+
+def collect_result(
+    case_id: str,
+    handles: Sequence[RankHandle],
+    artifacts_dir: Path,
+    timeout_s: float,
+    start: float,
+    outcome: tuple,
+) -> RunResult:
+    timed_out, first_failure, ends = outcome
+    now = time.monotonic()
+    ranks = [
+        RankResult(
+            rank=h.rank,
+            exit_code=h.poll(),
+            duration_s=ends.get(h.rank, now) - start,
+            log_path=h.log_path,
+            metrics=_read_json(artifacts_dir / f"rank{h.rank}.metrics.json"),
+            error=_read_json(artifacts_dir / f"rank{h.rank}.error.json"),
+        )
+        for h in handles
+    ]
+    reported = [r for r in ranks if r.error and isinstance(r.error.get("time"), int | float)]
+    if reported:  # the rank that raised first, not the peer that noticed its exit first
+        first_failure = min(reported, key=lambda r: r.error["time"]).rank
+    return RunResult(
+        case_id=case_id,
+        world_size=len(handles),
+        ranks=ranks,
+        artifacts_dir=artifacts_dir,
+        duration_s=now - start,
+        timed_out=timed_out,
+        timeout_s=timeout_s,
+        first_failure=first_failure,
+    )
+
+
+def worker_command(artifacts_dir: Path, python: str = sys.executable) -> list[str]:
+    return [python, "-m", WORKER_MODULE, str(artifacts_dir / "spec.json")]
 
 
 def launch_local(
@@ -162,73 +261,16 @@ def launch_local(
 ) -> RunResult:
     """Run `command` (default: the engine worker on artifacts_dir/spec.json) as world_size ranks."""
     artifacts_dir.mkdir(parents=True, exist_ok=True)
-    command = list(
-        command or [sys.executable, "-m", WORKER_MODULE, str(artifacts_dir / "spec.json")]
-    )
-    procs: list[subprocess.Popen] = []
-    logs: list[Path] = []
-    starts: list[float] = []
-    ends: dict[int, float] = {}
+    command = list(command or worker_command(artifacts_dir))
+    handles: list[LocalRank] = []
     start = time.monotonic()
     try:
         for rank in range(world_size):
             log_path = artifacts_dir / f"rank{rank}.log"
-            logs.append(log_path)
-            with open(log_path, "wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        command,
-                        env=rank_env(env, rank, world_size),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,
-                        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                    )
-                )
-            starts.append(time.monotonic())
-        timed_out, first_failure = False, None
-        deadline = start + timeout_s
-        while len(ends) < world_size:
-            for rank, proc in enumerate(procs):
-                if rank not in ends and proc.poll() is not None:
-                    ends[rank] = time.monotonic()
-                    if proc.returncode != 0 and first_failure is None:
-                        first_failure = rank
-            if first_failure is not None and len(ends) < world_size:
-                _dump_stacks(procs)  # which rank waited where, then stop the rest at once
-                break
-            if time.monotonic() >= deadline:
-                timed_out = True
-                _dump_stacks(procs)
-                break
-            time.sleep(poll_s)
-    finally:
-        kill_trees(procs)
-    now = time.monotonic()
-    ranks = []
-    for rank, proc in enumerate(procs):
-        code = proc.poll()
-        ranks.append(
-            RankResult(
-                rank=rank,
-                exit_code=code,
-                duration_s=ends.get(rank, now) - starts[rank],
-                log_path=logs[rank],
-                metrics=_read_json(artifacts_dir / f"rank{rank}.metrics.json"),
-                error=_read_json(artifacts_dir / f"rank{rank}.error.json"),
-            )
-        )
-    reported = [r for r in ranks if r.error and isinstance(r.error.get("time"), int | float)]
-    if reported:  # the rank that raised first, not the peer that noticed its exit first
-        first_failure = min(reported, key=lambda r: r.error["time"]).rank
-    return RunResult(
-        case_id=case_id,
-        world_size=world_size,
-        ranks=ranks,
-        artifacts_dir=artifacts_dir,
-        duration_s=now - start,
-        timed_out=timed_out,
-        timeout_s=timeout_s,
-        first_failure=first_failure,
-    )
+            handles.append(LocalRank(rank, command, rank_env(env, rank, world_size), log_path))
+    except BaseException:
+        for handle in handles:
+            handle.kill()
+        raise
+    outcome = supervise(handles, timeout_s, poll_s)
+    return collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)

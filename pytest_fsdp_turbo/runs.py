@@ -73,7 +73,8 @@ def _port_clash(result: RunResult) -> bool:
     return False
 
 
-def _child_env(request: RunRequest, lease_ids, port: int, ranges) -> dict[str, str]:
+def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[str, str]:
+    """What the ranks' environment adds to the environment they start from."""
     case, accel = request.case, request.accelerator
     group = build_collective_env(
         accel.kind,
@@ -83,13 +84,13 @@ def _child_env(request: RunRequest, lease_ids, port: int, ranges) -> dict[str, s
         port_ranges=ranges,
         timeouts=Timeouts(case.collective_timeout, case.timeout),
     )
-    env = group.child_env()
+    env = dict(group.env)
     paths = [*request.pythonpath]
     if request.checkout is not None:
         paths.append(request.checkout.pythonpath)
         env[CHECKOUT_VAR] = str(request.checkout.path)
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update(request.extra_env)
@@ -100,6 +101,34 @@ def _set_aside(out: Path, folder: Path) -> None:
     folder.mkdir()
     for path in out.glob("rank*"):
         path.rename(folder / path.name)
+
+
+def _prepare(request: RunRequest) -> Path:
+    out = request.artifacts_dir
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    (out / "spec.json").write_text(json.dumps(worker_spec(request), indent=1))
+    (out / "case.json").write_text(json.dumps(asdict(request.case), indent=1, default=list))
+    return out
+
+
+def run_case_on_ray(request: RunRequest) -> RunResult:
+    """Ray places the ranks and assigns their devices; rank 0's node gives the rendezvous."""
+    from pytest_fsdp_turbo.ray_launch import launch_ray
+
+    case, kind = request.case, request.accelerator.kind
+    out = _prepare(request)
+    slot_ranges = ((61000, 61063), (61064, 61127)) if kind == "npu" else None
+    overrides = _env_overrides(request, (), 0, slot_ranges)
+    (out / "env.json").write_text(json.dumps(mask_secrets(overrides), indent=1, sort_keys=True))
+    return launch_ray(
+        case_id=case.id,
+        world_size=case.world_size,
+        kind=kind,
+        env_overrides=overrides,
+        artifacts_dir=out,
+        timeout_s=case.timeout,
+    )
 
 
 def run_case(
@@ -114,11 +143,7 @@ def run_case(
     bounded number of times; each retry is logged and the failed attempt's logs are kept.
     """
     case, accel = request.case, request.accelerator
-    out = request.artifacts_dir
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    (out / "spec.json").write_text(json.dumps(worker_spec(request), indent=1))
-    (out / "case.json").write_text(json.dumps(asdict(case), indent=1, default=list))
+    out = _prepare(request)
     lease = book.devices(accel.kind, accel.ids, case.world_size, timeout_s=lease_timeout_s)
     slot, ranges = book.port_ranges() if accel.kind == "npu" else (None, None)
     notes: list[str] = []
@@ -126,7 +151,7 @@ def run_case(
         for attempt in range(1, port_attempts + 1):
             port = book.port()
             try:
-                env = _child_env(request, lease.ids, port, ranges)
+                env = {**os.environ, **_env_overrides(request, lease.ids, port, ranges)}
                 (out / "env.json").write_text(
                     json.dumps(mask_secrets(env), indent=1, sort_keys=True)
                 )

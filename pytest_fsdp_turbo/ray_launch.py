@@ -1,0 +1,162 @@
+"""Ray launcher: the local launcher's contract (result, logs, timeouts, failure text, cleanup) with one
+Ray actor per rank in a placement group. Imported only when --fsdp-turbo-launcher=ray.
+
+Each actor starts its rank as a subprocess on its node, so faulthandler stack dumps, per-rank logs and
+process-tree kills work exactly as locally. Artifacts are written to the same path on every node: a
+multi-node cluster needs that folder on a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
+from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo.launch import (
+    LocalRank,
+    RunResult,
+    collect_result,
+    rank_env,
+    supervise,
+    worker_command,
+)
+
+RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
+PLACEMENT_TIMEOUT_S = 120
+CALL_TIMEOUT_S = 60
+POLL_S = 0.2
+KILLED = -9
+
+
+@ray.remote
+class RankActor:
+    """Lives on the rank's node; owns the rank's process."""
+
+    def __init__(self) -> None:
+        self.rank: LocalRank | None = None
+
+    def node_address(self) -> tuple[str, int]:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def visible_devices(self, kind: str) -> list[str]:
+        resource = RAY_RESOURCE.get(kind)
+        if resource is None:
+            return []
+        return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get(resource, [])]
+
+    def start(self, rank: int, world_size: int, overrides: dict, kind: str, out: str) -> int:
+        env = rank_env({**os.environ, **overrides}, rank, world_size)
+        var = VISIBLE_DEVICES_VAR.get(kind)
+        if var:  # Ray's assignment, also when RAY_EXPERIMENTAL_NOSET_* kept Ray from exporting it
+            env[var] = ",".join(self.visible_devices(kind))
+            env["LOCAL_RANK"] = "0"
+        folder = Path(out)
+        self.rank = LocalRank(rank, worker_command(folder), env, folder / f"rank{rank}.log")
+        return self.rank.proc.pid
+
+    def poll(self) -> int | None:
+        return self.rank.poll() if self.rank else None
+
+    def dump_stacks(self) -> None:
+        if self.rank:
+            self.rank.dump_stacks()
+
+    def kill(self) -> None:
+        if self.rank:
+            self.rank.kill()
+
+
+class RayRank:
+    """The pytest-side handle of one actor; remembers the exit code once seen."""
+
+    def __init__(self, rank: int, actor, log_path: Path):
+        self.rank, self.actor, self.log_path = rank, actor, log_path
+        self.code: int | None = None
+
+    def poll(self) -> int | None:
+        if self.code is None:
+            try:
+                self.code = ray.get(self.actor.poll.remote(), timeout=CALL_TIMEOUT_S)
+            except (RayActorError, GetTimeoutError):
+                self.code = KILLED
+        return self.code
+
+    def dump_stacks(self) -> None:
+        with contextlib.suppress(RayActorError, GetTimeoutError):
+            ray.get(self.actor.dump_stacks.remote(), timeout=CALL_TIMEOUT_S)
+
+    def kill(self) -> None:
+        with contextlib.suppress(RayActorError, GetTimeoutError):
+            ray.get(self.actor.kill.remote(), timeout=CALL_TIMEOUT_S)
+        self.poll()
+        ray.kill(self.actor, no_restart=True)
+
+
+def launch_ray(
+    *,
+    case_id: str,
+    world_size: int,
+    kind: str,
+    env_overrides: Mapping[str, str],
+    artifacts_dir: Path,
+    timeout_s: float,
+) -> RunResult:
+    bundle = {"CPU": 1.0, **({RAY_RESOURCE[kind]: 1.0} if kind in RAY_RESOURCE else {})}
+    group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+    actors = []
+    try:
+        try:
+            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except GetTimeoutError:
+            raise ConfigError(
+                f"Ray cluster cannot place {world_size} ranks of {bundle} each within "
+                f"{PLACEMENT_TIMEOUT_S}s; available: {ray.available_resources()}"
+            ) from None
+        for index in range(world_size):
+            options = {
+                "num_cpus": 1,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=index
+                ),
+            }
+            if kind == "cuda":
+                options["num_gpus"] = 1
+            elif kind == "npu":
+                options["resources"] = {"NPU": 1}
+            actors.append(RankActor.options(**options).remote())
+        address, port = ray.get(actors[0].node_address.remote(), timeout=CALL_TIMEOUT_S)
+        overrides = {**env_overrides, "MASTER_ADDR": address, "MASTER_PORT": str(port)}
+        if overrides.get("GLOO_SOCKET_IFNAME") == "lo":  # ranks may sit on several nodes
+            del overrides["GLOO_SOCKET_IFNAME"]
+        start = time.monotonic()
+        ray.get(
+            [
+                actor.start.remote(rank, world_size, overrides, kind, str(artifacts_dir))
+                for rank, actor in enumerate(actors)
+            ],
+            timeout=CALL_TIMEOUT_S,
+        )
+        handles = [
+            RayRank(rank, actor, artifacts_dir / f"rank{rank}.log")
+            for rank, actor in enumerate(actors)
+        ]
+        actors = []  # owned by the handles now: supervise() kills them
+        outcome = supervise(handles, timeout_s, POLL_S)
+        return collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)
+    finally:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(group)

@@ -1,0 +1,70 @@
+"""The Ray launcher on a local Ray instance: same checks as the local launcher, same cleanup."""
+
+import time
+
+import psutil
+import pytest
+
+pytest.importorskip("ray")
+
+from pytest_fsdp_turbo import checks  # noqa: E402
+
+WORKER = "pytest_fsdp_turbo_engine.worker"
+
+
+def _live(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if (
+                marker in " ".join(proc.info["cmdline"] or ())
+                and proc.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_two_rank_case_through_ray_matches_the_local_launcher(ray_cluster, ppo_run):
+    on_ray = ppo_run("tiny-qwen3_5-fsdp2-deferred", launcher="ray")
+    checks.check_all(on_ray, budget_mb=1536)
+    checks.check_params_updated(on_ray)
+    local = ppo_run("tiny-qwen3_5-fsdp2-deferred", launcher="local")
+    checks.check_completed(local)
+    for key in (
+        "actor/grad_norm",
+        "actor/pg_loss",
+        "critic/score/mean",
+        "comm/reduce_scatter_calls",
+    ):
+        assert on_ray.metrics[key] == local.metrics[key], key
+    assert (on_ray.artifacts_dir / "rank1.log").is_file()
+
+
+def test_rank_crash_under_ray_fails_fast_and_leaves_nothing(ray_cluster, ppo_run):
+    import ray
+
+    start = time.monotonic()
+    result = ppo_run(
+        "tiny-qwen3-single-rank",
+        world_size=2,
+        launcher="ray",
+        extra_env={"PYTEST_FSDP_TURBO_FAULT": "crash:1:rollout"},
+    )
+    assert time.monotonic() - start < 60
+    assert not result.ok and result.first_failure == 1
+    text = result.failure_text()
+    assert "phase rollout: InjectedFault: injected crash in rank 1" in text
+    assert "Traceback (most recent call last)" in text
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (_live(WORKER) or _live("ray::RankActor")):
+        time.sleep(0.2)
+    assert not _live(WORKER), "rank processes outlived the case"
+    assert not _live("ray::RankActor"), "rank actors outlived the case"
+    while (
+        time.monotonic() < deadline
+        and ray.available_resources().get("CPU") != ray.cluster_resources()["CPU"]
+    ):
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]  # group removed
