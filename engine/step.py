@@ -197,6 +197,25 @@ def fingerprint(grads: dict[str, torch.Tensor]) -> dict[str, dict]:
     }
 
 
+def make_rollout(cfg: PPOConfig, engine_cfg: EngineConfig, model_path: str, device, tokenizer):
+    if cfg.rollout == "vllm":
+        from pytest_fsdp_turbo_engine.vllm_rollout import VLLMRollout
+
+        return VLLMRollout(
+            model_path, tokenizer.eos_token_id, tokenizer.pad_token_id, engine_cfg.dtype, cfg.seed
+        )
+    return HFRollout(model_path, device, tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+def _single_process_copy(rollout, spec: dict, device: torch.device) -> torch.nn.Module:
+    """The initial policy, unsharded: the HF rollout already holds one; otherwise load it."""
+    if isinstance(rollout, HFRollout):
+        return rollout.model
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32).to(device)
+
+
 def run_ppo_step(
     spec: dict, rank: int, phase: Phase, metrics: dict[str, Any]
 ) -> tuple[dict[str, Any], dict | None]:
@@ -217,7 +236,7 @@ def run_ppo_step(
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
     engine.build(spec["model_path"])
     reference = engine.build(spec["model_path"], trainable=False)
-    rollout = HFRollout(spec["model_path"], device, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    rollout = make_rollout(cfg, engine_cfg, spec["model_path"], device, tokenizer)
     dp_rank, dp_size = engine.data_parallel_rank(), engine.data_parallel_size()
     sp = max(1, engine_cfg.sp_size)
 
@@ -277,7 +296,9 @@ def run_ppo_step(
         phase.enter("reference")
         sharded = engine.full_gradients()
         global_batch = _gather_rows(train)
-        ref_grads = reference_gradients(rollout.model, global_batch, tokens, cfg)
+        ref_grads = reference_gradients(
+            _single_process_copy(rollout, spec, device), global_batch, tokens, cfg
+        )
         err, name = compare_gradients(sharded, ref_grads)
         metrics["sync/grad_max_rel_err"] = err
         metrics["sync/grad_max_rel_err_param"] = name

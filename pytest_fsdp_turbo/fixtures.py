@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -228,6 +229,10 @@ def ppo_run(
             model_path = resolve_model(case.model, settings.models)
         except ModelUnavailable as exc:
             _skip_or_fail(settings.strict, f"case {case.id}: {exc}")
+        if case.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
+            pytest.skip(
+                f"case {case.id}: rollout vllm needs vllm (or vllm-ascend); not importable here"
+            )
         checkout = None
         if case.backend == "fsdp_turbo":
             checkout = request.getfixturevalue("fsdp_turbo_checkout")

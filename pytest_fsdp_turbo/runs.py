@@ -16,6 +16,7 @@ from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secre
 from pytest_fsdp_turbo.launch import RunResult, launch_local
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.models import model_type_of
+from pytest_fsdp_turbo.turbo_config import build_turbo_config
 
 CHECKOUT_VAR = "PYTEST_FSDP_TURBO_CHECKOUT"
 PORT_ATTEMPTS = 3
@@ -50,7 +51,7 @@ def worker_spec(request: RunRequest) -> dict:
             "dtype": case.dtype_on(kind),
             "sync_policy": case.gradient_sync,
             "lr": case.lr,
-            "turbo_config": case.turbo_config,
+            "turbo_config": build_turbo_config(case, kind) if case.backend == "fsdp_turbo" else {},
         },
         "ppo": {
             "num_prompts": case.num_prompts,

@@ -88,3 +88,25 @@ def test_turbo_case_skips_without_checkout_and_fails_under_strict(pytester, tmp_
     result = pytester.runpytest(*args)
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines([f"*FSDPTurbo from {url}@HEAD: git clone failed*"])
+
+
+def test_vllm_rollout_case_skips_without_vllm(pytester):
+    pytester.makefile(
+        ".toml",
+        cases='[[case]]\nid = "vl"\nmodel = "tiny-qwen3"\nrollout = "vllm"\nworld_size = 1\n',
+    )
+    pytester.makepyfile("def test_run(fsdp_turbo_case, ppo_run):\n    ppo_run(fsdp_turbo_case)\n")
+    result = pytester.runpytest("-rs", "--fsdp-turbo-cases=cases.toml", "--fsdp-turbo-device=cpu")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(
+        ["*case vl: rollout vllm needs vllm (or vllm-ascend); not importable here*"]
+    )
+
+
+def test_vllm_adapter_import_error_is_clear():
+    from pytest_fsdp_turbo_engine.vllm_rollout import _import_vllm
+
+    with pytest.raises(
+        ImportError, match=r"rollout 'vllm' needs vllm \(CUDA\) or vllm-ascend \(NPU\)"
+    ):
+        _import_vllm()
