@@ -1,0 +1,91 @@
+"""GPU check for a box with a single CUDA GPU: the gpu_e2e cases that fit on one device.
+
+Each tiny case runs with world_size 1 over nccl in bf16 with the HF rollout (and once more with the
+vLLM rollout when vllm is importable), through the same launcher and checks as pytest. Prints a short
+table of metrics and times; exits 1 if any case fails. Usage: python benchmarks/gpu_check.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo.cases import load_cases
+from pytest_fsdp_turbo.devices import detect
+from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.models import resolve_model
+from pytest_fsdp_turbo.runs import RunRequest, run_case
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def single_device_cases() -> list:
+    seen, cases = set(), []
+    for case in load_cases(REPO / "e2e" / "cases.toml"):
+        key = (case.model, case.gradient_sync)
+        if case.is_tiny and "cuda" in case.devices and key not in seen:
+            seen.add(key)
+            cases.append(dataclasses.replace(case, id=f"{case.id}-1gpu", world_size=1, fsdp_size=1))
+    if importlib.util.find_spec("vllm") is not None and cases:
+        cases.append(dataclasses.replace(cases[0], id=cases[0].id + "-vllm", rollout="vllm"))
+    return cases
+
+
+def main() -> int:
+    accel = detect()
+    if accel.kind != "cuda" or accel.count < 1:
+        print(f"gpu_check: needs a CUDA GPU; detected {accel.describe()}", file=sys.stderr)
+        return 2
+    print(f"device: {accel.describe()}")
+    rows, failed = [], 0
+    book = LeaseBook()
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in single_device_cases():
+            start = time.perf_counter()
+            result = run_case(
+                RunRequest(case, resolve_model(case.model, None), Path(tmp) / case.id, accel), book
+            )
+            wall = time.perf_counter() - start
+            try:
+                checks.check_all(result, case.memory_budget_mb)
+                verdict = "passed"
+            except checks.CheckFailure as exc:
+                verdict, failed = f"FAILED: {str(exc).splitlines()[0][:80]}", failed + 1
+            m = result.metrics
+            rows.append(
+                (
+                    case.id,
+                    m.get("case/dtype", "?"),
+                    f"{m.get('actor/grad_norm', float('nan')):.4g}",
+                    f"{m.get('actor/pg_loss', float('nan')):.4g}",
+                    f"{m.get('sync/rollout_logprob_max_abs_diff', float('nan')):.3g}",
+                    f"{m.get('perf/peak_memory_bytes', 0) / 2**20:.0f}",
+                    f"{m.get('perf/step_time_s', float('nan')):.2f}",
+                    f"{wall:.1f}",
+                    verdict,
+                )
+            )
+    header = (
+        "case",
+        "dtype",
+        "grad norm",
+        "pg loss",
+        "rollout lp diff",
+        "peak MiB",
+        "step s",
+        "wall s",
+        "verdict",
+    )
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
