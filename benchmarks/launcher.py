@@ -19,10 +19,10 @@ from pathlib import Path
 from pytest_fsdp_turbo.cases import CaseBook, load_cases
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env
-from pytest_fsdp_turbo.launch import WORKER_MODULE, launch_local
+from pytest_fsdp_turbo.launch import WORKER_MODULE
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.models import resolve_model
-from pytest_fsdp_turbo.runs import RunRequest, worker_spec
+from pytest_fsdp_turbo.runs import RunRequest, run_case, worker_spec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,28 +41,21 @@ def main() -> None:
         for round_ in range(args.rounds):
             for mode in ("launcher", "torchrun"):
                 out = Path(tmp) / f"{mode}-{round_}"
-                out.mkdir()
-                spec = worker_spec(RunRequest(case, model, out, accel))
-                (out / "spec.json").write_text(json.dumps(spec))
-                port = book.port()
-                env = build_collective_env(
-                    "cpu",
-                    range(case.world_size),
-                    port,
-                    world_size=case.world_size,
-                    timeouts=Timeouts(case.collective_timeout, case.timeout),
-                ).child_env()
+                request = RunRequest(case, model, out, accel)
                 start = time.perf_counter()
-                if mode == "launcher":
-                    result = launch_local(
-                        case_id=case.id,
-                        world_size=case.world_size,
-                        env=env,
-                        artifacts_dir=out,
-                        timeout_s=case.timeout,
-                    )
-                    ok = result.ok
+                if mode == "launcher":  # as users meet it: leases, env, spec, ranks, results
+                    ok = run_case(request, book).ok
                 else:
+                    out.mkdir()
+                    (out / "spec.json").write_text(json.dumps(worker_spec(request)))
+                    port = book.port()
+                    env = build_collective_env(
+                        "cpu",
+                        range(case.world_size),
+                        port,
+                        world_size=case.world_size,
+                        timeouts=Timeouts(case.collective_timeout, case.timeout),
+                    ).child_env()
                     done = subprocess.run(
                         [
                             sys.executable,
@@ -78,9 +71,9 @@ def main() -> None:
                         capture_output=True,
                         check=False,
                     )
+                    book.release_port(port)
                     ok = done.returncode == 0
                 elapsed = time.perf_counter() - start
-                book.release_port(port)
                 if not ok:
                     raise SystemExit(f"{mode} run failed; see {out}")
                 (ours if mode == "launcher" else bare).append(elapsed)
