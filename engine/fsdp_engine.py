@@ -57,6 +57,9 @@ class FSDPEngineWithLMHead:
     def data_parallel_size(self) -> int:
         return dist.get_world_size()
 
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
     def replicate_group(self) -> dist.ProcessGroup | None:
         """Ranks holding the same shard (HSDP replicas); None for plain FSDP."""
         if "replicate" in (self.mesh.mesh_dim_names or ()):

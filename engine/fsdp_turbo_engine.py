@@ -90,6 +90,9 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
     def data_parallel_size(self) -> int:
         return self.parallel_state.get_data_group_size()
 
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        return self.parallel_state.get_data_group()
+
     def replicate_group(self) -> dist.ProcessGroup | None:
         return None
 

@@ -58,9 +58,9 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def _all_sum(value: float, device: torch.device) -> float:
+def _all_sum(value: float, device: torch.device, group=None) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=group)
     return float(tensor.item())
 
 
@@ -268,7 +268,8 @@ def run_ppo_step(
         old_logprobs,
         ref_logprobs,
     )
-    tokens = _all_sum(float(batch.response_mask.sum()), device) / sp
+    # Ranks of one sequence-parallel group share their batch: count it once per data-parallel rank.
+    tokens = _all_sum(float(batch.response_mask.sum()), device, engine.data_parallel_group())
 
     phase.enter("train")
     totals: dict[str, float] = {}

@@ -206,6 +206,26 @@ def clone_cached(request: CheckoutRequest, clone: bool = True) -> Checkout:
     raise CheckoutUnavailable(f"FSDPTurbo from {source}: {last_error} (after {tries} attempt(s))")
 
 
+def find_checkout(request: CheckoutRequest) -> Checkout | None:
+    """A checkout that is already there (path, /FSDPTurbo, complete cached clone), or None.
+
+    Takes no lock and creates nothing: safe for the report header of any pytest session."""
+    if request.path:
+        path = Path(request.path)
+        return Checkout(path, _commit_of(path), f"path {path}") if _has_package(path) else None
+    if _has_package(request.ci_path):
+        return Checkout(
+            request.ci_path, _commit_of(request.ci_path), f"CI checkout {request.ci_path}"
+        )
+    try:
+        repo, ref = validate_repo(request.repo), validate_ref(request.ref)
+    except ConfigError:
+        return None
+    final = (request.cache_dir or default_cache_dir()) / cache_key(repo, ref)
+    commit = _verified_cached(final, ref) if final.is_dir() else None
+    return Checkout(final, commit, f"cached clone of {repo}@{ref or 'HEAD'}") if commit else None
+
+
 def resolve_checkout(request: CheckoutRequest, clone: bool = True) -> Checkout:
     """Explicit path, then the CI convention, then a cached clone (made now unless clone=False)."""
     if request.path:

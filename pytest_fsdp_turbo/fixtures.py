@@ -244,7 +244,7 @@ def ppo_run(
             artifacts_dir=artifacts_root(config) / name,
             accelerator=accelerator,
             checkout=checkout,
-            engine_modules=list(engine_modules),
+            engine_modules=[*config.getini("fsdp_turbo_engine_modules"), *engine_modules],
             pythonpath=list(pythonpath),
             extra_env=dict(extra_env or {}),
         )

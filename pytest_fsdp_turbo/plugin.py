@@ -34,6 +34,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         if opt.ini:
             parser.addini(opt.ini, opt.help)
     parser.addini(
+        "fsdp_turbo_engine_modules",
+        "modules the ranks import before the engine lookup (downstream engines)",
+        type="linelist",
+        default=[],
+    )
+    parser.addini(
         "fsdp_turbo_env_guard",
         "fail a test that leaves os.environ or the working directory changed",
         type="bool",
@@ -60,9 +66,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     except ConfigError as exc:
         raise pytest.UsageError(str(exc)) from None
     lines = [f"fsdp-turbo: {accel.describe()}"]
-    path = settings_of(config).checkout.path
-    if path:
-        lines.append(f"fsdp-turbo: FSDPTurbo checkout {path}")
+    request = settings_of(config).checkout
+    if request.path or request.ci_path.exists() or request.ref:
+        from pytest_fsdp_turbo.checkout import find_checkout
+
+        found = find_checkout(request)
+        if found is not None:
+            lines.append(
+                f"fsdp-turbo: FSDPTurbo {found.path} @ {found.commit or '?'} ({found.source})"
+            )
     return lines
 
 

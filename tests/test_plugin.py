@@ -1,10 +1,13 @@
 """The plugin as users meet it: options, markers, skips with reasons, strict mode, header."""
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import env_with_path, fake_tool, nvidia_smi_listing
+
+REPO = Path(__file__).resolve().parent.parent
 
 E2E_SUITE = textwrap.dedent(
     """
@@ -205,3 +208,27 @@ def test_checkout_fixture_skips_with_source_and_fails_under_strict(pytester, tmp
     strict = pytester.runpytest(f"--fsdp-turbo-repo={url}", "--fsdp-turbo-strict")
     strict.assert_outcomes(errors=1)
     strict.stdout.fnmatch_lines(["*--fsdp-turbo-strict: FSDPTurbo from*"])
+
+
+def test_header_shows_a_resolved_checkout(pytester, tmp_path):
+    repo = tmp_path / "FSDPTurbo"
+    (repo / "fsdp_turbo").mkdir(parents=True)
+    (repo / "fsdp_turbo" / "__init__.py").write_text("")
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest(f"--fsdp-turbo-path={repo}")
+    result.stdout.fnmatch_lines([f"fsdp-turbo: FSDPTurbo {repo} @ ? (path {repo})"])
+
+
+def test_engine_modules_ini_reaches_the_ranks(pytester, tmp_path):
+    pytester.makeini(
+        f"[pytest]\nfsdp_turbo_engine_modules =\n    broken_engines\nfsdp_turbo_cases = {REPO / 'e2e' / 'cases.toml'}\n"
+    )
+    pytester.makepyfile(
+        f"""
+        def test_run(ppo_run):
+            result = ppo_run("tiny-qwen3-single-rank", backend="fsdp_off_by_one_sync",
+                             pythonpath=[{str(REPO / "e2e")!r}])
+            assert result.ok, result.failure_text()
+        """
+    )
+    pytester.runpytest("--fsdp-turbo-device=cpu").assert_outcomes(passed=1)

@@ -60,9 +60,16 @@ def test_npu_job_pins_fsdpturbo_and_leaves_hccl_to_the_plugin():
 
 
 def test_entry_scripts(tmp_path):
-    bad = subprocess.run(["bash", str(REPO / "e2e/scripts/run_suite.sh"), "tpu"], capture_output=True, text=True)
+    bad = subprocess.run(
+        ["bash", str(REPO / "e2e/scripts/run_suite.sh"), "tpu"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "expected cpu, gpu or npu; got 'tpu'" in bad.stderr
     env_path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
-    unknown = subprocess.run(["bash", str(REPO / "e2e/scripts/run_case.sh"), "no-such-case"],
-                             capture_output=True, text=True, cwd=REPO, env={"PATH": env_path})
+    unknown = subprocess.run(
+        ["bash", str(REPO / "e2e/scripts/run_case.sh"), "no-such-case"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": env_path},
+    )
     assert unknown.returncode == 2 and "no case 'no-such-case'" in unknown.stderr
