@@ -7,7 +7,7 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +29,6 @@ class Phase:
     rank: int
     fault: Fault | None = None
     name: str = "init"
-    log: list[str] = field(default_factory=list)
 
     def enter(self, name: str) -> None:
         self.name = name

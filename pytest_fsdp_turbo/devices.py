@@ -201,8 +201,7 @@ def detect(
         if kind == "cpu":
             return _cpu(count or cpu_slots, f"{override_origin}={override}")
         if count is not None:
-            names = ()
-            return Accelerator(kind, tuple(range(count)), names, f"{override_origin}={override}")
+            return Accelerator(kind, tuple(range(count)), (), f"{override_origin}={override}")
         found = detectors[kind](env, root)
         if found is None:
             looked = (

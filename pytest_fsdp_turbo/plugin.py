@@ -21,6 +21,7 @@ MARKERS = (
     "devices(n): the test needs n devices (or CPU rank slots)",
 )
 _HARDWARE_SKIP = pytest.StashKey[str]()
+_STRICT_BLOCK = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -132,9 +133,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     blocked = [item for item in e2e if _HARDWARE_SKIP in item.stash]
     if e2e and len(blocked) == len(e2e):
         reason = blocked[0].stash[_HARDWARE_SKIP]
-        raise pytest.UsageError(
+        message = (
             f"--fsdp-turbo-strict: {len(e2e)} e2e test(s) selected and none can run here: {reason}"
         )
+        if hasattr(session.config, "workerinput"):
+            # an xdist worker cannot end the session cleanly: each e2e test fails with the message
+            session.config.stash[_STRICT_BLOCK] = message
+        else:
+            raise pytest.UsageError(message)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    message = item.config.stash.get(_STRICT_BLOCK, None)
+    if message and _HARDWARE_SKIP in item.stash:
+        pytest.fail(message, pytrace=False)
 
 
 CASE_FIXTURE = "fsdp_turbo_case"

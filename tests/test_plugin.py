@@ -232,3 +232,16 @@ def test_engine_modules_ini_reaches_the_ranks(pytester, tmp_path):
         """
     )
     pytester.runpytest("--fsdp-turbo-device=cpu").assert_outcomes(passed=1)
+
+
+def test_strict_under_xdist_fails_every_blocked_test_with_the_message(pytester, no_gpu_path):
+    pytester.makepyfile(E2E_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-n", "2", "-m", "gpu_e2e or npu_e2e", "--fsdp-turbo-strict"
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(
+        ["*--fsdp-turbo-strict: 2 e2e test(s) selected and none can run here*"]
+    )
+    assert "INTERNALERROR" not in result.stdout.str()
