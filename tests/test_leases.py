@@ -120,3 +120,20 @@ def test_concurrent_leases_under_xdist_never_overlap(pytester, tmp_path):
                 continue
             assert not set(a["ids"]) & set(b["ids"]), (a, b)
             assert a["port"] != b["port"], (a, b)
+
+
+def test_leases_are_released_when_the_test_fails(pytester, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_STATE_DIR", str(tmp_path / "state"))
+    pytester.makepyfile(
+        """
+        def test_fails_holding_everything(device_lease, free_port):
+            device_lease(4)
+            raise RuntimeError("boom")
+
+        def test_then_gets_everything(device_lease):
+            assert device_lease(4, timeout_s=2).ids == (0, 1, 2, 3)
+        """
+    )
+    result = pytester.runpytest("--fsdp-turbo-device=cpu:4", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=1)
+    assert LeaseBook(tmp_path / "state").holders() == {"ports": {}, "devices": {}, "ranges": {}}
