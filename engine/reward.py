@@ -11,7 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-PROMPTS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "prompts"
+from pytest_fsdp_turbo_fixtures import DATA_DIR
+
+PROMPTS_DIR = DATA_DIR / "prompts"
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ import argparse
 import json
 from pathlib import Path
 
-SPECS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "models"
+from pytest_fsdp_turbo_fixtures import DATA_DIR
+
+SPECS_DIR = DATA_DIR / "models"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 

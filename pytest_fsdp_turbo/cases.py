@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pytest_fsdp_turbo_fixtures import DATA_DIR
+
 from pytest_fsdp_turbo.devices import KINDS
 from pytest_fsdp_turbo.errors import ConfigError
 
-FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES_DIR = DATA_DIR
 TINY_PREFIX = "tiny-"
 BUILTIN_BACKENDS = ("fsdp", "fsdp_turbo")
 ENGINE_ENTRY_POINTS = "pytest_fsdp_turbo.engines"

@@ -86,3 +86,44 @@ def test_run_unknown_case_and_compare_empty_folder(tmp_path):
     assert done.returncode == 2 and "no case 'no-such-case'; known: tiny-" in done.stderr
     empty = cli("compare", str(tmp_path), str(tmp_path))
     assert empty.returncode == 2 and "holds no case artifacts" in empty.stderr
+
+
+def test_wheel_carries_plugin_engine_and_data(tmp_path):
+    """A plain (non-editable) install must find tiny-model specs, prompts and goldens."""
+    import zipfile
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0 and "No module named" in done.stderr:
+        pytest.skip(f"cannot build a wheel offline here: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist()
+    for expected in (
+        "pytest_fsdp_turbo/plugin.py",
+        "pytest_fsdp_turbo_engine/worker.py",
+        "pytest_fsdp_turbo_fixtures/models/tiny-qwen3_5.json",
+        "pytest_fsdp_turbo_fixtures/prompts/nearest_char.jsonl",
+        "pytest_fsdp_turbo_fixtures/goldens/tiny-qwen3-single-rank/cpu-fp32-ws1.json",
+    ):
+        assert expected in names, expected
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(next(tmp_path.glob("*.whl"))).read(entry).decode()
+    assert (
+        "fsdp_turbo = pytest_fsdp_turbo.plugin" in text
+        and "pytest-fsdp-turbo = pytest_fsdp_turbo.cli:main" in text
+    )
