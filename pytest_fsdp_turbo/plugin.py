@@ -11,7 +11,7 @@ from pytest_fsdp_turbo.devices import KIND_BY_MARKER, MARKER_BY_KIND, Accelerato
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, render_table
 from pytest_fsdp_turbo.session import SETTINGS_KEY, accelerator_of, cases_of, settings_of
-from pytest_fsdp_turbo.settings import OPTIONS, _dest, resolve
+from pytest_fsdp_turbo.settings import OPTIONS, option_dest, resolve
 
 MARKERS = (
     "e2e: a distributed end-to-end test (runs on whatever hardware is detected)",
@@ -51,7 +51,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
-    values = {_dest(opt.flag): config.getoption(_dest(opt.flag)) for opt in OPTIONS}
+    values = {option_dest(opt.flag): config.getoption(option_dest(opt.flag)) for opt in OPTIONS}
     if values["fsdp_turbo_cases"] is None and config.getini("fsdp_turbo_cases"):
         values["fsdp_turbo_cases"] = str(config.rootpath / config.getini("fsdp_turbo_cases"))
     try:

@@ -155,7 +155,9 @@ def launch_ray(
         ]
         actors = []  # owned by the handles now: supervise() kills them
         outcome = supervise(handles, timeout_s, POLL_S)
-        return collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)
+        result = collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)
+        result.notes.append(f"ranks ran as Ray actors; rendezvous at {address}:{port}")
+        return result
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)

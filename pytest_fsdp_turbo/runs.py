@@ -121,6 +121,8 @@ def run_case_on_ray(request: RunRequest) -> RunResult:
     out = _prepare(request)
     slot_ranges = ((61000, 61063), (61064, 61127)) if kind == "npu" else None
     overrides = _env_overrides(request, (), 0, slot_ranges)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # rank 0's node decides these
+        overrides.pop(name)
     (out / "env.json").write_text(json.dumps(mask_secrets(overrides), indent=1, sort_keys=True))
     return launch_ray(
         case_id=case.id,

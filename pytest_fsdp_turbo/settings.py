@@ -75,7 +75,7 @@ OPTIONS = (
 _TRUE = ("1", "true", "yes", "on")
 
 
-def _dest(flag: str) -> str:
+def option_dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
@@ -99,7 +99,7 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
     raw: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for opt in OPTIONS:
-        dest = _dest(opt.flag)
+        dest = option_dest(opt.flag)
         value = values.get(dest)
         origin[dest] = opt.flag
         if (value is None or value is False) and opt.env and env.get(opt.env, "") != "":

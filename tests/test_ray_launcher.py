@@ -1,6 +1,7 @@
 """The Ray launcher on a local Ray instance: same checks as the local launcher, same cleanup."""
 
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -8,6 +9,8 @@ import pytest
 pytest.importorskip("ray")
 
 from pytest_fsdp_turbo import checks  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _live(marker: str) -> list[psutil.Process]:
@@ -67,3 +70,22 @@ def test_rank_crash_under_ray_fails_fast_and_leaves_nothing(ray_cluster, ppo_run
     ):
         time.sleep(0.2)
     assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
+
+
+def test_launcher_option_selects_ray(pytester):
+    pytester.makepyfile(
+        """
+        from pytest_fsdp_turbo import checks
+
+        def test_run(ppo_run):
+            result = ppo_run("tiny-qwen3-single-rank")
+            checks.check_completed(result)
+            assert any("ranks ran as Ray actors" in note for note in result.notes), result.notes
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "--fsdp-turbo-launcher=ray",
+        "--fsdp-turbo-device=cpu",
+        f"--fsdp-turbo-cases={REPO / 'e2e' / 'cases.toml'}",
+    )
+    result.assert_outcomes(passed=1)
