@@ -85,3 +85,25 @@ def test_prompts_have_equal_length():
     prompts = load_prompts()
     assert len(prompts) >= 8
     assert len({len(p.text.encode()) for p in prompts}) == 1
+
+
+def test_entry_point_engines_are_loaded_and_their_backends_known(
+    clean_registry, tmp_path, monkeypatch
+):
+    from pytest_fsdp_turbo.cases import known_backends
+
+    (tmp_path / "ep_engines_mod.py").write_text(
+        "from pytest_fsdp_turbo_engine.registry import register\n"
+        "@register(backend='ep_engine', device='cpu')\n"
+        "class FromEntryPoint: pass\n"
+    )
+    dist = tmp_path / "downstream_rl-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: downstream-rl\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_mod\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "ep_engine" in known_backends()  # case files may name it; nothing imported yet
+    registry.load_engine_plugins()
+    assert registry.lookup("llama", "ep_engine", "cpu").__name__ == "FromEntryPoint"
