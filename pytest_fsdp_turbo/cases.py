@@ -210,6 +210,16 @@ def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
         raise where.error(
             "micro_batches", f"at most the {rows} rows each rank trains on", case.micro_batches
         )
+    if case.backend == "fsdp_turbo":
+        from pytest_fsdp_turbo.turbo_config import build_turbo_config
+
+        for kind in case.devices:
+            try:
+                build_turbo_config(case, kind)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"{path}: case {case.id!r}: field 'turbo_config': {exc}"
+                ) from None
     if case.memory_budget_mb is not None and case.memory_budget_mb <= 0:
         raise where.error("memory_budget_mb", "a positive number of MiB", case.memory_budget_mb)
     return case

@@ -248,11 +248,14 @@ def ppo_run(
             pythonpath=list(pythonpath),
             extra_env=dict(extra_env or {}),
         )
-        if (launcher or settings.launcher) == "ray":
-            request.getfixturevalue("ray_cluster")
-            result = run_case_on_ray(run_request)
-        else:
-            result = run_case(run_request, fsdp_turbo_lease_book)
+        try:
+            if (launcher or settings.launcher) == "ray":
+                request.getfixturevalue("ray_cluster")
+                result = run_case_on_ray(run_request)
+            else:
+                result = run_case(run_request, fsdp_turbo_lease_book)
+        except (ConfigError, LeaseTimeout) as exc:
+            pytest.fail(f"case {case.id}: {exc}", pytrace=False)
         for key, value in junit_properties(result):
             request.node.user_properties.append((key, value))
         request.node.user_properties.append((SUMMARY_PROPERTY, summary_row(result)))

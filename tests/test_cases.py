@@ -122,3 +122,16 @@ def test_collection_error_is_one_clear_line(pytester):
         ["*cases.toml: case 'ok': field 'gradient_sync': expected one of deferred*"]
     )
     assert "Traceback" not in result.stdout.str()
+
+
+def test_turbo_config_contradicting_the_case_is_a_collection_error(tmp_path):
+    path = write(
+        tmp_path,
+        GOOD + 'backend = "fsdp_turbo"\ndevices = ["npu"]\n'
+        "[case.turbo_config.distributed]\nfully_shard_parallel_size = 8\n",
+    )
+    with pytest.raises(ConfigError) as info:
+        load_cases(path)
+    assert str(info.value).startswith(
+        f"{path}: case 'ok': field 'turbo_config': turbo_config.distributed.fully_shard_parallel_size: the case says 2"
+    )
