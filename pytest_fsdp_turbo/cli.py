@@ -11,6 +11,7 @@ from pytest_fsdp_turbo.checkout import resolve_checkout
 from pytest_fsdp_turbo.devices import KINDS, detect
 from pytest_fsdp_turbo.environ import build_collective_env, mask_secrets
 from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError
+from pytest_fsdp_turbo.leases import hccl_port_ranges
 from pytest_fsdp_turbo.settings import resolve
 
 VERSIONED = ("torch", "torch_npu", "transformers", "vllm", "vllm-ascend", "ray", "fsdp_turbo")
@@ -38,7 +39,7 @@ def doctor(args: argparse.Namespace) -> int:
         accel.ids[:world],
         29500,
         world_size=world,
-        port_ranges=((61000, 61063), (61064, 61127)) if accel.kind == "npu" else None,
+        port_ranges=hccl_port_ranges(0) if accel.kind == "npu" else None,
     )
     print(f"env for a {world}-rank group ({accel.backend}):")
     for name, value in sorted(mask_secrets(group.env).items()):

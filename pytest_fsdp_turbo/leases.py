@@ -31,6 +31,13 @@ def default_state_dir() -> Path:
     return Path(env) if env else Path(tempfile.gettempdir()) / f"pytest-fsdp-turbo-{os.getuid()}"
 
 
+def hccl_port_ranges(slot: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (host, npu) HCCL socket port ranges of one slot; slots never overlap."""
+    host = HCCL_RANGE_BASE + 2 * slot * HCCL_RANGE_SPAN
+    npu = host + HCCL_RANGE_SPAN
+    return (host, host + HCCL_RANGE_SPAN - 1), (npu, npu + HCCL_RANGE_SPAN - 1)
+
+
 @dataclass(frozen=True)
 class DeviceLease:
     kind: str
@@ -149,12 +156,7 @@ class LeaseBook:
                 if str(slot) not in state["ranges"]:
                     state["ranges"][str(slot)] = _owner(self.owner_pid)
                     self._write(state)
-                    host = HCCL_RANGE_BASE + 2 * slot * HCCL_RANGE_SPAN
-                    npu = host + HCCL_RANGE_SPAN
-                    return slot, (
-                        (host, host + HCCL_RANGE_SPAN - 1),
-                        (npu, npu + HCCL_RANGE_SPAN - 1),
-                    )
+                    return slot, hccl_port_ranges(slot)
         raise LeaseTimeout(f"all {HCCL_RANGE_SLOTS} HCCL port-range slots are held")
 
     def release_port_ranges(self, slot: int) -> None:

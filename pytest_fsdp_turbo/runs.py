@@ -14,7 +14,7 @@ from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
 from pytest_fsdp_turbo.launch import RunResult, launch_local
-from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
 from pytest_fsdp_turbo.turbo_config import build_turbo_config
 
@@ -119,8 +119,7 @@ def run_case_on_ray(request: RunRequest) -> RunResult:
 
     case, kind = request.case, request.accelerator.kind
     out = _prepare(request)
-    slot_ranges = ((61000, 61063), (61064, 61127)) if kind == "npu" else None
-    overrides = _env_overrides(request, (), 0, slot_ranges)
+    overrides = _env_overrides(request, (), 0, hccl_port_ranges(0) if kind == "npu" else None)
     for name in ("MASTER_ADDR", "MASTER_PORT"):  # rank 0's node decides these
         overrides.pop(name)
     (out / "env.json").write_text(json.dumps(mask_secrets(overrides), indent=1, sort_keys=True))
