@@ -14,7 +14,6 @@ from pytest_fsdp_turbo_fixtures import DATA_DIR
 
 SPECS_DIR = DATA_DIR / "models"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")
-REQUIRED_FILES = ("config.json", "tokenizer.json")
 
 
 def load_spec(name: str, directory: Path | None = None) -> dict:
@@ -65,18 +64,6 @@ def build_tiny_model(name: str, out_dir: Path, spec_dir: Path | None = None) -> 
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
-
-
-def model_dir_problem(path: Path) -> str | None:
-    """Why a directory is not a loadable HF model, or None when it looks complete."""
-    if not path.is_dir():
-        return f"model directory {path} does not exist"
-    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        missing.append("*.safetensors weights")
-    return (
-        f"model directory {path} is incomplete: missing {', '.join(missing)}" if missing else None
-    )
 
 
 def main() -> None:

@@ -10,9 +10,10 @@ dist = torch.distributed
 from pytest_fsdp_turbo_engine.config import EngineConfig  # noqa: E402
 from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead  # noqa: E402
 from pytest_fsdp_turbo_engine.rollout import response_mask  # noqa: E402
-from pytest_fsdp_turbo_engine.tiny_models import build_tiny_model, model_dir_problem  # noqa: E402
+from pytest_fsdp_turbo_engine.tiny_models import build_tiny_model  # noqa: E402
 
 from pytest_fsdp_turbo.environ import restored_environ  # noqa: E402
+from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +116,8 @@ def test_tiny_model_builder_saves_hf_format(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = build_tiny_model("tiny-qwen3_5", tmp_path / "m")
-    assert model_dir_problem(out) is None
+    assert local_model_dir("m", tmp_path) == out  # complete: config and weights
+    assert (out / "tokenizer.json").is_file()
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_text"
     assert set(config["layer_types"]) == {"linear_attention", "full_attention"}
@@ -125,4 +127,6 @@ def test_tiny_model_builder_saves_hf_format(tmp_path):
     again = AutoModelForCausalLM.from_pretrained(build_tiny_model("tiny-qwen3_5", tmp_path / "m2"))
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name  # fixed seed: the same weights every build
-    assert "incomplete" in model_dir_problem(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelUnavailable, match="incomplete"):
+        local_model_dir("empty", tmp_path)
