@@ -117,23 +117,23 @@ def check_policies_agree(
     return worst
 
 
+def _each_at_most(result: RunResult, check: str, key: str, tolerance: float) -> None:
+    for rank, value in _per_rank(result, key):
+        if not value <= tolerance:  # written so that NaN fails too
+            raise CheckFailure(
+                f"check {check}: rank {rank}: {key} = {value:.3g}, tolerance {tolerance:g}"
+            )
+
+
 def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
     """d. Every replica holds identical parameters after the step."""
-    for rank, value in _per_rank(result, "sync/replica_max_abs_diff"):
-        if not value <= tolerance:
-            raise CheckFailure(
-                f"check d: rank {rank}: sync/replica_max_abs_diff = {value:.3g}, tolerance {tolerance:g}"
-            )
+    _each_at_most(result, "d", "sync/replica_max_abs_diff", tolerance)
 
 
 def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None:
     """e. Weights gathered from FSDP into the rollout model reproduce the trainer's logprobs."""
     tol = WEIGHT_SYNC_TOL[_dtype(result)] if tolerance is None else tolerance
-    for rank, value in _per_rank(result, "sync/rollout_logprob_max_abs_diff"):
-        if not value <= tol:
-            raise CheckFailure(
-                f"check e: rank {rank}: sync/rollout_logprob_max_abs_diff = {value:.3g}, tolerance {tol:g}"
-            )
+    _each_at_most(result, "e", "sync/rollout_logprob_max_abs_diff", tol)
 
 
 def check_memory(result: RunResult, budget_mb: float | None) -> None:
