@@ -15,6 +15,7 @@ class EngineConfig:
     sync_policy: str = "deferred"  # deferred | every_micro_batch
     lr: float = 1e-4
     grad_clip: float = 1.0
+    weight_decay: float = 0.0  # AdamW; the reference step uses the same
     turbo_config: dict = field(default_factory=dict)
 
 
@@ -32,3 +33,4 @@ class PPOConfig:
     rollout: str = "hf"  # hf | vllm
     seed: int = 7
     reference_checks: bool = True  # single-process reference gradients, fingerprint (tiny models)
+    replay: str = ""  # twin runs: the main run's artifact folder, whose saved batch is replayed

@@ -12,7 +12,7 @@ from pytest_fsdp_turbo_engine.config import EngineConfig
 from pytest_fsdp_turbo_engine.ppo import entropy_from_logits, response_logprobs
 from pytest_fsdp_turbo_engine.registry import register
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 SYNC_POLICIES = ("deferred", "every_micro_batch")
@@ -38,7 +38,6 @@ class FSDPEngineWithLMHead:
         self.module: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.mesh = self._build_mesh()
-        self.retained_grad_bytes_peak = 0
 
     # --- topology -------------------------------------------------------------------------------
     def _build_mesh(self) -> DeviceMesh:
@@ -90,7 +89,7 @@ class FSDPEngineWithLMHead:
         if trainable:
             self.module = wrapped
             self.optimizer = torch.optim.AdamW(
-                wrapped.parameters(), lr=self.config.lr, weight_decay=0.0
+                wrapped.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
             )
         else:
             wrapped.requires_grad_(False)
@@ -127,26 +126,7 @@ class FSDPEngineWithLMHead:
         try:
             yield
         finally:
-            if not sync:
-                self.retained_grad_bytes_peak = max(
-                    self.retained_grad_bytes_peak, self.retained_grad_bytes()
-                )
             self._set_gradient_sync(True)
-
-    def retained_grad_bytes(self) -> int:
-        """Bytes of unsharded gradients FSDP holds between micro-batches (deferred sync)."""
-        total = 0
-        for module in self.module.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            group = module._get_fsdp_state()._fsdp_param_group
-            for param in group.fsdp_params if group else ():
-                grad = getattr(param, "unsharded_accumulated_grad", None)
-                if grad is None and hasattr(param, "_unsharded_param"):
-                    grad = param._unsharded_param.grad
-                if grad is not None:
-                    total += grad.numel() * grad.element_size()
-        return total
 
     # --- optimizer ------------------------------------------------------------------------------
     def _clip_grad_norm(self) -> float:

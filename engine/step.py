@@ -1,5 +1,12 @@
-"""One PPO step inside one rank: rollout -> reward -> advantages -> logprobs -> micro-batches under
-the case's gradient-sync policy -> optimizer step -> in-rank checks -> metrics."""
+"""One PPO step inside one rank, split at its natural seams. Each phase is a function that takes
+what it needs and returns what it measured; `run_ppo_step` alone turns those into metrics.
+
+rollout -> reward -> advantages -> logprobs -> micro-batches under the case's gradient-sync policy
+-> (reference gradients) -> optimizer step -> (reference step) -> post-step checks -> metrics.
+
+A twin run (`ppo.replay` set) skips rollout and reward and trains on the batch the main run saved.
+Every measurement a check depends on is taken here, never inside an engine method.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +14,38 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from pytest_fsdp_turbo_engine import ppo
+from pytest_fsdp_turbo_engine import fsdp_probe, ppo
 from pytest_fsdp_turbo_engine.config import EngineConfig, PPOConfig
 from pytest_fsdp_turbo_engine.faults import Fault
 from pytest_fsdp_turbo_engine.fsdp_engine import local_tensor
+from pytest_fsdp_turbo_engine.reductions import all_max, all_sum, gather_rows
+from pytest_fsdp_turbo_engine.reference import (
+    fingerprint,
+    gradient_norm,
+    max_abs_error,
+    reference_gradients,
+    reference_step,
+)
 from pytest_fsdp_turbo_engine.reward import closeness_reward, load_prompts
 from pytest_fsdp_turbo_engine.rollout import HFRollout, RolloutBatch
+from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
+from pytest_fsdp_turbo_engine.worker import PARTIAL_METRICS_ATTR
 
-FINGERPRINT_VALUES = 16
+BATCH_FILE = "batch.pt"  # the global training batch, for a twin to replay
+POST_STEP_FILE = "post_step.pt"  # the global post-step logprobs on that batch
+SUMMED_PARTS = (
+    "actor/loss",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "actor/entropy",
+)
 
 
 @dataclass
@@ -57,143 +83,60 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def _all_sum(value: float, device: torch.device, group=None) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, group=group)
-    return float(tensor.item())
-
-
-def _all_max(value: float, device: torch.device) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
-
-
-def _count_reduce_scatters(profile) -> int:
-    return sum(
-        1 for e in profile.events() if e.name.startswith("c10d::") and "reduce_scatter" in e.name
-    )
-
-
-def score_batch(batch: RolloutBatch, tokenizer, targets: list[str]) -> torch.Tensor:
-    scores = []
-    for row, prompt in zip(range(batch.input_ids.shape[0]), batch.prompt_index.tolist()):
-        ids = batch.response_ids[row][batch.response_mask[row].bool()].tolist()
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        scores.append(closeness_reward(text.encode("utf-8", errors="replace"), targets[prompt]))
-    return torch.tensor(scores, dtype=torch.float32)
-
-
 @dataclass
-class TrainBatch:
-    input_ids: torch.Tensor
-    prompt_len: int
-    mask: torch.Tensor
-    advantages: torch.Tensor
-    old_logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
+class Rank:
+    """What every phase of one rank shares: its configs, device, engine and data-parallel place."""
 
-    def rows(self, index: torch.Tensor) -> TrainBatch:
-        return TrainBatch(
-            self.input_ids[index],
-            self.prompt_len,
-            self.mask[index],
-            self.advantages[index],
-            self.old_logprobs[index],
-            self.ref_logprobs[index],
-        )
+    spec: dict
+    rank: int
+    phase: Phase
+    out: Path
+    engine_cfg: EngineConfig
+    cfg: PPOConfig
+    device: torch.device
+    engine: Any = None
+    tokenizer: Any = None
+    reference_module: torch.nn.Module | None = None  # frozen initial policy, for ref logprobs
+    rollout: Any = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    sp: int = 1
 
+    @property
+    def replaying(self) -> bool:
+        return bool(self.cfg.replay)
 
-def ppo_loss(
-    logprobs: torch.Tensor,
-    entropy: torch.Tensor | None,
-    mb: TrainBatch,
-    tokens: float,
-    cfg: PPOConfig,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    pg_loss, clipfrac, ppo_kl = ppo.policy_loss(
-        logprobs, mb.old_logprobs, mb.advantages, mb.mask, tokens, cfg.clip_ratio, cfg.clip_ratio_c
-    )
-    kl_loss = ppo.token_sum(ppo.low_var_kl(logprobs, mb.ref_logprobs), mb.mask) / tokens
-    loss = pg_loss + cfg.kl_coef * kl_loss
-    parts = {
-        "actor/pg_loss": pg_loss,
-        "actor/pg_clipfrac": clipfrac,
-        "actor/ppo_kl": ppo_kl,
-        "actor/kl_loss": kl_loss,
-    }
-    if entropy is not None:
-        ent = ppo.token_sum(entropy, mb.mask) / tokens
-        loss = loss - cfg.entropy_coef * ent
-        parts["actor/entropy"] = ent
-    return loss, {k: v.detach() for k, v in parts.items()}
+    def faulty(self, kind: str) -> bool:
+        fault = self.phase.fault
+        return fault is not None and fault.kind == kind and fault.rank == self.rank
 
 
-def _gather_rows(batch: TrainBatch) -> TrainBatch:
-    """The global batch on every rank, for the single-process reference."""
-    local = [
-        t.detach().cpu()
-        for t in (
-            batch.input_ids,
-            batch.mask,
-            batch.advantages,
-            batch.old_logprobs,
-            batch.ref_logprobs,
-        )
-    ]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    cat = [torch.cat([g[i] for g in gathered]) for i in range(5)]
-    return TrainBatch(cat[0], batch.prompt_len, cat[1], cat[2], cat[3], cat[4])
+# --- phases ---------------------------------------------------------------------------------------
 
 
-def reference_gradients(model: torch.nn.Module, batch: TrainBatch, tokens: float, cfg: PPOConfig):
-    """Gradients of the same loss over the whole global batch in one process, no sharding."""
-    model.zero_grad(set_to_none=True)
-    device = next(model.parameters()).device
-    logits = (
-        model(input_ids=batch.input_ids.to(device)).logits[:, batch.prompt_len - 1 : -1].float()
-    )
-    logprobs = ppo.response_logprobs(logits, batch.input_ids[:, batch.prompt_len :].to(device))
-    on_device = TrainBatch(
-        batch.input_ids,
-        batch.prompt_len,
-        batch.mask.to(device),
-        batch.advantages.to(device),
-        batch.old_logprobs.to(device),
-        batch.ref_logprobs.to(device),
-    )
-    loss, _ = ppo_loss(logprobs, ppo.entropy_from_logits(logits), on_device, tokens, cfg)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
+def load(spec: dict, rank: int, phase: Phase, out: Path) -> Rank:
+    from pytest_fsdp_turbo_engine.registry import load_engine_plugins, lookup
+    from transformers import AutoTokenizer
 
+    engine_cfg = EngineConfig(**spec["engine"])
+    cfg = PPOConfig(**spec["ppo"])
+    kind = spec["device_kind"]
+    device = device_for(kind, int(os.environ.get("LOCAL_RANK", rank)))
+    torch.manual_seed(cfg.seed)
+    ctx = Rank(spec, rank, phase, out, engine_cfg, cfg, device)
 
-def compare_gradients(sharded: dict, reference: dict) -> tuple[float, str]:
-    """Largest per-parameter error, relative to that parameter's largest reference gradient."""
-    worst, worst_name = 0.0, ""
-    for name, ref in reference.items():
-        got = sharded.get(name)
-        if got is None:
-            return math.inf, f"{name} (no gradient after sync)"
-        scale = max(float(ref.abs().max()), 1e-12)
-        err = float((got.float().cpu() - ref.float().cpu()).abs().max()) / scale
-        if not math.isfinite(err) or err > worst:
-            worst, worst_name = err, name
-            if not math.isfinite(err):
-                break
-    return worst, worst_name
-
-
-def fingerprint(grads: dict[str, torch.Tensor]) -> dict[str, dict]:
-    return {
-        name: {
-            "norm": float(g.float().norm()),
-            "head": [float(v) for v in g.flatten()[:FINGERPRINT_VALUES]],
-        }
-        for name, g in grads.items()
-    }
+    phase.enter("load")
+    load_engine_plugins(spec.get("engine_modules", ()))
+    engine = lookup(spec["model_type"], engine_cfg.backend, kind)(engine_cfg, device)
+    ctx.engine = engine
+    ctx.tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    engine.build(spec["model_path"])
+    if not ctx.replaying:
+        ctx.reference_module = engine.build(spec["model_path"], trainable=False)
+        ctx.rollout = make_rollout(cfg, engine_cfg, spec["model_path"], device, ctx.tokenizer)
+    ctx.dp_rank, ctx.dp_size = engine.data_parallel_rank(), engine.data_parallel_size()
+    ctx.sp = max(1, engine_cfg.sp_size)
+    return ctx
 
 
 def make_rollout(cfg: PPOConfig, engine_cfg: EngineConfig, model_path: str, device, tokenizer):
@@ -206,169 +149,331 @@ def make_rollout(cfg: PPOConfig, engine_cfg: EngineConfig, model_path: str, devi
     return HFRollout(model_path, device, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
-def _single_process_copy(rollout, spec: dict, device: torch.device) -> torch.nn.Module:
-    """The initial policy, unsharded: the HF rollout already holds one; otherwise load it."""
-    if isinstance(rollout, HFRollout):
-        return rollout.model
-    from transformers import AutoModelForCausalLM
+def score_batch(batch: RolloutBatch, tokenizer, targets: list[str]) -> torch.Tensor:
+    scores = []
+    for row, prompt in zip(range(batch.input_ids.shape[0]), batch.prompt_index.tolist()):
+        ids = batch.response_ids[row][batch.response_mask[row].bool()].tolist()
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        scores.append(closeness_reward(text.encode("utf-8", errors="replace"), targets[prompt]))
+    return torch.tensor(scores, dtype=torch.float32)
 
-    return AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32).to(device)
+
+@dataclass
+class Collected:
+    batch: TrainBatch
+    scores: torch.Tensor | None  # None when replayed
 
 
-def run_ppo_step(
-    spec: dict, rank: int, phase: Phase, metrics: dict[str, Any]
-) -> tuple[dict[str, Any], dict | None]:
-    """Fills `metrics` as it goes, so a failure late in the step still leaves what was measured."""
-    from pytest_fsdp_turbo_engine.registry import load_engine_plugins, lookup
-    from transformers import AutoTokenizer
-
-    engine_cfg = EngineConfig(**spec["engine"])
-    cfg = PPOConfig(**spec["ppo"])
-    kind = spec["device_kind"]
-    device = device_for(kind, int(os.environ.get("LOCAL_RANK", rank)))
-    torch.manual_seed(cfg.seed)
-
-    phase.enter("load")
-    load_engine_plugins(spec.get("engine_modules", ()))
-    engine_cls = lookup(spec["model_type"], engine_cfg.backend, kind)
-    engine = engine_cls(engine_cfg, device)
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    engine.build(spec["model_path"])
-    reference = engine.build(spec["model_path"], trainable=False)
-    rollout = make_rollout(cfg, engine_cfg, spec["model_path"], device, tokenizer)
-    dp_rank, dp_size = engine.data_parallel_rank(), engine.data_parallel_size()
-    sp = max(1, engine_cfg.sp_size)
-
-    step_start = time.perf_counter()
-    phase.enter("rollout")
+def collect(ctx: Rank) -> Collected:
+    """rollout -> reward -> GRPO advantages -> old and reference logprobs, for this rank's prompts."""
+    cfg, engine = ctx.cfg, ctx.engine
+    ctx.phase.enter("rollout")
     prompts = load_prompts(cfg.prompts)[: cfg.num_prompts]
-    local = prompts[dp_rank::dp_size]
+    local = prompts[ctx.dp_rank :: ctx.dp_size]
     prompt_ids = torch.tensor(
-        [tokenizer(p.text, add_special_tokens=False).input_ids for p in local]
+        [ctx.tokenizer(p.text, add_special_tokens=False).input_ids for p in local]
     )
-    torch.manual_seed(cfg.seed + 1000 * dp_rank)
-    batch = rollout.generate(prompt_ids.to(device), cfg.n, cfg.max_new_tokens)
+    torch.manual_seed(cfg.seed + 1000 * ctx.dp_rank)
+    rolled = ctx.rollout.generate(prompt_ids.to(ctx.device), cfg.n, cfg.max_new_tokens)
 
-    phase.enter("reward")
-    scores = score_batch(batch, tokenizer, [p.target for p in local]).to(device)
-    advantages = ppo.grpo_advantages(scores, cfg.n)[:, None] * batch.response_mask
+    ctx.phase.enter("reward")
+    scores = score_batch(rolled, ctx.tokenizer, [p.target for p in local]).to(ctx.device)
+    advantages = ppo.grpo_advantages(scores, cfg.n)[:, None] * rolled.response_mask
 
-    phase.enter("logprobs")
+    ctx.phase.enter("logprobs")
     with torch.no_grad():
-        old_logprobs, _ = engine.forward_logprobs(batch.input_ids, batch.prompt_len)
-        ref_logprobs, _ = engine.forward_logprobs(
-            batch.input_ids, batch.prompt_len, module=reference
+        old, _ = engine.forward_logprobs(rolled.input_ids, rolled.prompt_len)
+        ref, _ = engine.forward_logprobs(
+            rolled.input_ids, rolled.prompt_len, module=ctx.reference_module
         )
-    train = TrainBatch(
-        batch.input_ids,
-        batch.prompt_len,
-        batch.response_mask,
-        advantages,
-        old_logprobs,
-        ref_logprobs,
+    batch = TrainBatch(
+        rolled.input_ids, rolled.prompt_len, rolled.response_mask, advantages, old, ref
     )
-    # Ranks of one sequence-parallel group share their batch: count it once per data-parallel rank.
-    tokens = _all_sum(float(batch.response_mask.sum()), device, engine.data_parallel_group())
+    return Collected(batch, scores)
 
-    phase.enter("train")
-    totals: dict[str, float] = {}
-    chunks = torch.arange(batch.input_ids.shape[0]).chunk(cfg.micro_batches)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for i, rows in enumerate(chunks):
-            mb = train.rows(rows)
-            with engine._gradient_sync_context(is_last_micro_batch=i == len(chunks) - 1):
+
+def replayed(ctx: Rank) -> Collected:
+    """This rank's share of the main run's global batch (ranks hold equal, contiguous blocks)."""
+    ctx.phase.enter("replay")
+    whole = TrainBatch.load(Path(ctx.cfg.replay) / BATCH_FILE)
+    block = whole.size // ctx.dp_size
+    rows = torch.arange(ctx.dp_rank * block, (ctx.dp_rank + 1) * block)
+    return Collected(whole.rows(rows).to(ctx.device), None)
+
+
+@dataclass
+class Trained:
+    parts: dict[str, float]  # this rank's sums over its micro-batches
+    first_micro_batch: dict[str, float]
+    reduce_scatters_by_micro_batch: list[int]
+    retained_grad_bytes: int  # peak unsharded gradient bytes held between micro-batches
+    fsdp_units: int
+    shard_group_size: int
+
+
+def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
+    """Forward and backward per micro-batch under the engine's sync context; the harness counts the
+    reduce-scatters inside each micro-batch and the unsharded gradients held after each backward."""
+    ctx.phase.enter("train")
+    engine, module = ctx.engine, ctx.engine.module
+    chunks = torch.arange(batch.size).chunk(ctx.cfg.micro_batches)
+    parts: dict[str, float] = {}
+    first: dict[str, float] = {}
+    calls: list[int] = []
+    retained = 0
+    for i, rows in enumerate(chunks):
+        mb = batch.rows(rows)
+        last = i == len(chunks) - 1
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with engine._gradient_sync_context(is_last_micro_batch=last):
                 logprobs, entropy = engine.forward_logprobs(
                     mb.input_ids, mb.prompt_len, with_entropy=True
                 )
-                loss, parts = ppo_loss(logprobs, entropy, mb, tokens, cfg)
-                (loss * dp_size).backward()  # FSDP averages over ranks; the loss is a global sum
-            for key, value in parts.items():
-                totals[key] = totals.get(key, 0.0) + float(value)
-            if i == 0:
-                totals["actor/ppo_kl_first_micro_batch"] = float(parts["actor/ppo_kl"])
-                totals["actor/pg_clipfrac_first_micro_batch"] = float(parts["actor/pg_clipfrac"])
-    if phase.fault and phase.fault.kind == "nan" and phase.fault.rank == rank:
-        first = next(p for p in engine.module.parameters() if p.grad is not None)
-        local_tensor(first.grad).view(-1)[0] = float("nan")
-
-    grads_report = None
-    if cfg.reference_checks:
-        phase.enter("reference")
-        sharded = engine.full_gradients()
-        global_batch = _gather_rows(train)
-        ref_grads = reference_gradients(
-            _single_process_copy(rollout, spec, device), global_batch, tokens, cfg
-        )
-        err, name = compare_gradients(sharded, ref_grads)
-        metrics["sync/grad_max_rel_err"] = err
-        metrics["sync/grad_max_rel_err_param"] = name
-        if rank == 0:
-            grads_report = fingerprint(sharded)
-        before = {n: local_tensor(p.detach()).clone() for n, p in engine.module.named_parameters()}
-
-    phase.enter("optimizer")
-    grad_norm = engine.optimizer_step()
-    metrics["actor/grad_norm"] = grad_norm
-    step_time = time.perf_counter() - step_start
-
-    phase.enter("checks")
-    if cfg.reference_checks:
-        moved = max(
-            float((local_tensor(p.detach()) - before[n]).abs().max())
-            for n, p in engine.module.named_parameters()
-        )
-        metrics["actor/param_update_max_abs"] = _all_max(moved, device)
-    metrics["sync/replica_max_abs_diff"] = replica_max_abs_diff(engine, device)
-    rollout.load_weights(engine.full_state_dict())
-    with torch.no_grad():
-        trainer_lp, _ = engine.forward_logprobs(batch.input_ids, batch.prompt_len)
-    rollout_lp = rollout.logprobs(batch.input_ids, batch.prompt_len)
-    diff = float(((trainer_lp - rollout_lp).abs() * batch.response_mask).max())
-    metrics["sync/rollout_logprob_max_abs_diff"] = _all_max(diff, device)
-
-    for key in (
-        "actor/pg_loss",
-        "actor/pg_clipfrac",
-        "actor/ppo_kl",
-        "actor/kl_loss",
-        "actor/entropy",
-    ):
-        metrics[key] = _all_sum(totals[key], device) / sp
-    for key in ("actor/ppo_kl_first_micro_batch", "actor/pg_clipfrac_first_micro_batch"):
-        metrics[key] = _all_max(abs(totals[key]), device)
-    responses = _all_sum(float(scores.numel()), device) / sp
-    global_tokens = _all_sum(float(batch.input_ids.numel()), device) / sp
-    metrics.update(
-        {
-            "actor/grad_norm": grad_norm,
-            "actor/grad_norm_finite": math.isfinite(grad_norm),
-            "critic/score/mean": _all_sum(float(scores.sum()), device) / sp / responses,
-            "response_length/mean": tokens / responses,
-            "perf/step_time_s": step_time,
-            "perf/tokens_per_s": global_tokens / step_time,
-            "perf/peak_memory_bytes": peak_memory_bytes(device),
-            "sync/retained_grad_bytes": engine.retained_grad_bytes_peak,
-            "comm/reduce_scatter_calls": _count_reduce_scatters(prof),
-            "case/sync_policy": engine_cfg.sync_policy,
-            "case/world_size": engine_cfg.world_size,
-            "case/dtype": engine_cfg.dtype,
-            "case/device": kind,
-            "rank": rank,
-        }
+                loss, values = ppo_loss(logprobs, entropy, mb, tokens, ctx.cfg)
+                (loss * ctx.dp_size).backward()  # FSDP averages over ranks; the loss is a sum
+        calls.append(fsdp_probe.count_reduce_scatters(prof))
+        if not last:
+            retained = max(retained, fsdp_probe.unsharded_grad_bytes(module))
+        for key, value in values.items():
+            parts[key] = parts.get(key, 0.0) + float(value)
+        if i == 0:
+            first = {key: float(value) for key, value in values.items()}
+    if ctx.faulty("nan"):
+        grad = next(p.grad for p in module.parameters() if p.grad is not None)
+        local_tensor(grad).view(-1)[0] = float("nan")
+    return Trained(
+        parts,
+        first,
+        calls,
+        retained,
+        fsdp_probe.fsdp_units(module),
+        fsdp_probe.shard_group_size(module),
     )
-    return metrics, grads_report
 
 
-def replica_max_abs_diff(engine, device: torch.device) -> float:
+@dataclass
+class Referenced:
+    grads: dict[str, torch.Tensor]
+    norm: float
+    grad_max_rel_err: float
+    grad_max_rel_err_param: str
+    fingerprint: dict | None  # rank 0 only
+
+
+def single_process_copy(ctx: Rank) -> torch.nn.Module:
+    """The initial policy, unsharded: the HF rollout already holds one; otherwise load it."""
+    if isinstance(ctx.rollout, HFRollout):
+        return ctx.rollout.model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ctx.spec["model_path"], dtype=torch.float32)
+    return model.to(ctx.device)
+
+
+def reference(ctx: Rank, global_batch: TrainBatch, tokens: float, copy) -> Referenced:
+    ctx.phase.enter("reference")
+    sharded = ctx.engine.full_gradients()
+    grads = reference_gradients(copy, global_batch, tokens, ctx.cfg)
+    err, name = max_abs_error(sharded, grads)
+    return Referenced(
+        grads, gradient_norm(grads), err, name, fingerprint(sharded) if ctx.rank == 0 else None
+    )
+
+
+@dataclass
+class Stepped:
+    reported_norm: float  # what the engine says (pre-clip)
+    measured_norm: float  # what the harness computes from the sharded gradients
+    update_max_abs: float  # this rank's own largest parameter change
+    local_numel: int  # parameters this rank holds
+    seconds: float
+
+
+def optimizer(ctx: Rank) -> Stepped:
+    ctx.phase.enter("optimizer")
+    module = ctx.engine.module
+    measured = fsdp_probe.global_grad_norm(module)
+    before = [local_tensor(p.detach()).to("cpu", copy=True) for p in module.parameters()]
+    start = time.perf_counter()
+    reported = float(ctx.engine.optimizer_step())
+    seconds = time.perf_counter() - start
+    after = [local_tensor(p.detach()).cpu() for p in module.parameters()]
+    moved = max((float((a - b).abs().max()) for a, b in zip(after, before) if b.numel()), default=0)
+    return Stepped(reported, measured, moved, sum(b.numel() for b in before), seconds)
+
+
+@dataclass
+class PostStep:
+    replica_max_abs_diff: float | None  # None: no replicas
+    rollout_logprob_max_abs_diff: float | None  # None: no rollout (twin)
+    step_max_err: float | None  # None: no reference step
+    logprobs: torch.Tensor  # post-step logprobs of this rank's batch
+
+
+def post_step(
+    ctx: Rank, batch: TrainBatch, ref: Referenced | None, copy, norm_finite: bool
+) -> PostStep:
+    ctx.phase.enter("checks")
+    engine = ctx.engine
+    full = engine.full_state_dict() if (ref is not None or ctx.rollout is not None) else None
+    step_err = None
+    if ref is not None and copy is not None:
+        if norm_finite:
+            reference_step(copy, ref.grads, ref.norm, ctx.engine_cfg)
+        want = {n: p.detach() for n, p in copy.named_parameters()}
+        step_err, _ = max_abs_error(full, want, scale=ctx.engine_cfg.lr)
+    with torch.no_grad():
+        logprobs, _ = engine.forward_logprobs(batch.input_ids, batch.prompt_len)
+    rollout_diff = None
+    if ctx.rollout is not None:
+        ctx.rollout.load_weights(full)
+        rollout_lp = ctx.rollout.logprobs(batch.input_ids, batch.prompt_len)
+        diff = float(((logprobs - rollout_lp).abs() * batch.mask).max())
+        rollout_diff = all_max(diff, ctx.device)
+    return PostStep(replica_max_abs_diff(engine, ctx.device), rollout_diff, step_err, logprobs)
+
+
+def replica_max_abs_diff(engine, device: torch.device) -> float | None:
     """Spread of each local shard across the ranks that should hold the same values (HSDP)."""
     group = engine.replicate_group()
     if group is None:
-        return 0.0
+        return None
     worst = torch.zeros((), dtype=torch.float32, device=device)
     for param in engine.module.parameters():
         shard = local_tensor(param.detach()).float()
         hi, lo = shard.clone(), shard.clone()
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        torch.distributed.all_reduce(hi, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN, group=group)
         worst = torch.maximum(worst, (hi - lo).abs().max() if hi.numel() else worst)
-    return _all_max(float(worst), device)
+    return all_max(float(worst), device)
+
+
+def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> dict[str, float]:
+    """Twin only: post-step logprobs against the main run's, on the same global batch."""
+    group = ctx.engine.data_parallel_group()
+    mine, mask = gather_rows(logprobs, group), gather_rows(batch.mask, group)
+    main = torch.load(Path(ctx.cfg.replay) / POST_STEP_FILE, weights_only=True)
+    diff = float(((mine - main["logprobs"]).abs() * mask).max())
+    return {"twin/post_step_logprob_max_abs_diff": diff}
+
+
+# --- the step -------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepOutput:
+    metrics: dict[str, Any]
+    grads_fingerprint: dict | None = None
+    files: list[str] = field(default_factory=list)
+
+
+def reduced_metrics(ctx: Rank, collected: Collected, trained: Trained, tokens: float) -> dict:
+    """Per-rank sums and maxima reduced to the whole run (sequence-parallel ranks counted once)."""
+    device, sp, batch = ctx.device, ctx.sp, collected.batch
+    metrics = {key: all_sum(trained.parts.get(key, 0.0), device) / sp for key in SUMMED_PARTS}
+    for key in ("actor/ppo_kl", "actor/pg_clipfrac"):
+        metrics[f"{key}_first_micro_batch"] = all_max(abs(trained.first_micro_batch[key]), device)
+    responses = all_sum(float(batch.size), device) / sp
+    metrics["response_length/mean"] = tokens / responses
+    metrics["ppo/advantages_abs_max"] = all_max(float(batch.advantages.abs().max()), device)
+    metrics["perf/global_tokens"] = all_sum(float(batch.input_ids.numel()), device) / sp
+    if collected.scores is not None:
+        scores = float(collected.scores.sum())
+        metrics["critic/score/mean"] = all_sum(scores, device) / sp / responses
+    return metrics
+
+
+def run_ppo_step(spec: dict, rank: int, phase: Phase, out: Path) -> StepOutput:
+    """Metrics measured so far ride on any exception as `partial_metrics`, so nothing is lost."""
+    metrics: dict[str, Any] = {}
+    try:
+        return _run(spec, rank, phase, out, metrics)
+    except BaseException as exc:
+        setattr(exc, PARTIAL_METRICS_ATTR, metrics)
+        raise
+
+
+def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepOutput:
+    ctx = load(spec, rank, phase, out)
+    cfg, device = ctx.cfg, ctx.device
+    replicas = ctx.engine.replicate_group()
+    metrics.update(
+        {
+            "case/sync_policy": ctx.engine_cfg.sync_policy,
+            "case/world_size": ctx.engine_cfg.world_size,
+            "case/micro_batches": cfg.micro_batches,
+            "case/dtype": ctx.engine_cfg.dtype,
+            "case/device": spec["device_kind"],
+            "case/reference": cfg.reference_checks and not ctx.replaying,
+            "case/memory_budget_mb": spec.get("memory_budget_mb"),
+            "case/replicas": 1 if replicas is None else torch.distributed.get_world_size(replicas),
+            "rank": rank,
+        }
+    )
+    files: list[str] = []
+    step_start = time.perf_counter()
+    collected = replayed(ctx) if ctx.replaying else collect(ctx)
+    batch = collected.batch
+    group = ctx.engine.data_parallel_group()
+    # Ranks of one sequence-parallel group share their batch: count it once per data-parallel rank.
+    tokens = all_sum(float(batch.mask.sum()), device, group)
+    global_batch = batch.gather(group) if not ctx.replaying else None
+    if global_batch is not None and rank == 0:
+        global_batch.save(out / BATCH_FILE)
+        files.append(BATCH_FILE)
+
+    trained = train(ctx, batch, tokens)
+    metrics.update(
+        {
+            "comm/reduce_scatter_calls_by_micro_batch": trained.reduce_scatters_by_micro_batch,
+            "comm/reduce_scatter_calls": sum(trained.reduce_scatters_by_micro_batch),
+            "comm/fsdp_units": trained.fsdp_units,
+            "comm/shard_group_size": trained.shard_group_size,
+            "sync/retained_grad_bytes": trained.retained_grad_bytes,
+        }
+    )
+
+    ref, copy = None, None
+    if cfg.reference_checks and not ctx.replaying:
+        copy = single_process_copy(ctx)
+        ref = reference(ctx, global_batch, tokens, copy)
+        metrics["sync/grad_max_rel_err"] = ref.grad_max_rel_err
+        metrics["sync/grad_max_rel_err_param"] = ref.grad_max_rel_err_param
+        metrics["sync/reference_grad_norm"] = ref.norm
+
+    stepped = optimizer(ctx)
+    step_time = time.perf_counter() - step_start
+    finite = math.isfinite(stepped.reported_norm)
+    metrics.update(
+        {
+            "actor/grad_norm": stepped.reported_norm,
+            "actor/grad_norm_finite": finite,
+            "sync/grad_norm_measured": stepped.measured_norm,
+            "actor/param_update_max_abs": stepped.update_max_abs,
+            "actor/local_param_numel": stepped.local_numel,
+        }
+    )
+
+    after = post_step(ctx, batch, ref, copy, finite)
+    metrics["sync/replica_max_abs_diff"] = after.replica_max_abs_diff
+    metrics["sync/rollout_logprob_max_abs_diff"] = after.rollout_logprob_max_abs_diff
+    if after.step_max_err is not None:
+        metrics["sync/step_max_err_lr"] = after.step_max_err
+    if ctx.replaying:
+        metrics.update(twin_comparison(ctx, batch, after.logprobs))
+    else:
+        logprobs = gather_rows(after.logprobs, group)
+        if rank == 0:
+            torch.save({"logprobs": logprobs}, out / POST_STEP_FILE)
+            files.append(POST_STEP_FILE)
+
+    phase.enter("metrics")
+    metrics.update(reduced_metrics(ctx, collected, trained, tokens))
+    metrics.update(
+        {
+            "perf/step_time_s": step_time,
+            "perf/tokens_per_s": metrics.pop("perf/global_tokens") / step_time,
+            "perf/peak_memory_bytes": peak_memory_bytes(device),
+        }
+    )
+    return StepOutput(metrics, ref.fingerprint if ref else None, files)

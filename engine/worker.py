@@ -16,6 +16,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+PARTIAL_METRICS_ATTR = "partial_metrics"  # what a failed step measured, carried on its exception
+
 
 def _write_json(path: Path, payload: dict) -> None:
     tmp = path.with_suffix(".tmp")
@@ -39,7 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     from pytest_fsdp_turbo_engine.step import Phase
 
     phase = Phase(rank)
-    metrics: dict = {}
     try:
         phase.fault = Fault.from_env()
         phase.enter("init")
@@ -50,11 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s = float(os.environ.get("PYTEST_FSDP_TURBO_COLLECTIVE_TIMEOUT_S", "120"))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         assert dist.get_world_size() == world_size
-        metrics, grads = run_ppo_step(spec, rank, phase, metrics)
+        output = run_ppo_step(spec, rank, phase, out)
         phase.enter("write")
-        if grads is not None:
-            _write_json(out / f"rank{rank}.grads.json", grads)
-        _write_json(out / f"rank{rank}.metrics.json", metrics)
+        if output.grads_fingerprint is not None:
+            _write_json(out / f"rank{rank}.grads.json", output.grads_fingerprint)
+        _write_json(out / f"rank{rank}.metrics.json", output.metrics)
         dist.barrier()
         dist.destroy_process_group()
         return 0
@@ -71,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                 "time": time.time(),
             },
         )
-        if metrics:
-            _write_json(out / f"rank{rank}.partial-metrics.json", metrics)
+        partial = getattr(exc, PARTIAL_METRICS_ATTR, None)
+        if partial:
+            _write_json(out / f"rank{rank}.partial-metrics.json", partial)
         print(text, file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)

@@ -23,6 +23,7 @@ SYNC_POLICIES = ("deferred", "every_micro_batch")
 DTYPES = ("auto", "fp32", "bf16")
 ROLLOUTS = ("hf", "vllm")
 GOLDEN_TIERS = ("exact", "relative", "none")
+TWINS = ("single", "every_micro_batch", "none")
 TURBO_DEVICES = ("cuda", "npu")
 
 
@@ -49,6 +50,7 @@ class Case:
     max_new_tokens: int = 12
     lr: float = 1e-4
     reference_checks: bool | None = None  # default: on for tiny models
+    twin: str | None = None  # default: "single" when there is no in-rank reference, else "none"
     description: str = ""
 
     @property
@@ -70,6 +72,11 @@ class Case:
 
     def with_reference_checks(self) -> bool:
         return self.is_tiny if self.reference_checks is None else self.reference_checks
+
+    def twin_kind(self) -> str:
+        if self.twin is not None:
+            return self.twin
+        return "none" if self.with_reference_checks() else "single"
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Case)}
@@ -103,6 +110,7 @@ _TYPES = {
     "max_new_tokens": int,
     "lr": float,
     "reference_checks": bool,
+    "twin": str,
     "description": str,
 }
 
@@ -168,6 +176,11 @@ def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
     _choice(where, "gradient_sync", case.gradient_sync, SYNC_POLICIES)
     _choice(where, "rollout", case.rollout, ROLLOUTS)
     _choice(where, "golden_tier", case.golden_tier, GOLDEN_TIERS)
+    _choice(where, "twin", case.twin_kind(), TWINS)
+    if case.twin_kind() == "every_micro_batch" and case.gradient_sync != "deferred":
+        raise where.error(
+            "twin", "single or none when gradient_sync is already every_micro_batch", case.twin
+        )
     if not case.devices:
         raise where.error("devices", "at least one of " + ", ".join(KINDS), list(case.devices))
     for kind in case.devices:

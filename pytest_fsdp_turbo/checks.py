@@ -1,12 +1,27 @@
-"""Assertions over a run result, usable from any downstream test.
+"""Verdicts over a run result, usable from any downstream test: `check_all(result)` runs every check
+that applies and says which could not apply and why.
 
-Each failure message names the check, the rank, the parameter or metric, the value and the tolerance.
+  a  gradient norm: finite, equal on every rank, equal to the norm the harness computes itself
+     (and to the reference gradients' norm when there is a reference); never 0 with non-zero advantages
+  b  on-policy first micro-batch: ppo_kl ~ 0, nothing clipped
+  c  gradient parity: against the single-process reference, or against the replay twin
+  d  replica consistency (HSDP)
+  e  trainer-to-rollout weight sync
+  f  memory within the case's budget
+  g  goldens (pytest_fsdp_turbo.goldens, needs the golden folder)
+  h  the declared gradient-sync policy: reduce-scatters per micro-batch and retained gradients
+  i  the optimizer step: every rank moved its parameters; equal to the reference step when there is one
+
+Each failure message names the check letter, the rank, the metric or parameter, the value and the
+tolerance. Every value checked here was measured by the harness inside the ranks.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_fsdp_turbo.launch import RunResult
@@ -17,22 +32,69 @@ GRAD_PARITY_TOL = {"fp32": 1e-4, "bf16": 5e-2}
 POLICY_AGREEMENT_TOL = {"fp32": 1e-6, "bf16": 1e-2}
 ON_POLICY_KL_TOL = {"fp32": 1e-5, "bf16": 1e-2}
 WEIGHT_SYNC_TOL = {"fp32": 1e-4, "bf16": 1e-1}
-NORM_AGREEMENT_REL = 1e-6
+NORM_AGREEMENT_REL = 1e-6  # the same number on every rank
+# The engine's norm against the harness's own sum over the same sharded gradients (fp32 either way).
+GRAD_NORM_TRUE_REL = {"fp32": 1e-5, "bf16": 1e-3}
+# The engine's norm against the reference gradients' norm (verl's bf16 anchor: rtol 3e-2).
+GRAD_NORM_REFERENCE_REL = {"fp32": 1e-4, "bf16": 3e-2}
+# Post-step parameters against the reference step, in units of the learning rate (Adam's first
+# step moves every entry by about lr, so 1.0 would be "one entry went the other way").
+STEP_TOL_LR = {"fp32": 5e-2, "bf16": 1.0}
+# Replay twin (same batch, reference layout): loss (atol, rtol), grad norm rtol, post-step logprobs.
+TWIN_LOSS_TOL = {"fp32": (1e-6, 1e-5), "bf16": (1e-2, 1e-2)}
+TWIN_GRAD_NORM_REL = {"fp32": 1e-5, "bf16": 3e-2}
+TWIN_LOGPROB_TOL = {"fp32": 1e-5, "bf16": 5e-2}
+
+PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
 
 
 class CheckFailure(AssertionError):
     pass
 
 
+class NotApplicable(Exception):
+    """Raised by a check that cannot apply to this run; the message says why."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    check: str
+    status: str
+    detail: str = ""
+
+    def describe(self) -> str:
+        return f"{self.check}: {self.detail}" if self.detail else self.check
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcomes: tuple[Outcome, ...]
+
+    def with_status(self, status: str) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == status]
+
+    @property
+    def ok(self) -> bool:
+        return not self.with_status(FAILED)
+
+    def not_applicable(self) -> list[str]:
+        """e.g. ["c: no reference, no twin", "d: no replicas"], for the summary table."""
+        return [o.describe() for o in self.with_status(NOT_APPLICABLE)]
+
+
 def _dtype(result: RunResult) -> str:
     return str(result.metrics.get("case/dtype", "fp32"))
 
 
-def _per_rank(result: RunResult, key: str):
+def _per_rank(result: RunResult, key: str) -> Iterator[tuple[int, object]]:
     for rank in result.ranks:
         if rank.metrics is None or key not in rank.metrics:
             raise CheckFailure(f"rank {rank.rank}: metric {key!r} missing (log {rank.log_path})")
         yield rank.rank, rank.metrics[key]
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
 
 
 def check_completed(result: RunResult) -> None:
@@ -41,7 +103,8 @@ def check_completed(result: RunResult) -> None:
 
 
 def check_grad_norm(result: RunResult) -> None:
-    """a. The gradient norm is finite and the same on every rank."""
+    """a. Finite, the same on every rank, and true: the global L2 norm of the sharded gradients."""
+    dtype = _dtype(result)
     norms = list(_per_rank(result, "actor/grad_norm"))
     for rank, value in norms:
         if value is None or not math.isfinite(value):
@@ -54,6 +117,29 @@ def check_grad_norm(result: RunResult) -> None:
             raise CheckFailure(
                 f"check a: rank {rank}: actor/grad_norm = {value!r} differs from rank {base_rank}'s "
                 f"{base!r} beyond relative tolerance {NORM_AGREEMENT_REL:g}"
+            )
+    tol = GRAD_NORM_TRUE_REL[dtype]
+    for (rank, reported), (_, measured) in zip(norms, _per_rank(result, "sync/grad_norm_measured")):
+        if not _rel(reported, measured) <= tol:
+            raise CheckFailure(
+                f"check a: rank {rank}: actor/grad_norm = {reported:.6g} but the global L2 norm of "
+                f"the sharded gradients is {measured:.6g} (relative difference "
+                f"{_rel(reported, measured):.3g}, tolerance {tol:g})"
+            )
+    advantages = result.metrics.get("ppo/advantages_abs_max", 0.0)
+    if base == 0 and advantages > 0:
+        raise CheckFailure(
+            f"check a: rank {base_rank}: actor/grad_norm = 0 on a step whose advantages are not "
+            f"all zero (ppo/advantages_abs_max = {advantages:.3g}): no gradient reached the shards"
+        )
+    reference = result.metrics.get("sync/reference_grad_norm")
+    if reference is not None:
+        tol = GRAD_NORM_REFERENCE_REL[dtype]
+        if not _rel(base, reference) <= tol:
+            raise CheckFailure(
+                f"check a: rank {base_rank}: actor/grad_norm = {base:.6g}, the single-process "
+                f"reference gradients' norm is {reference:.6g} (relative difference "
+                f"{_rel(base, reference):.3g}, tolerance {tol:g})"
             )
 
 
@@ -75,6 +161,8 @@ def check_on_policy(result: RunResult) -> None:
 
 def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> None:
     """c. Sharded gradients after accumulation equal a single-process reference over the batch."""
+    if "sync/grad_max_rel_err" not in result.metrics:
+        raise NotApplicable("no reference")
     tol = GRAD_PARITY_TOL[_dtype(result)] if tolerance is None else tolerance
     params = dict(_per_rank(result, "sync/grad_max_rel_err_param"))
     for rank, err in _per_rank(result, "sync/grad_max_rel_err"):
@@ -84,6 +172,39 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
                 f"single-process reference by {err:.3g} (relative to its largest entry), "
                 f"tolerance {tol:g} [sync policy {result.metrics.get('case/sync_policy')}]"
             )
+
+
+def check_twin(result: RunResult) -> None:
+    """c. The replay twin (same batch, reference layout) gives the same loss, norm and step."""
+    twin = result.twin
+    if twin is None:
+        raise NotApplicable("no twin")
+    label = f"check c: twin ({result.twin_kind})"
+    if not twin.ok:
+        raise CheckFailure(f"{label}: the twin run failed\n{twin.failure_text()}")
+    dtype = _dtype(result)
+    mine, theirs = result.metrics, twin.metrics
+    atol, rtol = TWIN_LOSS_TOL[dtype]
+    diff = abs(mine["actor/loss"] - theirs["actor/loss"])
+    if not diff <= atol + rtol * abs(theirs["actor/loss"]):
+        raise CheckFailure(
+            f"{label}: actor/loss = {mine['actor/loss']:.6g}, twin {theirs['actor/loss']:.6g} "
+            f"(difference {diff:.3g}, tolerance atol {atol:g} + rtol {rtol:g})"
+        )
+    tol = TWIN_GRAD_NORM_REL[dtype]
+    a, b = mine["actor/grad_norm"], theirs["actor/grad_norm"]
+    if not (math.isfinite(a) and _rel(a, b) <= tol):
+        raise CheckFailure(
+            f"{label}: actor/grad_norm = {a:.6g}, twin {b:.6g} (relative difference "
+            f"{_rel(a, b):.3g}, tolerance {tol:g})"
+        )
+    tol = TWIN_LOGPROB_TOL[dtype]
+    lp = theirs["twin/post_step_logprob_max_abs_diff"]
+    if not lp <= tol:
+        raise CheckFailure(
+            f"{label}: post-step logprobs on the batch differ from the twin's by up to {lp:.3g} "
+            f"(twin/post_step_logprob_max_abs_diff), tolerance {tol:g}"
+        )
 
 
 def load_gradient_fingerprint(result: RunResult) -> dict:
@@ -127,24 +248,23 @@ def _each_at_most(result: RunResult, check: str, key: str, tolerance: float) -> 
 
 def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
     """d. Every replica holds identical parameters after the step."""
+    if result.metrics.get("sync/replica_max_abs_diff") is None:
+        raise NotApplicable("no replicas")
     _each_at_most(result, "d", "sync/replica_max_abs_diff", tolerance)
 
 
 def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None:
     """e. Weights gathered from FSDP into the rollout model reproduce the trainer's logprobs."""
+    if result.metrics.get("sync/rollout_logprob_max_abs_diff") is None:
+        raise NotApplicable("no rollout")
     tol = WEIGHT_SYNC_TOL[_dtype(result)] if tolerance is None else tolerance
     _each_at_most(result, "e", "sync/rollout_logprob_max_abs_diff", tol)
 
 
 def check_memory(result: RunResult, budget_mb: float | None) -> None:
-    """f. Peak memory within budget; retained gradient bytes reported."""
-    for rank, value in _per_rank(result, "sync/retained_grad_bytes"):
-        if not isinstance(value, int) or value < 0:
-            raise CheckFailure(
-                f"check f: rank {rank}: sync/retained_grad_bytes = {value!r}, expected bytes"
-            )
+    """f. Peak memory within budget."""
     if budget_mb is None:
-        return
+        raise NotApplicable("no memory budget")
     for rank, value in _per_rank(result, "perf/peak_memory_bytes"):
         if value > budget_mb * 2**20:
             raise CheckFailure(
@@ -153,21 +273,124 @@ def check_memory(result: RunResult, budget_mb: float | None) -> None:
             )
 
 
-def check_params_updated(result: RunResult) -> None:
-    for rank, value in _per_rank(result, "actor/param_update_max_abs"):
-        if not value > 0:
+def expected_reduce_scatters(
+    policy: str, micro_batches: int, units: int, shard_group_size: int
+) -> list[int]:
+    """One reduce-scatter per FSDP unit per synced backward (none when a unit is sharded over one
+    rank: FSDP2 skips the collective); deferred syncs only the last micro-batch."""
+    per_sync = units if shard_group_size > 1 else 0
+    if policy == "deferred":
+        return [0] * (micro_batches - 1) + [per_sync]
+    return [per_sync] * micro_batches
+
+
+def check_sync_contract(result: RunResult) -> None:
+    """h. What the declared gradient-sync policy promises is what the ranks measured."""
+    m = result.metrics
+    policy, micro_batches = m.get("case/sync_policy"), m.get("case/micro_batches")
+    head = (
+        f"check h: case {result.case_id}: declared gradient_sync {policy!r} with "
+        f"{micro_batches} micro-batches"
+    )
+    for rank, calls in _per_rank(result, "comm/reduce_scatter_calls_by_micro_batch"):
+        units = result.ranks[rank].metrics["comm/fsdp_units"]
+        shards = result.ranks[rank].metrics["comm/shard_group_size"]
+        want = expected_reduce_scatters(policy, micro_batches, units, shards)
+        if calls != want:
             raise CheckFailure(
-                f"rank {rank}: actor/param_update_max_abs = {value}, expected parameters to change"
+                f"{head} over {units} FSDP units sharded {shards} ways: expected reduce-scatters "
+                f"per micro-batch {want}, "
+                f"measured {calls} on rank {rank} (comm/reduce_scatter_calls_by_micro_batch)"
+            )
+    for rank, retained in _per_rank(result, "sync/retained_grad_bytes"):
+        holds = policy == "deferred" and micro_batches > 1
+        if holds and not retained > 0:
+            raise CheckFailure(
+                f"{head}: expected unsharded gradients held between micro-batches, measured "
+                f"sync/retained_grad_bytes = {retained} on rank {rank}"
+            )
+        if not holds and retained != 0:
+            raise CheckFailure(
+                f"{head}: expected no unsharded gradients held between micro-batches, measured "
+                f"sync/retained_grad_bytes = {retained} on rank {rank}"
             )
 
 
-def check_all(result: RunResult, budget_mb: float | None = None) -> None:
-    """a-f for one run (g, goldens, lives in pytest_fsdp_turbo.goldens)."""
+def check_optimizer_step(result: RunResult) -> None:
+    """i. Every rank holding parameters changed them (all bit-identical when the norm was not
+    finite); with a reference, the post-step parameters equal the reference step's."""
+    finite = result.metrics.get("actor/grad_norm_finite", True)
+    numel = dict(_per_rank(result, "actor/local_param_numel"))
+    for rank, moved in _per_rank(result, "actor/param_update_max_abs"):
+        if finite and numel[rank] and not moved > 0:
+            raise CheckFailure(
+                f"check i: rank {rank}: actor/param_update_max_abs = {moved}, expected this rank's "
+                f"{numel[rank]} parameters to change in the optimizer step"
+            )
+        if not finite and moved != 0:
+            raise CheckFailure(
+                f"check i: rank {rank}: actor/param_update_max_abs = {moved} after a non-finite "
+                "gradient norm, expected the step to be skipped (parameters bit-identical)"
+            )
+    if "sync/step_max_err_lr" in result.metrics:
+        tol = STEP_TOL_LR[_dtype(result)]
+        for rank, err in _per_rank(result, "sync/step_max_err_lr"):
+            if not err <= tol:
+                raise CheckFailure(
+                    f"check i: rank {rank}: post-step parameters differ from the single-process "
+                    f"reference step by {err:.3g} x lr (sync/step_max_err_lr), tolerance {tol:g}"
+                )
+
+
+CHECKS: tuple[tuple[str, Callable[[RunResult, float | None], None]], ...] = (
+    ("a", lambda r, _: check_grad_norm(r)),
+    ("b", lambda r, _: check_on_policy(r)),
+    ("c", lambda r, _: _parity(r)),
+    ("d", lambda r, _: check_replicas(r)),
+    ("e", lambda r, _: check_weight_sync(r)),
+    ("f", check_memory),
+    ("h", lambda r, _: check_sync_contract(r)),
+    ("i", lambda r, _: check_optimizer_step(r)),
+)
+
+
+def _parity(result: RunResult) -> None:
+    ran = False
+    for check in (check_gradient_parity, check_twin):
+        try:
+            check(result)
+            ran = True
+        except NotApplicable:
+            pass
+    if not ran:
+        raise NotApplicable("no reference, no twin")
+
+
+def evaluate(result: RunResult, budget_mb: float | None = None) -> Verdict:
+    """Every check that applies, without raising: what passed, what failed, what could not apply."""
+    if budget_mb is None:
+        budget_mb = result.metrics.get("case/memory_budget_mb")
+    outcomes = []
+    for letter, check in CHECKS:
+        try:
+            check(result, budget_mb)
+            outcomes.append(Outcome(letter, PASSED))
+        except NotApplicable as why:
+            outcomes.append(Outcome(letter, NOT_APPLICABLE, str(why)))
+        except CheckFailure as failure:
+            outcomes.append(Outcome(letter, FAILED, str(failure)))
+    return Verdict(tuple(outcomes))
+
+
+def check_all(result: RunResult, budget_mb: float | None = None) -> Verdict:
+    """The one call for a downstream test: a-f, h and i (g, goldens, lives in goldens).
+
+    Raises CheckFailure listing every failed check; returns the verdict, whose not_applicable()
+    says which checks could not apply to this run and why.
+    """
     check_completed(result)
-    check_grad_norm(result)
-    check_on_policy(result)
-    if "sync/grad_max_rel_err" in result.metrics:
-        check_gradient_parity(result)
-    check_replicas(result)
-    check_weight_sync(result)
-    check_memory(result, budget_mb)
+    verdict = evaluate(result, budget_mb)
+    failed = verdict.with_status(FAILED)
+    if failed:
+        raise CheckFailure("\n".join(o.detail for o in failed))
+    return verdict

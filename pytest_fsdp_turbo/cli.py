@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from pytest_fsdp_turbo.cases import CaseBook, load_cases
     from pytest_fsdp_turbo.leases import LeaseBook
     from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
-    from pytest_fsdp_turbo.runs import RunRequest, run_case
+    from pytest_fsdp_turbo.runs import RunRequest, run_case, run_with_twin
 
     settings = resolve(
         {
@@ -95,14 +95,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     checkout = resolve_checkout(settings.checkout) if case.backend == "fsdp_turbo" else None
     out = settings.artifacts / f"{case.id}-{accel.kind}"
-    result = run_case(RunRequest(case, model, out.resolve(), accel, checkout), LeaseBook())
+    book = LeaseBook()
+    result = run_with_twin(
+        RunRequest(case, model, out.resolve(), accel, checkout), lambda r: run_case(r, book)
+    )
     print(json.dumps(result.metrics, indent=1, sort_keys=True))
     try:
-        checks.check_all(result, case.memory_budget_mb)
+        verdict = checks.check_all(result)
     except checks.CheckFailure as exc:
         print(str(exc), file=sys.stderr)
         return 1
-    print(f"case {case.id} on {accel.kind}: passed ({result.duration_s:.1f}s; artifacts {out})")
+    skipped = "; ".join(verdict.not_applicable()) or "none"
+    print(
+        f"case {case.id} on {accel.kind}: passed ({result.duration_s:.1f}s; checks not "
+        f"applicable: {skipped}; artifacts {out})"
+    )
     return 0
 
 

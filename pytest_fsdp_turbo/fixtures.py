@@ -204,7 +204,7 @@ def ppo_run(
         junit_properties,
         summary_row,
     )
-    from pytest_fsdp_turbo.runs import RunRequest, run_case, run_case_on_ray
+    from pytest_fsdp_turbo.runs import RunRequest, run_case, run_case_on_ray, run_with_twin
 
     config = request.config
     settings = settings_of(config)
@@ -251,9 +251,9 @@ def ppo_run(
         try:
             if (launcher or settings.launcher) == "ray":
                 request.getfixturevalue("ray_cluster")
-                result = run_case_on_ray(run_request)
+                result = run_with_twin(run_request, run_case_on_ray)
             else:
-                result = run_case(run_request, fsdp_turbo_lease_book)
+                result = run_with_twin(run_request, lambda r: run_case(r, fsdp_turbo_lease_book))
         except (ConfigError, LeaseTimeout) as exc:
             pytest.fail(f"case {case.id}: {exc}", pytrace=False)
         for key, value in junit_properties(result):

@@ -55,6 +55,8 @@ class RunResult:
     timeout_s: float = 0.0
     first_failure: int | None = None
     notes: list[str] = field(default_factory=list)
+    twin: RunResult | None = None  # the replay twin's run, when the case has one
+    twin_kind: str = ""  # single | every_micro_batch
 
     @property
     def ok(self) -> bool:

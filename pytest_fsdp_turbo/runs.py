@@ -6,7 +6,8 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pytest_fsdp_turbo.cases import Case
@@ -33,6 +34,7 @@ class RunRequest:
     engine_modules: list[str] = field(default_factory=list)
     pythonpath: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
+    replay: Path | None = None  # twin runs: the main run's artifacts, whose batch is replayed
 
 
 def worker_spec(request: RunRequest) -> dict:
@@ -42,6 +44,7 @@ def worker_spec(request: RunRequest) -> dict:
         "model_path": str(request.model_path),
         "model_type": model_type_of(request.model_path),
         "device_kind": kind,
+        "memory_budget_mb": case.memory_budget_mb,
         "engine_modules": request.engine_modules,
         "engine": {
             "backend": case.backend,
@@ -60,6 +63,7 @@ def worker_spec(request: RunRequest) -> dict:
             "micro_batches": case.micro_batches,
             "rollout": case.rollout,
             "reference_checks": case.with_reference_checks(),
+            "replay": str(request.replay) if request.replay else "",
         },
     }
 
@@ -183,3 +187,41 @@ def run_case(
         book.release(lease)
         if slot is not None:
             book.release_port_ranges(slot)
+
+
+def twin_case(case: Case) -> Case | None:
+    """The reference layout that replays a case's batch: one unsharded rank on our own FSDP2
+    engine (single), or the same engine and layout syncing every micro-batch."""
+    kind = case.twin_kind()
+    if kind == "none":
+        return None
+    common = {"id": f"{case.id}-twin", "twin": "none", "reference_checks": False}
+    if kind == "every_micro_batch":
+        return replace(case, gradient_sync="every_micro_batch", **common)
+    return replace(
+        case,
+        backend="fsdp",
+        world_size=1,
+        fsdp_size=0,
+        sp_size=1,
+        turbo_config={},
+        rollout="hf",
+        **common,
+    )
+
+
+def run_with_twin(request: RunRequest, launch: Callable[[RunRequest], RunResult]) -> RunResult:
+    """The case, then (if it declares one and completed) its twin replaying the saved batch."""
+    result = launch(request)
+    twin = twin_case(request.case)
+    if twin is None or not result.ok:
+        return result
+    twin_request = replace(
+        request,
+        case=twin,
+        artifacts_dir=request.artifacts_dir / "twin",
+        checkout=request.checkout if twin.backend == "fsdp_turbo" else None,
+        replay=request.artifacts_dir,
+    )
+    result.twin, result.twin_kind = launch(twin_request), request.case.twin_kind()
+    return result

@@ -1,0 +1,123 @@
+"""What the harness reads off an FSDP2 model, whatever engine built it.
+
+The measurements the checks depend on live here, in harness code, never in a method an engine can
+override. Public structure (the module tree, DTensor placements) is used where it suffices; the one
+reach into FSDP2 private state (unsharded gradients held between micro-batches) is asserted and
+fails naming the torch version when the internals move, instead of silently counting 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+
+class FSDPInternalsChanged(RuntimeError):
+    pass
+
+
+def _managed_parameters(unit: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Parameters a fully_shard unit owns: its subtree minus nested units' subtrees."""
+    owned: list[torch.nn.Parameter] = []
+    stack = [unit]
+    while stack:
+        module = stack.pop()
+        owned.extend(module.parameters(recurse=False))
+        stack.extend(c for c in module.children() if not isinstance(c, FSDPModule))
+    return owned
+
+
+def fsdp_units(model: torch.nn.Module) -> int:
+    """fully_shard units holding trainable parameters: each reduce-scatters once per synced backward."""
+    return sum(
+        1
+        for module in model.modules()
+        if isinstance(module, FSDPModule)
+        and any(p.requires_grad for p in _managed_parameters(module))
+    )
+
+
+def shard_group_size(model: torch.nn.Module) -> int:
+    """Ranks each parameter is sharded over (1: FSDP2 skips the reduce-scatter altogether)."""
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            return math.prod(
+                param.device_mesh.size(i) for i, p in enumerate(param.placements) if p.is_shard()
+            )
+    return 1
+
+
+def count_reduce_scatters(profile: torch.profiler.profile) -> int:
+    """c10d reduce-scatter ops recorded by a CPU profiler (backend-independent op names)."""
+    return sum(
+        1 for e in profile.events() if e.name.startswith("c10d::") and "reduce_scatter" in e.name
+    )
+
+
+def _param_group(unit: FSDPModule):
+    try:
+        return unit._get_fsdp_state()._fsdp_param_group
+    except AttributeError as exc:
+        raise FSDPInternalsChanged(
+            f"torch {torch.__version__}: FSDP2 state no longer exposes _get_fsdp_state()."
+            f"_fsdp_param_group ({exc}); update pytest_fsdp_turbo_engine.fsdp_probe"
+        ) from None
+
+
+def unsharded_grad_bytes(model: torch.nn.Module) -> int:
+    """Bytes of unsharded gradients FSDP2 holds right now (non-zero only under deferred sync)."""
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = _param_group(module)
+        for param in group.fsdp_params if group else ():
+            if not hasattr(param, "unsharded_accumulated_grad") or not hasattr(
+                param, "_unsharded_param"
+            ):
+                raise FSDPInternalsChanged(
+                    f"torch {torch.__version__}: FSDPParam has no unsharded_accumulated_grad / "
+                    "_unsharded_param; update pytest_fsdp_turbo_engine.fsdp_probe"
+                )
+            grad = param.unsharded_accumulated_grad
+            if grad is None and param._unsharded_param is not None:
+                grad = param._unsharded_param.grad
+            if grad is not None:
+                total += grad.numel() * grad.element_size()
+    return total
+
+
+def global_grad_norm(module: torch.nn.Module) -> float:
+    """L2 norm of all gradients, from each rank's local shards and explicit sums over shard groups.
+
+    Written independently of torch's clip_grad_norm_, so an engine that reduces its norm wrongly
+    cannot agree with it by construction. Replicated mesh dimensions contribute once.
+    """
+    device = next(module.parameters()).device
+    plain = torch.zeros((), dtype=torch.float64, device=device)
+    sharded: dict[tuple, list] = {}
+    for param in module.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        if not isinstance(grad, DTensor):
+            plain += grad.detach().double().pow(2).sum()
+            continue
+        if any(p.is_partial() for p in grad.placements):
+            raise ValueError("gradient with a Partial placement: not reduced yet, norm undefined")
+        dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+        key = (id(grad.device_mesh), dims)
+        entry = sharded.setdefault(
+            key, [grad.device_mesh, dims, torch.zeros((), dtype=torch.float64, device=device)]
+        )
+        entry[2] += grad.to_local().detach().double().pow(2).sum()
+    total = float(plain)
+    for mesh, dims, local_sum in sharded.values():
+        for dim in dims:
+            dist.all_reduce(local_sum, group=mesh.get_group(dim))
+        total += float(local_sum)
+    return math.sqrt(total)

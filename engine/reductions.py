@@ -1,0 +1,34 @@
+"""Scalar reductions across ranks; every helper takes the same optional group argument."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _reduced(value: float, device: torch.device, op, group) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op, group=group)
+    return float(tensor.item())
+
+
+def all_sum(value: float, device: torch.device, group=None) -> float:
+    return _reduced(value, device, dist.ReduceOp.SUM, group)
+
+
+def all_max(value: float, device: torch.device, group=None) -> float:
+    return _reduced(value, device, dist.ReduceOp.MAX, group)
+
+
+def gather_objects(value: Any, group=None) -> list[Any]:
+    """Every rank's `value`, in group-rank order, on every rank of the group."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
+def gather_rows(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's rows of `tensor` concatenated in group-rank order (on CPU), on every rank."""
+    return torch.cat(gather_objects(tensor.detach().cpu(), group))

@@ -1,0 +1,77 @@
+"""The single-process reference: the same loss over the whole global batch on an unsharded copy of
+the initial policy, and the same optimizer step on its gradients. What every sharded run must match.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pytest_fsdp_turbo_engine import ppo
+from pytest_fsdp_turbo_engine.config import EngineConfig, PPOConfig
+from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
+
+FINGERPRINT_VALUES = 16
+
+
+def reference_gradients(
+    model: torch.nn.Module, batch: TrainBatch, tokens: float, cfg: PPOConfig
+) -> dict[str, torch.Tensor]:
+    """Gradients of the PPO loss over the whole global batch in one process, no sharding."""
+    model.zero_grad(set_to_none=True)
+    device = next(model.parameters()).device
+    batch = batch.to(device)
+    logits = model(input_ids=batch.input_ids).logits[:, batch.prompt_len - 1 : -1].float()
+    logprobs = ppo.response_logprobs(logits, batch.input_ids[:, batch.prompt_len :])
+    loss, _ = ppo_loss(logprobs, ppo.entropy_from_logits(logits), batch, tokens, cfg)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def gradient_norm(grads: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+
+
+def reference_step(
+    model: torch.nn.Module, grads: dict[str, torch.Tensor], norm: float, config: EngineConfig
+) -> None:
+    """The engine's contract for one step: clip by the global norm, then AdamW (config's settings)."""
+    params = []
+    scale = min(1.0, config.grad_clip / (norm + 1e-6))
+    for name, param in model.named_parameters():
+        param.grad = grads[name] * scale if name in grads else None
+        if param.grad is not None:
+            params.append(param)
+    torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay).step()
+    model.zero_grad(set_to_none=True)
+
+
+def max_abs_error(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], scale: float | None = None
+) -> tuple[float, str]:
+    """Largest per-parameter error, relative to `scale`, or to that parameter's largest reference
+    entry when no scale is given. A missing parameter is an infinite error."""
+    worst, worst_name = 0.0, ""
+    for name, ref in want.items():
+        value = got.get(name)
+        if value is None:
+            return math.inf, f"{name} (missing)"
+        denom = scale if scale is not None else max(float(ref.abs().max()), 1e-12)
+        err = float((value.float().cpu() - ref.float().cpu()).abs().max()) / denom
+        if not math.isfinite(err):
+            return math.inf, name
+        if err > worst:
+            worst, worst_name = err, name
+    return worst, worst_name
+
+
+def fingerprint(grads: dict[str, torch.Tensor]) -> dict[str, dict]:
+    return {
+        name: {
+            "norm": float(g.float().norm()),
+            "head": [float(v) for v in g.flatten()[:FINGERPRINT_VALUES]],
+        }
+        for name, g in grads.items()
+    }
