@@ -224,13 +224,15 @@ def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
     for i, rows in enumerate(chunks):
         mb = batch.rows(rows)
         last = i == len(chunks) - 1
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            with engine._gradient_sync_context(is_last_micro_batch=last):
-                logprobs, entropy = engine.forward_logprobs(
-                    mb.input_ids, mb.prompt_len, with_entropy=True
-                )
-                loss, values = ppo_loss(logprobs, entropy, mb, tokens, ctx.cfg)
-                (loss * ctx.dp_size).backward()  # FSDP averages over ranks; the loss is a sum
+        with (
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+            engine._gradient_sync_context(is_last_micro_batch=last),
+        ):
+            logprobs, entropy = engine.forward_logprobs(
+                mb.input_ids, mb.prompt_len, with_entropy=True
+            )
+            loss, values = ppo_loss(logprobs, entropy, mb, tokens, ctx.cfg)
+            (loss * ctx.dp_size).backward()  # FSDP averages over ranks; the loss is a sum
         calls.append(fsdp_probe.count_reduce_scatters(prof))
         if not last:
             retained = max(retained, fsdp_probe.unsharded_grad_bytes(module))

@@ -25,6 +25,7 @@ COLUMNS = (
     "RS calls",
     "step s",
     "verdict",
+    "checks not applicable",
 )
 
 
@@ -54,8 +55,15 @@ def summary_row(result: RunResult) -> str:
         "rs_calls": m.get("comm/reduce_scatter_calls"),
         "step_s": m.get("perf/step_time_s"),
         "ok": result.ok,
+        "not_applicable": _not_applicable(result),
     }
     return json.dumps(row)
+
+
+def _not_applicable(result: RunResult) -> list[str]:
+    from pytest_fsdp_turbo.checks import evaluate
+
+    return evaluate(result).not_applicable() if result.ok else []
 
 
 def _fmt(value, kind: str) -> str:
@@ -85,6 +93,7 @@ def render_table(rows: list[tuple[dict, str]]) -> list[str]:
                 _fmt(row["rs_calls"], "int"),
                 _fmt(row["step_s"], "float"),
                 verdict,
+                "; ".join(row.get("not_applicable", ())) or "-",
             )
         )
     widths = [max(len(str(c[i])) for c in cells) for i in range(len(COLUMNS))]

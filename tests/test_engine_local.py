@@ -1,6 +1,7 @@
 """Engine pieces on a real single-rank gloo process group inside this test process."""
 
 import json
+import re
 
 import pytest
 
@@ -82,12 +83,36 @@ def test_sync_context_restores_on_exception(process_group):
     assert reduce_flags(engine) == [True, True]
 
 
-def test_deferred_retains_unsharded_grads(process_group):
+def test_probe_sees_unsharded_grads_only_under_deferred_sync(process_group):
+    from pytest_fsdp_turbo_engine import fsdp_probe
+
+    for policy, retained in (("deferred", (16 + 4 + 4 + 1) * 4), ("every_micro_batch", 0)):
+        engine = make_engine(policy)
+        with engine._gradient_sync_context(is_last_micro_batch=False):
+            engine.module(torch.randn(3, 4)).sum().backward()
+        assert fsdp_probe.unsharded_grad_bytes(engine.module) == retained, policy
+        assert fsdp_probe.fsdp_units(engine.module) == 2  # the root owns the second Linear
+        assert fsdp_probe.shard_group_size(engine.module) == 1
+
+
+def test_probe_norm_is_the_global_l2_norm(process_group):
+    from pytest_fsdp_turbo_engine import fsdp_probe
+
+    engine = make_engine("every_micro_batch")
+    engine.module(torch.randn(3, 4)).sum().backward()
+    grads = [p.grad.full_tensor().double() for p in engine.module.parameters()]
+    want = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+    assert fsdp_probe.global_grad_norm(engine.module) == pytest.approx(float(want), rel=1e-12)
+
+
+def test_probe_names_the_torch_version_when_fsdp_internals_move(process_group, monkeypatch):
+    from pytest_fsdp_turbo_engine import fsdp_probe
+    from torch.distributed.fsdp import FSDPModule
+
     engine = make_engine("deferred")
-    x = torch.randn(3, 4)
-    with engine._gradient_sync_context(is_last_micro_batch=False):
-        engine.module(x).sum().backward()
-    assert engine.retained_grad_bytes_peak == (16 + 4 + 4 + 1) * 4
+    monkeypatch.delattr(FSDPModule, "_get_fsdp_state")
+    with pytest.raises(fsdp_probe.FSDPInternalsChanged, match=re.escape(f"torch {torch.__version__}:")):
+        fsdp_probe.unsharded_grad_bytes(engine.module)
 
 
 def test_optimizer_step_skips_non_finite(process_group):

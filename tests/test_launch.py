@@ -80,7 +80,7 @@ def test_two_rank_run_metrics_complete(ppo_run):
     checks.check_completed(result)
     norms = [r.metrics["actor/grad_norm"] for r in result.ranks]
     assert norms[0] == norms[1] and norms[0] > 0
-    checks.check_params_updated(result)
+    checks.check_optimizer_step(result)
     expected = {
         "actor/grad_norm",
         "actor/pg_loss",
@@ -98,6 +98,12 @@ def test_two_rank_run_metrics_complete(ppo_run):
         "sync/grad_max_rel_err",
         "sync/replica_max_abs_diff",
         "sync/rollout_logprob_max_abs_diff",
+        "comm/reduce_scatter_calls_by_micro_batch",
+        "comm/fsdp_units",
+        "sync/grad_norm_measured",
+        "sync/reference_grad_norm",
+        "sync/step_max_err_lr",
+        "actor/param_update_max_abs",
     }
     for rank in result.ranks:
         assert expected <= set(rank.metrics), expected - set(rank.metrics)

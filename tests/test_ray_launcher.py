@@ -29,8 +29,8 @@ def _live(marker: str) -> list[psutil.Process]:
 
 def test_two_rank_case_through_ray_matches_the_local_launcher(ray_cluster, ppo_run):
     on_ray = ppo_run("tiny-qwen3_5-fsdp2-deferred", launcher="ray")
-    checks.check_all(on_ray, budget_mb=1536)
-    checks.check_params_updated(on_ray)
+    verdict = checks.check_all(on_ray)
+    assert verdict.not_applicable() == ["d: no replicas"]
     local = ppo_run("tiny-qwen3_5-fsdp2-deferred", launcher="local")
     checks.check_completed(local)
     for key in (
