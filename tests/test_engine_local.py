@@ -111,7 +111,9 @@ def test_probe_names_the_torch_version_when_fsdp_internals_move(process_group, m
 
     engine = make_engine("deferred")
     monkeypatch.delattr(FSDPModule, "_get_fsdp_state")
-    with pytest.raises(fsdp_probe.FSDPInternalsChanged, match=re.escape(f"torch {torch.__version__}:")):
+    with pytest.raises(
+        fsdp_probe.FSDPInternalsChanged, match=re.escape(f"torch {torch.__version__}:")
+    ):
         fsdp_probe.unsharded_grad_bytes(engine.module)
 
 
