@@ -67,6 +67,19 @@ def max_abs_error(
     return worst, worst_name
 
 
+def relative_l2_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """||got - want|| / ||want|| over all parameters together: robust to entries whose reference
+    is tiny (where bf16 compute flips signs), unlike the per-parameter maximum."""
+    num = den = 0.0
+    for name, ref in want.items():
+        if name not in got:
+            return math.inf
+        ref = ref.double().cpu()
+        num += float((got[name].double().cpu() - ref).pow(2).sum())
+        den += float(ref.pow(2).sum())
+    return math.sqrt(num / max(den, 1e-300))
+
+
 def fingerprint(grads: dict[str, torch.Tensor]) -> dict[str, dict]:
     return {
         name: {

@@ -30,6 +30,7 @@ from pytest_fsdp_turbo_engine.reference import (
     max_abs_error,
     reference_gradients,
     reference_step,
+    relative_l2_error,
 )
 from pytest_fsdp_turbo_engine.reward import closeness_reward, load_prompts
 from pytest_fsdp_turbo_engine.rollout import HFRollout, RolloutBatch
@@ -259,6 +260,7 @@ class Referenced:
     norm: float
     grad_max_rel_err: float
     grad_max_rel_err_param: str
+    grad_rel_l2_err: float
     fingerprint: dict | None  # rank 0 only
 
 
@@ -278,7 +280,12 @@ def reference(ctx: Rank, global_batch: TrainBatch, tokens: float, copy) -> Refer
     grads = reference_gradients(copy, global_batch, tokens, ctx.cfg)
     err, name = max_abs_error(sharded, grads)
     return Referenced(
-        grads, gradient_norm(grads), err, name, fingerprint(sharded) if ctx.rank == 0 else None
+        grads,
+        gradient_norm(grads),
+        err,
+        name,
+        relative_l2_error(sharded, grads),
+        fingerprint(sharded) if ctx.rank == 0 else None,
     )
 
 
@@ -308,7 +315,8 @@ def optimizer(ctx: Rank) -> Stepped:
 class PostStep:
     replica_max_abs_diff: float | None  # None: no replicas
     rollout_logprob_max_abs_diff: float | None  # None: no rollout (twin)
-    step_max_err: float | None  # None: no reference step
+    step_max_err: float | None  # in units of lr; None: no reference step
+    step_rel_l2_err: float | None  # of the update, against the reference update
     logprobs: torch.Tensor  # post-step logprobs of this rank's batch
 
 
@@ -318,12 +326,17 @@ def post_step(
     ctx.phase.enter("checks")
     engine = ctx.engine
     full = engine.full_state_dict() if (ref is not None or ctx.rollout is not None) else None
-    step_err = None
+    step_err = step_l2 = None
     if ref is not None and copy is not None:
+        initial = {n: p.detach().clone() for n, p in copy.named_parameters()}
         if norm_finite:
             reference_step(copy, ref.grads, ref.norm, ctx.engine_cfg)
         want = {n: p.detach() for n, p in copy.named_parameters()}
         step_err, _ = max_abs_error(full, want, scale=ctx.engine_cfg.lr)
+        step_l2 = relative_l2_error(
+            {n: full[n].cpu() - initial[n].cpu() for n in full},
+            {n: want[n] - initial[n] for n in want},
+        )
     with torch.no_grad():
         logprobs, _ = engine.forward_logprobs(batch.input_ids, batch.prompt_len)
     rollout_diff = None
@@ -332,7 +345,9 @@ def post_step(
         rollout_lp = ctx.rollout.logprobs(batch.input_ids, batch.prompt_len)
         diff = float(((logprobs - rollout_lp).abs() * batch.mask).max())
         rollout_diff = all_max(diff, ctx.device)
-    return PostStep(replica_max_abs_diff(engine, ctx.device), rollout_diff, step_err, logprobs)
+    return PostStep(
+        replica_max_abs_diff(engine, ctx.device), rollout_diff, step_err, step_l2, logprobs
+    )
 
 
 def replica_max_abs_diff(engine, device: torch.device) -> float | None:
@@ -442,6 +457,7 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
         metrics["sync/grad_max_rel_err"] = ref.grad_max_rel_err
         metrics["sync/grad_max_rel_err_param"] = ref.grad_max_rel_err_param
         metrics["sync/reference_grad_norm"] = ref.norm
+        metrics["sync/grad_rel_l2_err"] = ref.grad_rel_l2_err
 
     stepped = optimizer(ctx)
     step_time = time.perf_counter() - step_start
@@ -461,6 +477,7 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     metrics["sync/rollout_logprob_max_abs_diff"] = after.rollout_logprob_max_abs_diff
     if after.step_max_err is not None:
         metrics["sync/step_max_err_lr"] = after.step_max_err
+        metrics["sync/step_rel_l2_err"] = after.step_rel_l2_err
     if ctx.replaying:
         metrics.update(twin_comparison(ctx, batch, after.logprobs))
     else:

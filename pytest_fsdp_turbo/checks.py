@@ -26,9 +26,12 @@ from pathlib import Path
 
 from pytest_fsdp_turbo.launch import RunResult
 
-# Tolerances by compute dtype. fp32 gradient parity allows for reduction-order differences in
-# long reductions (gated delta-net decay parameters); bf16 compute is compared more loosely.
-GRAD_PARITY_TOL = {"fp32": 1e-4, "bf16": 5e-2}
+# Tolerances by compute dtype; measured margins: benchmarks/check_margins.py (README). fp32 gradient
+# parity per parameter allows for reduction-order differences in long reductions (gated delta-net
+# decay parameters: 5.6e-5). Under bf16 compute, parameters whose reference gradient is tiny flip
+# sign against an fp32 reference, so bf16 is held to whole-gradient relative L2 errors instead.
+GRAD_PARITY_TOL = {"fp32": 1e-4}  # per parameter, relative to its largest reference entry
+GRAD_PARITY_L2_TOL = {"fp32": 1e-5, "bf16": 5e-2}  # all gradients: ||g - ref|| / ||ref||
 POLICY_AGREEMENT_TOL = {"fp32": 1e-6, "bf16": 1e-2}
 ON_POLICY_KL_TOL = {"fp32": 1e-5, "bf16": 1e-2}
 WEIGHT_SYNC_TOL = {"fp32": 1e-4, "bf16": 1e-1}
@@ -38,8 +41,10 @@ GRAD_NORM_TRUE_REL = {"fp32": 1e-5, "bf16": 1e-3}
 # The engine's norm against the reference gradients' norm (verl's bf16 anchor: rtol 3e-2).
 GRAD_NORM_REFERENCE_REL = {"fp32": 1e-4, "bf16": 3e-2}
 # Post-step parameters against the reference step, in units of the learning rate (Adam's first
-# step moves every entry by about lr, so 1.0 would be "one entry went the other way").
-STEP_TOL_LR = {"fp32": 5e-2, "bf16": 1.0}
+# step moves every entry by about lr, so 1.0 would be "one entry went the other way"), and the
+# whole update's relative L2 error (a doubled step is 1.0, a rank that did not step about 0.7).
+STEP_TOL_LR = {"fp32": 5e-2}
+STEP_L2_TOL = {"fp32": 1e-3, "bf16": 0.5}
 # Replay twin (same batch, reference layout): loss (atol, rtol), grad norm rtol, post-step logprobs.
 TWIN_LOSS_TOL = {"fp32": (1e-6, 1e-5), "bf16": (1e-2, 1e-2)}
 TWIN_GRAD_NORM_REL = {"fp32": 1e-5, "bf16": 3e-2}
@@ -163,7 +168,18 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
     """c. Sharded gradients after accumulation equal a single-process reference over the batch."""
     if "sync/grad_max_rel_err" not in result.metrics:
         raise NotApplicable("no reference")
-    tol = GRAD_PARITY_TOL[_dtype(result)] if tolerance is None else tolerance
+    dtype = _dtype(result)
+    tol = GRAD_PARITY_L2_TOL[dtype]
+    for rank, err in _per_rank(result, "sync/grad_rel_l2_err"):
+        if not err <= tol:
+            raise CheckFailure(
+                f"check c: rank {rank}: gradients differ from the single-process reference by "
+                f"relative L2 error {err:.3g} (sync/grad_rel_l2_err), tolerance {tol:g} "
+                f"[sync policy {result.metrics.get('case/sync_policy')}]"
+            )
+    tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
+    if tol is None:
+        return
     params = dict(_per_rank(result, "sync/grad_max_rel_err_param"))
     for rank, err in _per_rank(result, "sync/grad_max_rel_err"):
         if not err <= tol:
@@ -332,8 +348,18 @@ def check_optimizer_step(result: RunResult) -> None:
                 f"check i: rank {rank}: actor/param_update_max_abs = {moved} after a non-finite "
                 "gradient norm, expected the step to be skipped (parameters bit-identical)"
             )
-    if "sync/step_max_err_lr" in result.metrics:
-        tol = STEP_TOL_LR[_dtype(result)]
+    if "sync/step_max_err_lr" not in result.metrics:
+        return
+    dtype = _dtype(result)
+    tol = STEP_L2_TOL[dtype]
+    for rank, err in _per_rank(result, "sync/step_rel_l2_err"):
+        if not err <= tol:
+            raise CheckFailure(
+                f"check i: rank {rank}: the update differs from the single-process reference "
+                f"step's by relative L2 error {err:.3g} (sync/step_rel_l2_err), tolerance {tol:g}"
+            )
+    if dtype in STEP_TOL_LR:
+        tol = STEP_TOL_LR[dtype]
         for rank, err in _per_rank(result, "sync/step_max_err_lr"):
             if not err <= tol:
                 raise CheckFailure(

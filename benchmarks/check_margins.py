@@ -1,0 +1,111 @@
+"""How far inside its tolerances each numeric check lands, measured on the tiny cases per dtype.
+
+Runs a case with its in-rank reference and again with no reference and a single-rank twin, in fp32
+and in bf16 (CPU bf16 compute, fp32 gradient reduction), and prints each measured value beside the
+tolerance it is checked against. The fp32 tolerances are set with at least 10x headroom over these
+figures; bf16 figures here come from CPU kernels, not CUDA or NPU ones.
+
+Usage: python benchmarks/check_margins.py [--case ID] [--dtypes fp32,bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo.cases import CaseBook, load_cases
+from pytest_fsdp_turbo.devices import detect
+from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.models import resolve_model
+from pytest_fsdp_turbo.runs import RunRequest, run_case, run_with_twin
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def margins(result, twin_result, dtype: str) -> list[tuple[str, float, float]]:
+    ref, main, twin = result.metrics, twin_result.metrics, twin_result.twin.metrics
+    worst_step = max(r.metrics["sync/step_max_err_lr"] for r in result.ranks)
+    worst_l2 = max(r.metrics["sync/step_rel_l2_err"] for r in result.ranks)
+    atol, rtol = checks.TWIN_LOSS_TOL[dtype]
+    return [
+        (
+            "a norm vs harness norm (rel)",
+            rel(ref["actor/grad_norm"], ref["sync/grad_norm_measured"]),
+            checks.GRAD_NORM_TRUE_REL[dtype],
+        ),
+        (
+            "a norm vs reference norm (rel)",
+            rel(ref["actor/grad_norm"], ref["sync/reference_grad_norm"]),
+            checks.GRAD_NORM_REFERENCE_REL[dtype],
+        ),
+        (
+            "c gradients vs reference (relative L2)",
+            ref["sync/grad_rel_l2_err"],
+            checks.GRAD_PARITY_L2_TOL[dtype],
+        ),
+        (
+            "c gradients vs reference (per parameter, rel to its max entry)",
+            ref["sync/grad_max_rel_err"],
+            checks.GRAD_PARITY_TOL.get(dtype),
+        ),
+        (
+            "c twin loss (abs)",
+            abs(main["actor/loss"] - twin["actor/loss"]),
+            atol + rtol * abs(twin["actor/loss"]),
+        ),
+        (
+            "c twin grad norm (rel)",
+            rel(main["actor/grad_norm"], twin["actor/grad_norm"]),
+            checks.TWIN_GRAD_NORM_REL[dtype],
+        ),
+        (
+            "c twin post-step logprobs (abs)",
+            twin["twin/post_step_logprob_max_abs_diff"],
+            checks.TWIN_LOGPROB_TOL[dtype],
+        ),
+        ("i update vs reference update (relative L2)", worst_l2, checks.STEP_L2_TOL[dtype]),
+        ("i step vs reference step (x lr, per entry)", worst_step, checks.STEP_TOL_LR.get(dtype)),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", default="tiny-qwen3_5-fsdp2-deferred")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    args = parser.parse_args()
+    case = CaseBook(Path("cases"), load_cases(REPO / "e2e" / "cases.toml")).get(args.case)
+    accel, book = detect("cpu"), LeaseBook()
+    model = resolve_model(case.model, None)
+    print(f"case {case.id}, {case.world_size} ranks on {accel.describe()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.dtypes.split(","):
+            runs = []
+            for mode, fields in (
+                ("reference", {"reference_checks": True, "twin": "none"}),
+                ("twin", {"reference_checks": False, "twin": "single"}),
+            ):
+                variant = dataclasses.replace(case, dtype=dtype, **fields)
+                request = RunRequest(variant, model, Path(tmp) / f"{dtype}-{mode}", accel)
+                result = run_with_twin(request, lambda r: run_case(r, book))
+                if not result.ok:
+                    raise SystemExit(result.failure_text())
+                runs.append(result)
+            print(f"\n{dtype}: {'measured':>10}  {'tolerance':>10}  {'headroom':>8}  what")
+            print(f"      worst parameter: {runs[0].metrics['sync/grad_max_rel_err_param']}")
+            for what, value, tol in margins(*runs, dtype):
+                if tol is None:
+                    print(f"      {value:10.3g}  {'-':>10}  {'-':>8}  {what} (not checked)")
+                else:
+                    room = tol / max(value, 1e-300)
+                    print(f"      {value:10.3g}  {tol:10.3g}  {room:7.0f}x  {what}")
+
+
+if __name__ == "__main__":
+    main()
