@@ -75,7 +75,7 @@ MUTANTS = (
     Mutant(
         "fsdp_double_step",
         {
-            "reference": (("i", "reference step by"),),
+            "reference": (("i", "the single-process reference step's"),),
             "twin": (("c", "post-step logprobs on the batch differ from the twin's"),),
         },
     ),

@@ -81,4 +81,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # Results are written and the process group is gone: skip interpreter teardown, where C++
+    # threads left by a broken engine (seen: "terminate called without an active exception" after
+    # a step that never synced) can abort a rank whose work is already complete.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

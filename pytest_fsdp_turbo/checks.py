@@ -169,6 +169,16 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
     if "sync/grad_max_rel_err" not in result.metrics:
         raise NotApplicable("no reference")
     dtype = _dtype(result)
+    tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
+    if tol is not None:  # fp32: per parameter, so the message names the parameter
+        params = dict(_per_rank(result, "sync/grad_max_rel_err_param"))
+        for rank, err in _per_rank(result, "sync/grad_max_rel_err"):
+            if not err <= tol:
+                raise CheckFailure(
+                    f"check c: rank {rank}: parameter {params[rank]}: gradient differs from the "
+                    f"single-process reference by {err:.3g} (relative to its largest entry), "
+                    f"tolerance {tol:g} [sync policy {result.metrics.get('case/sync_policy')}]"
+                )
     tol = GRAD_PARITY_L2_TOL[dtype]
     for rank, err in _per_rank(result, "sync/grad_rel_l2_err"):
         if not err <= tol:
@@ -176,17 +186,6 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
                 f"check c: rank {rank}: gradients differ from the single-process reference by "
                 f"relative L2 error {err:.3g} (sync/grad_rel_l2_err), tolerance {tol:g} "
                 f"[sync policy {result.metrics.get('case/sync_policy')}]"
-            )
-    tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
-    if tol is None:
-        return
-    params = dict(_per_rank(result, "sync/grad_max_rel_err_param"))
-    for rank, err in _per_rank(result, "sync/grad_max_rel_err"):
-        if not err <= tol:
-            raise CheckFailure(
-                f"check c: rank {rank}: parameter {params[rank]}: gradient differs from the "
-                f"single-process reference by {err:.3g} (relative to its largest entry), "
-                f"tolerance {tol:g} [sync policy {result.metrics.get('case/sync_policy')}]"
             )
 
 
