@@ -53,6 +53,12 @@ def test_repository_matrix_is_valid_and_complete():
         2,
         ("npu",),
     )
+    assert gpu.twin_kind() == npu.twin_kind() == "single"  # real models: no in-rank reference
+    assert not gpu.with_reference_checks() and not npu.with_reference_checks()
+    assert {c.twin_kind() for c in tiny if not c.with_reference_checks()} == {
+        "single",
+        "every_micro_batch",
+    }
     ids = [p.id for p in CaseBook(Path("x"), cases).params()]
     assert "tiny-qwen3_5-fsdp2-deferred-cpu" in ids and "qwen3_5-2b-fsdp_turbo-fsdp4-sp2-npu" in ids
 
@@ -69,6 +75,12 @@ def test_repository_matrix_is_valid_and_complete():
         ('devices = ["tpu"]', "devices", "one of cpu, cuda, npu"),
         ("micro_batches = 99", "micro_batches", "at most the 8 rows"),
         ("colour = 1", "colour", "a known field"),
+        ('twin = "double"', "twin", "one of single, every_micro_batch, none"),
+        (
+            'gradient_sync = "every_micro_batch"\ntwin = "every_micro_batch"',
+            "twin",
+            "single or none when gradient_sync is already every_micro_batch",
+        ),
         (
             "[case.turbo_config]\nx = 1",
             "turbo_config",

@@ -1,0 +1,133 @@
+"""Check logic on hand-made results: tolerance selection by dtype, what applies, every failure listed.
+The same checks on real runs, against broken engines, are in e2e/test_mutations.py."""
+
+from pathlib import Path
+
+import pytest
+
+from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo.launch import RankResult, RunResult
+
+
+def healthy(rank: int, **changes) -> dict:
+    metrics = {
+        "case/dtype": "fp32",
+        "case/sync_policy": "deferred",
+        "case/micro_batches": 2,
+        "case/memory_budget_mb": None,
+        "actor/grad_norm": 0.8,
+        "actor/grad_norm_finite": True,
+        "sync/grad_norm_measured": 0.8,
+        "ppo/advantages_abs_max": 1.5,
+        "actor/ppo_kl_first_micro_batch": 0.0,
+        "actor/pg_clipfrac_first_micro_batch": 0.0,
+        "sync/replica_max_abs_diff": None,
+        "sync/rollout_logprob_max_abs_diff": 0.0,
+        "comm/reduce_scatter_calls_by_micro_batch": [0, 5],
+        "comm/fsdp_units": 5,
+        "comm/shard_group_size": 2,
+        "sync/retained_grad_bytes": 1024,
+        "actor/param_update_max_abs": 1e-4,
+        "actor/local_param_numel": 100,
+        "perf/peak_memory_bytes": 2**28,
+        "rank": rank,
+    }
+    return {**metrics, **changes}
+
+
+def result_of(*ranks: dict, twin: RunResult | None = None) -> RunResult:
+    return RunResult(
+        case_id="case",
+        world_size=len(ranks),
+        ranks=[RankResult(r["rank"], 0, 1.0, Path(f"rank{r['rank']}.log"), r) for r in ranks],
+        artifacts_dir=Path("."),
+        duration_s=1.0,
+        twin=twin,
+        twin_kind="single" if twin else "",
+    )
+
+
+def test_healthy_run_without_reference_or_twin_says_what_did_not_apply():
+    verdict = checks.check_all(result_of(healthy(0), healthy(1)))
+    assert verdict.not_applicable() == [
+        "c: no reference, no twin",
+        "d: no replicas",
+        "f: no memory budget",
+    ]
+
+
+def test_every_failed_check_is_listed():
+    broken = [
+        healthy(r, **{"sync/grad_norm_measured": 1.6, "sync/retained_grad_bytes": 0})
+        for r in (0, 1)
+    ]
+    with pytest.raises(checks.CheckFailure) as failure:
+        checks.check_all(result_of(*broken))
+    lines = str(failure.value).splitlines()
+    assert [line[:8] for line in lines] == ["check a:", "check h:"]
+
+
+def reference_metrics(dtype: str, per_param: float, l2: float) -> dict:
+    return {
+        "case/dtype": dtype,
+        "sync/grad_max_rel_err": per_param,
+        "sync/grad_max_rel_err_param": "model.layers.0.linear_attn.A_log",
+        "sync/grad_rel_l2_err": l2,
+        "sync/reference_grad_norm": 0.8,
+    }
+
+
+def test_bf16_parity_is_held_to_relative_l2_not_per_parameter():
+    tiny_grads_flip = healthy(0, **reference_metrics("bf16", per_param=0.85, l2=8e-3))
+    checks.check_gradient_parity(result_of(tiny_grads_flip))
+    off = healthy(0, **reference_metrics("bf16", per_param=0.85, l2=0.2))
+    with pytest.raises(
+        checks.CheckFailure, match=r"relative L2 error 0.2 \(sync/grad_rel_l2_err\)"
+    ):
+        checks.check_gradient_parity(result_of(off))
+    fp32 = healthy(0, **reference_metrics("fp32", per_param=2e-4, l2=1e-7))
+    with pytest.raises(checks.CheckFailure, match="parameter model.layers.0.linear_attn.A_log"):
+        checks.check_gradient_parity(result_of(fp32))
+
+
+@pytest.mark.parametrize(
+    ("policy", "micro_batches", "shards", "want"),
+    [
+        ("deferred", 3, 2, [0, 0, 5]),
+        ("every_micro_batch", 3, 2, [5, 5, 5]),
+        ("deferred", 1, 2, [5]),
+        ("deferred", 2, 1, [0, 0]),  # sharded one way: FSDP2 reduces nothing
+    ],
+)
+def test_sync_contract_expectation(policy, micro_batches, shards, want):
+    assert checks.expected_reduce_scatters(policy, micro_batches, 5, shards) == want
+
+
+def test_single_micro_batch_deferred_must_not_retain_gradients():
+    run = healthy(
+        0,
+        **{
+            "case/micro_batches": 1,
+            "comm/reduce_scatter_calls_by_micro_batch": [5],
+            "sync/retained_grad_bytes": 64,
+        },
+    )
+    with pytest.raises(checks.CheckFailure, match="expected no unsharded gradients held"):
+        checks.check_sync_contract(result_of(run))
+
+
+def test_optimizer_step_after_non_finite_norm_must_leave_parameters_alone():
+    skipped = {"actor/grad_norm_finite": False}
+    checks.check_optimizer_step(
+        result_of(healthy(0, **skipped, **{"actor/param_update_max_abs": 0.0}))
+    )
+    with pytest.raises(checks.CheckFailure, match="expected the step to be skipped"):
+        checks.check_optimizer_step(result_of(healthy(0, **skipped)))
+    empty_shard = healthy(1, **{"actor/param_update_max_abs": 0.0, "actor/local_param_numel": 0})
+    checks.check_optimizer_step(result_of(healthy(0), empty_shard))  # holds nothing, moves nothing
+
+
+def test_a_failed_twin_fails_check_c_with_its_failure_text():
+    twin = RunResult("case-twin", 1, [RankResult(0, 1, 1.0, Path("t.log"))], Path("twin"), 1.0)
+    with pytest.raises(checks.CheckFailure, match=r"check c: twin \(single\): the twin run failed"):
+        checks.check_twin(result_of(healthy(0), twin=twin))
