@@ -4,6 +4,7 @@ and cached under a lock, or local real-model directories checked for completenes
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -39,7 +40,13 @@ def _version(dist: str) -> str:
 
 def tiny_model_key(name: str, fixtures_dir: Path = FIXTURES_DIR) -> str:
     spec = (fixtures_dir / "models" / f"{name}.json").read_bytes()
-    digest = hashlib.sha256(spec + _version("transformers").encode() + _version("torch").encode())
+    builder = Path(importlib.util.find_spec("pytest_fsdp_turbo_engine.tiny_models").origin)
+    digest = hashlib.sha256(
+        spec
+        + builder.read_bytes()  # read, not imported: the pytest process stays torch-free
+        + _version("transformers").encode()
+        + _version("torch").encode()
+    )
     return f"{name}-{digest.hexdigest()[:12]}"
 
 
