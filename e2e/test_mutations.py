@@ -87,13 +87,14 @@ MUTANTS = (
     Mutant("fsdp_stale_rollout_weights", both(("e", "sync/rollout_logprob_max_abs_diff"))),
     Mutant("fsdp_hoarding_memory", both(("f", "perf/peak_memory_bytes"))),
 )
+VERL_CASE = "tiny-qwen3-verl-fsdp2-deferred"
 
 
-def run_broken(ppo_run, backend: str, case: str, mode: str):
+def run_broken(ppo_run, backend: str, case: str, mode: str, module: str = "broken_engines"):
     return ppo_run(
         case,
         backend=backend,
-        engine_modules=["broken_engines"],
+        engine_modules=[module],
         pythonpath=[str(HERE)],
         **MODES[mode],
     )
@@ -138,3 +139,25 @@ def test_goldens_catch_halved_gradients(ppo_run, pytestconfig, mode):
     case = cases_of(pytestconfig).get(CASE)
     with pytest.raises(checks.CheckFailure, match=r"check g: metric actor/grad_norm = "):
         goldens.check_or_record(result, case, "cpu", None, record=False)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_verl_engine_with_noop_sync_context_is_caught(ppo_run, mode):
+    """A subclass of verl's own FSDP2 engine, registered in verl's registry, tested as it is."""
+    result = run_broken(
+        ppo_run, "verl:fsdp2_noop_sync_context", VERL_CASE, mode, module="broken_verl_engines"
+    )
+    checks.check_completed(result)
+    failed = {o.check: o.detail for o in checks.evaluate(result).with_status(checks.FAILED)}
+    assert set(failed) == {"h"}, failed  # same gradients; only the contract can tell
+    units = result.metrics["comm/fsdp_units"]
+    assert (
+        f"expected reduce-scatters per micro-batch [0, {units}], measured [{units}, {units}]"
+        in (failed["h"])
+    )
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_verl_engine_as_shipped_passes(ppo_run, mode):
+    result = ppo_run(VERL_CASE, **MODES[mode])
+    assert checks.check_all(result).not_applicable() == ["d: no replicas"]

@@ -51,11 +51,14 @@ def shard_group_size(model: torch.nn.Module) -> int:
     return 1
 
 
-def count_reduce_scatters(profile: torch.profiler.profile) -> int:
-    """c10d reduce-scatter ops recorded by a CPU profiler (backend-independent op names)."""
-    return sum(
-        1 for e in profile.events() if e.name.startswith("c10d::") and "reduce_scatter" in e.name
-    )
+def reduce_scatter_starts(events) -> list[float]:
+    """Start times of the c10d reduce-scatter ops in a CPU profiler's events (backend-independent
+    op names)."""
+    return [
+        e.time_range.start
+        for e in events
+        if e.name.startswith("c10d::") and "reduce_scatter" in e.name
+    ]
 
 
 def _param_group(unit: FSDPModule):

@@ -18,6 +18,7 @@ ANY = "*"
 _REGISTRY: dict[tuple[str, str, str], type] = {}
 _BUILTIN_MODULES = ("pytest_fsdp_turbo_engine.fsdp_engine",)
 _LAZY_BACKENDS = {"fsdp_turbo": "pytest_fsdp_turbo_engine.fsdp_turbo_engine"}
+VERL_PREFIX = "verl:"  # verl:<name>: verl's own engine from verl's EngineRegistry
 
 
 class RegistryError(LookupError):
@@ -77,6 +78,10 @@ def load_engine_plugins(extra_modules: Iterable[str] = ()) -> None:
 
 
 def lookup(model_type: str, backend: str, device: str) -> type:
+    if backend.startswith(VERL_PREFIX):  # verl's registry decides; ours only adapts
+        from pytest_fsdp_turbo_engine.verl_adapter import VerlEngineAdapter
+
+        return VerlEngineAdapter
     if backend in _LAZY_BACKENDS:
         importlib.import_module(_LAZY_BACKENDS[backend])  # imported only when selected
     for key in ((model_type, backend, device), (ANY, backend, device)):

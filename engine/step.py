@@ -10,6 +10,7 @@ Every measurement a check depends on is taken here, never inside an engine metho
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import resource
@@ -116,7 +117,7 @@ class Rank:
 
 
 def load(spec: dict, rank: int, phase: Phase, out: Path) -> Rank:
-    from pytest_fsdp_turbo_engine.registry import load_engine_plugins, lookup
+    from pytest_fsdp_turbo_engine.registry import VERL_PREFIX, load_engine_plugins, lookup
     from transformers import AutoTokenizer
 
     engine_cfg = EngineConfig(**spec["engine"])
@@ -127,6 +128,10 @@ def load(spec: dict, rank: int, phase: Phase, out: Path) -> Rank:
     ctx = Rank(spec, rank, phase, out, engine_cfg, cfg, device)
 
     phase.enter("load")
+    if engine_cfg.backend.startswith(VERL_PREFIX):
+        from pytest_fsdp_turbo_engine.verl_cpu_platform import prepare
+
+        prepare(kind)  # before any engine module imports verl
     load_engine_plugins(spec.get("engine_modules", ()))
     engine = lookup(spec["model_type"], engine_cfg.backend, kind)(engine_cfg, device)
     ctx.engine = engine
@@ -212,43 +217,82 @@ class Trained:
     shard_group_size: int
 
 
-def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
-    """Forward and backward per micro-batch under the engine's sync context; the harness counts the
-    reduce-scatters inside each micro-batch and the unsharded gradients held after each backward."""
-    ctx.phase.enter("train")
-    engine, module = ctx.engine, ctx.engine.module
+class MicroBatchProbe:
+    """Harness code an engine's micro-batch loop calls as each micro-batch's loss is computed
+    (ours calls it, verl's calls it through the loss function the harness hands it).
+
+    It marks the moment in the profiler trace, so reduce-scatters can be attributed to the
+    micro-batch whose backward issued them; measures the unsharded gradients the previous backward
+    left behind; and computes the PPO loss parts itself from the engine's log-probabilities.
+    """
+
+    MARKER = "pytest_fsdp_turbo::micro_batch"
+
+    def __init__(self, module: torch.nn.Module, tokens: float, cfg: PPOConfig):
+        self.module, self.tokens, self.cfg = module, tokens, cfg
+        self.count = 0
+        self.retained = 0
+        self.parts: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+
+    def loss_computed(self, logprobs, entropy, mb: TrainBatch) -> None:
+        if self.count:  # the previous micro-batch's backward is done; this one's has not started
+            self.retained = max(self.retained, fsdp_probe.unsharded_grad_bytes(self.module))
+        with torch.profiler.record_function(self.MARKER):
+            pass
+        with torch.no_grad():
+            ent = entropy.detach() if entropy is not None else None
+            _, values = ppo_loss(logprobs.detach(), ent, mb, self.tokens, self.cfg)
+        for key, value in values.items():
+            self.parts[key] = self.parts.get(key, 0.0) + float(value)
+        if not self.count:
+            self.first = {key: float(value) for key, value in values.items()}
+        self.count += 1
+
+    def reduce_scatters_by_micro_batch(self, profile) -> list[int]:
+        """Reduce-scatters counted between one micro-batch's mark and the next."""
+        events = profile.events()
+        marks = sorted(e.time_range.start for e in events if e.name == self.MARKER)
+        counts = [0] * len(marks)
+        for start in fsdp_probe.reduce_scatter_starts(events):
+            counts[max(0, bisect.bisect_right(marks, start) - 1)] += 1
+        return counts
+
+
+def harness_micro_batches(ctx: Rank, batch: TrainBatch, tokens: float, probe: MicroBatchProbe):
+    """The micro-batch loop for engines that leave it to the harness (ours and subclasses)."""
+    engine = ctx.engine
     chunks = torch.arange(batch.size).chunk(ctx.cfg.micro_batches)
-    parts: dict[str, float] = {}
-    first: dict[str, float] = {}
-    calls: list[int] = []
-    retained = 0
     for i, rows in enumerate(chunks):
         mb = batch.rows(rows)
-        last = i == len(chunks) - 1
-        with (
-            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
-            engine._gradient_sync_context(is_last_micro_batch=last),
-        ):
+        with engine._gradient_sync_context(is_last_micro_batch=i == len(chunks) - 1):
             logprobs, entropy = engine.forward_logprobs(
                 mb.input_ids, mb.prompt_len, with_entropy=True
             )
-            loss, values = ppo_loss(logprobs, entropy, mb, tokens, ctx.cfg)
+            loss, _ = ppo_loss(logprobs, entropy, mb, tokens, ctx.cfg)
+            probe.loss_computed(logprobs, entropy, mb)
             (loss * ctx.dp_size).backward()  # FSDP averages over ranks; the loss is a sum
-        calls.append(fsdp_probe.count_reduce_scatters(prof))
-        if not last:
-            retained = max(retained, fsdp_probe.unsharded_grad_bytes(module))
-        for key, value in values.items():
-            parts[key] = parts.get(key, 0.0) + float(value)
-        if i == 0:
-            first = {key: float(value) for key, value in values.items()}
+
+
+def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
+    """Forward and backward per micro-batch under the engine's sync policy. Engines that run their
+    own loop (verl's) get the probe through their loss function; the rest run the harness's loop."""
+    ctx.phase.enter("train")
+    engine, module = ctx.engine, ctx.engine.module
+    probe = MicroBatchProbe(module, tokens, ctx.cfg)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        if getattr(engine, "drives_micro_batches", False):
+            engine.forward_backward(batch, tokens, ctx.cfg, probe)
+        else:
+            harness_micro_batches(ctx, batch, tokens, probe)
     if ctx.faulty("nan"):
         grad = next(p.grad for p in module.parameters() if p.grad is not None)
         local_tensor(grad).view(-1)[0] = float("nan")
     return Trained(
-        parts,
-        first,
-        calls,
-        retained,
+        probe.parts,
+        probe.first,
+        probe.reduce_scatters_by_micro_batch(prof),
+        probe.retained,
         fsdp_probe.fsdp_units(module),
         fsdp_probe.shard_group_size(module),
     )

@@ -6,6 +6,7 @@ Every problem is a ConfigError naming the file, the case id, the field and what 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from pytest_fsdp_turbo.errors import ConfigError
 FIXTURES_DIR = DATA_DIR
 TINY_PREFIX = "tiny-"
 BUILTIN_BACKENDS = ("fsdp", "fsdp_turbo")
+VERL_PREFIX = "verl:"  # verl:<name>, a name in verl's EngineRegistry (verl:fsdp2, verl:fsdp_turbo)
+VERL_NAME = re.compile(r"^verl:[A-Za-z0-9_]+$")
 ENGINE_ENTRY_POINTS = "pytest_fsdp_turbo.engines"
 SYNC_POLICIES = ("deferred", "every_micro_batch")
 DTYPES = ("auto", "fp32", "bf16")
@@ -56,6 +59,15 @@ class Case:
     @property
     def is_tiny(self) -> bool:
         return self.model.startswith(TINY_PREFIX)
+
+    @property
+    def is_verl(self) -> bool:
+        return self.backend.startswith(VERL_PREFIX)
+
+    @property
+    def is_turbo(self) -> bool:
+        """Built on the fsdp_turbo library: ours, or verl's FSDP-Turbo engine."""
+        return self.backend in ("fsdp_turbo", "verl:fsdp_turbo")
 
     @property
     def shard_size(self) -> int:
@@ -171,7 +183,13 @@ def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
         raise where.error(
             "model", "a tiny spec in fixtures/models (" + ", ".join(specs) + ")", case.model
         )
-    _choice(where, "backend", case.backend, known_backends())
+    if case.backend.startswith(VERL_PREFIX):
+        if not VERL_NAME.match(case.backend):
+            raise where.error(
+                "backend", "verl:<name> with a name from verl's EngineRegistry", case.backend
+            )
+    else:
+        _choice(where, "backend", case.backend, (*known_backends(), "verl:<name>"))
     _choice(where, "dtype", case.dtype, DTYPES)
     _choice(where, "gradient_sync", case.gradient_sync, SYNC_POLICIES)
     _choice(where, "rollout", case.rollout, ROLLOUTS)
@@ -198,14 +216,22 @@ def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
             f"divisible by fsdp_size x sp_size = {case.shard_size * case.sp_size}",
             case.world_size,
         )
-    if case.sp_size > 1 and case.backend != "fsdp_turbo":
+    if case.sp_size > 1 and not (case.is_turbo or case.is_verl):
         raise where.error(
-            "sp_size", "1 unless backend is fsdp_turbo (Ulysses SP lives there)", case.sp_size
+            "sp_size",
+            "1 unless backend is fsdp_turbo or verl:* (Ulysses SP lives there)",
+            case.sp_size,
         )
-    if case.turbo_config and case.backend != "fsdp_turbo":
-        raise where.error("turbo_config", "no turbo_config unless backend is fsdp_turbo", "a table")
-    if case.backend == "fsdp_turbo" and "cpu" in case.devices:
-        raise where.error("devices", "cuda and/or npu for backend fsdp_turbo", list(case.devices))
+    if case.turbo_config and not case.is_turbo:
+        raise where.error(
+            "turbo_config",
+            "no turbo_config unless backend is fsdp_turbo or verl:fsdp_turbo",
+            "a table",
+        )
+    if case.is_turbo and "cpu" in case.devices:
+        raise where.error(
+            "devices", f"cuda and/or npu for backend {case.backend}", list(case.devices)
+        )
     if not 0 < case.collective_timeout < case.timeout:
         raise where.error(
             "collective_timeout",
@@ -223,7 +249,7 @@ def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
         raise where.error(
             "micro_batches", f"at most the {rows} rows each rank trains on", case.micro_batches
         )
-    if case.backend == "fsdp_turbo":
+    if case.is_turbo:
         from pytest_fsdp_turbo.turbo_config import build_turbo_config
 
         for kind in case.devices:

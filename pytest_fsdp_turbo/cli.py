@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     except ModelUnavailable as exc:
         print(f"pytest-fsdp-turbo run: {exc}", file=sys.stderr)
         return 2
-    checkout = resolve_checkout(settings.checkout) if case.backend == "fsdp_turbo" else None
+    checkout = resolve_checkout(settings.checkout) if case.is_turbo else None
     out = settings.artifacts / f"{case.id}-{accel.kind}"
     book = LeaseBook()
     result = run_with_twin(

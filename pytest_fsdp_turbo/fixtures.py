@@ -233,8 +233,14 @@ def ppo_run(
             pytest.skip(
                 f"case {case.id}: rollout vllm needs vllm (or vllm-ascend); not importable here"
             )
+        if case.is_verl and importlib.util.find_spec("verl") is None:
+            _skip_or_fail(
+                settings.strict,
+                f"case {case.id}: backend {case.backend} needs verl, which is not importable here: "
+                "pip install 'pytest-fsdp-turbo[verl]'",
+            )
         checkout = None
-        if case.backend == "fsdp_turbo":
+        if case.is_turbo:
             checkout = request.getfixturevalue("fsdp_turbo_checkout")
         calls[0] += 1
         name = artifact_name(request.node.nodeid) + (f"-{calls[0]}" if calls[0] > 1 else "")

@@ -54,7 +54,7 @@ def worker_spec(request: RunRequest) -> dict:
             "dtype": case.dtype_on(kind),
             "sync_policy": case.gradient_sync,
             "lr": case.lr,
-            "turbo_config": build_turbo_config(case, kind) if case.backend == "fsdp_turbo" else {},
+            "turbo_config": build_turbo_config(case, kind) if case.is_turbo else {},
         },
         "ppo": {
             "num_prompts": case.num_prompts,
@@ -220,7 +220,7 @@ def run_with_twin(request: RunRequest, launch: Callable[[RunRequest], RunResult]
         request,
         case=twin,
         artifacts_dir=request.artifacts_dir / "twin",
-        checkout=request.checkout if twin.backend == "fsdp_turbo" else None,
+        checkout=request.checkout if twin.is_turbo else None,
         replay=request.artifacts_dir,
     )
     result.twin, result.twin_kind = launch(twin_request), request.case.twin_kind()

@@ -59,6 +59,22 @@ def test_repository_matrix_is_valid_and_complete():
         "single",
         "every_micro_batch",
     }
+    verl = [c for c in cases if c.is_verl]
+    assert {
+        (c.backend, c.gradient_sync, c.shard_size < c.world_size) for c in verl if c.is_tiny
+    } == {
+        ("verl:fsdp2", "deferred", False),
+        ("verl:fsdp2", "every_micro_batch", False),
+        ("verl:fsdp2", "deferred", True),
+    }
+    migration = by_id["qwen3_5-2b-verl-fsdp_turbo-fsdp4-sp2"]
+    assert (migration.backend, migration.shard_size, migration.sp_size, migration.devices) == (
+        "verl:fsdp_turbo",
+        4,
+        2,
+        ("npu",),
+    )
+    assert migration.twin_kind() == "single"
     ids = [p.id for p in CaseBook(Path("x"), cases).params()]
     assert "tiny-qwen3_5-fsdp2-deferred-cpu" in ids and "qwen3_5-2b-fsdp_turbo-fsdp4-sp2-npu" in ids
 
@@ -76,6 +92,12 @@ def test_repository_matrix_is_valid_and_complete():
         ("micro_batches = 99", "micro_batches", "at most the 8 rows"),
         ("colour = 1", "colour", "a known field"),
         ('twin = "double"', "twin", "one of single, every_micro_batch, none"),
+        (
+            'backend = "verl:../fsdp2"',
+            "backend",
+            "verl:<name> with a name from verl's EngineRegistry",
+        ),
+        ('backend = "verl:fsdp_turbo"', "devices", "cuda and/or npu for backend verl:fsdp_turbo"),
         (
             'gradient_sync = "every_micro_batch"\ntwin = "every_micro_batch"',
             "twin",

@@ -103,6 +103,28 @@ def test_vllm_rollout_case_skips_without_vllm(pytester):
     )
 
 
+def test_verl_case_skips_without_verl_and_fails_under_strict(pytester, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "verl" else real(name, *a)
+    )
+    pytester.makefile(
+        ".toml",
+        cases='[[case]]\nid = "v"\nmodel = "tiny-qwen3"\nbackend = "verl:fsdp2"\nworld_size = 1\n',
+    )
+    pytester.makepyfile("def test_run(fsdp_turbo_case, ppo_run):\n    ppo_run(fsdp_turbo_case)\n")
+    args = ["-rs", "--fsdp-turbo-cases=cases.toml", "--fsdp-turbo-device=cpu"]
+    result = pytester.runpytest(*args)
+    result.assert_outcomes(skipped=1)
+    reason = "*case v: backend verl:fsdp2 needs verl, which is not importable here*"
+    result.stdout.fnmatch_lines([reason])
+    strict = pytester.runpytest(*args, "--fsdp-turbo-strict")
+    strict.assert_outcomes(failed=1)
+    strict.stdout.fnmatch_lines(["*--fsdp-turbo-strict: case v: backend verl:fsdp2 needs verl*"])
+
+
 def test_vllm_adapter_import_error_is_clear():
     from pytest_fsdp_turbo_engine.vllm_rollout import _import_vllm
 

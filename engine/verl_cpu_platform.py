@@ -1,0 +1,115 @@
+"""Every shim verl's engines need to run on CPU ranks (gloo), each with its reason. verl has no CPU
+platform: with no GPU or NPU its platform manager falls back to NVIDIA.
+
+1. A verl platform "cpu" (device "cpu", backend gloo, no-op device calls), registered through verl's
+   own plug-in mechanism: VERL_USE_EXTERNAL_MODULES names this module, VERL_PLATFORM selects it.
+2. VERL_ENGINE_DEVICE=cuda: verl registers its engines for cuda and npu only; the cuda entry then
+   runs on this platform.
+3. attn_implementation "sdpa": verl's model config asks for flash-attention 2, which needs CUDA.
+
+`prepare("cpu")` turns them on before anything imports verl; on cuda and npu nothing here is active.
+No verl file is edited or patched. This module imports verl only inside `_register`.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+PLATFORM = "cpu"
+ENV = {
+    "VERL_USE_EXTERNAL_MODULES": __name__,
+    "VERL_PLATFORM": PLATFORM,
+    "VERL_ENGINE_DEVICE": "cuda",
+}
+MODEL_OVERRIDES = {"attn_implementation": "sdpa"}
+_registered = False
+
+
+def prepare(kind: str) -> dict:
+    """Select the CPU platform for a cpu run; returns the model-config overrides the run needs."""
+    if kind != PLATFORM:
+        return {}
+    os.environ.update(ENV)
+    _register()
+    return dict(MODEL_OVERRIDES)
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    import torch
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    @PlatformRegistry.register(platform=PLATFORM)
+    class CPUPlatform(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = torch.cpu
+
+        def is_available(self) -> bool:
+            return True
+
+        def current_device(self):
+            return "cpu"  # not 0: verl moves tensors with .to(current_device()); 0 means cuda:0
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index) -> None:
+            pass  # one CPU; ranks are processes
+
+        def synchronize(self, device_index=None) -> None:
+            pass  # CPU ops are synchronous
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            pass
+
+        def empty_cache(self) -> None:
+            pass  # torch.cpu has no cache to empty (verl's offload helpers call it)
+
+        def get_device_capability(self, device_index: int = 0):
+            return (None, None)
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CPU_VISIBLE_DEVICES"  # read by nothing; verl asks every platform for one
+
+        @contextmanager
+        def nvtx_range(self, msg: str):
+            yield
+
+        def profiler_start(self) -> None:
+            pass
+
+        def profiler_stop(self) -> None:
+            pass
+
+        def ray_resource_name(self) -> str:
+            return "CPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self):
+            return None
+
+
+if (
+    os.environ.get("VERL_PLATFORM") == PLATFORM
+):  # imported by verl through VERL_USE_EXTERNAL_MODULES
+    _register()
