@@ -32,7 +32,7 @@ def test_sync_policies_agree_and_differ_in_cost(ppo_run):
     every = ppo_run("tiny-qwen3_5-fsdp2-every_micro_batch")
     for result in (deferred, every):
         checks.check_completed(result)
-    assert checks.check_policies_agree(deferred, every) <= 1e-6
+    checks.check_policies_agree(deferred, every)  # raises beyond POLICY_AGREEMENT_TOL
     assert (
         deferred.metrics["comm/reduce_scatter_calls"] < every.metrics["comm/reduce_scatter_calls"]
     )

@@ -32,7 +32,10 @@ from pytest_fsdp_turbo.launch import RunResult
 # sign against an fp32 reference, so bf16 is held to whole-gradient relative L2 errors instead.
 GRAD_PARITY_TOL = {"fp32": 1e-4}  # per parameter, relative to its largest reference entry
 GRAD_PARITY_L2_TOL = {"fp32": 1e-5, "bf16": 5e-2}  # all gradients: ||g - ref|| / ||ref||
-POLICY_AGREEMENT_TOL = {"fp32": 1e-6, "bf16": 1e-2}
+# Deferred vs every-micro-batch sum the same gradients in a different order. Measured on Qwen3.5's
+# gated delta-net A_log: 2.2e-7 with transformers 5.24, 1.2e-6 with 5.10 (verl's pin); a sync bug
+# is O(1).
+POLICY_AGREEMENT_TOL = {"fp32": 1e-5, "bf16": 1e-2}
 ON_POLICY_KL_TOL = {"fp32": 1e-5, "bf16": 1e-2}
 WEIGHT_SYNC_TOL = {"fp32": 1e-4, "bf16": 1e-1}
 NORM_AGREEMENT_REL = 1e-6  # the same number on every rank

@@ -1,0 +1,57 @@
+"""A 2-rank verl case against the same case on our own FSDP2 engine, side by side.
+
+Alternates the two so noise hits both alike and prints median wall times (launch to results, as a
+user meets them) and the ratio (target <= 2.0). Needs the verl extra.
+Usage: python benchmarks/verl_case.py [--rounds N] [--case ID]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from pytest_fsdp_turbo.cases import CaseBook, load_cases
+from pytest_fsdp_turbo.devices import detect
+from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.models import resolve_model
+from pytest_fsdp_turbo.runs import RunRequest, run_case
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--case", default="tiny-qwen3-verl-fsdp2-deferred")
+    args = parser.parse_args()
+    verl = CaseBook(Path("cases"), load_cases(REPO / "e2e" / "cases.toml")).get(args.case)
+    native = dataclasses.replace(verl, backend="fsdp")
+    accel, book = detect("cpu"), LeaseBook()
+    model = resolve_model(verl.model, None)
+    times: dict[str, list[float]] = {"native": [], "verl": []}
+    steps: dict[str, list[float]] = {"native": [], "verl": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for name, case in (("native", native), ("verl", verl)):
+                start = time.perf_counter()
+                result = run_case(
+                    RunRequest(case, model, Path(tmp) / f"{name}{round_}", accel), book
+                )
+                if not result.ok:
+                    raise SystemExit(result.failure_text())
+                times[name].append(time.perf_counter() - start)
+                steps[name].append(result.metrics["perf/step_time_s"])
+    med = {name: statistics.median(values) for name, values in times.items()}
+    step = {name: statistics.median(values) for name, values in steps.items()}
+    print(f"case {verl.id} ({verl.world_size} ranks, {args.rounds} rounds, medians)")
+    print(f"  ours  (backend fsdp):       {med['native']:.2f} s wall, step {step['native']:.2f} s")
+    print(f"  verl  (backend {verl.backend}): {med['verl']:.2f} s wall, step {step['verl']:.2f} s")
+    print(f"  ratio verl / ours: {med['verl'] / med['native']:.2f} (target <= 2.0)")
+
+
+if __name__ == "__main__":
+    main()
