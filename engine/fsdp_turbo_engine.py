@@ -1,29 +1,43 @@
 """FSDPTurboEngineWithLMHead: the FSDP engine with parallel state, wrapping and clipping delegated to
 the Ascend `fsdp_turbo` library. Imported only when a case selects backend "fsdp_turbo".
 
-The library cannot run on a CPU box, so this adapter stays thin: every call into the library is in
-this file, and everything that does not need it (config validation, error text) is tested directly.
+Written against the library's published API (shared/FACTS-fsdp_turbo.md): every call into it is in
+this file. The turbo_config arrives complete from the harness (pytest_fsdp_turbo.turbo_config, for
+the layout the checkout declares); here it is checked once more against the dataclasses of the
+library actually imported, so config drift fails before the library silently drops a key.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import os
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
 from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.turbo_inspect import schema_of
+
+from pytest_fsdp_turbo.turbo_config import schema_problems
 
 CHECKOUT_VAR = "PYTEST_FSDP_TURBO_CHECKOUT"
+# The older layout has no data-parallel getters; its cdp mesh is the same group of ranks.
+DATA_GETTERS = {
+    "rank": ("get_data_rank", "get_cdp_rank"),
+    "size": ("get_data_group_size", "get_cdp_group_size"),
+    "group": ("get_data_group", "get_cdp_group"),
+}
+
+
+class FSDPTurboAPIChanged(RuntimeError):
+    pass
 
 
 def import_fsdp_turbo() -> SimpleNamespace:
     """The library entry points this engine uses; a failed import names where we looked."""
     try:
-        from fsdp_turbo.distributed.parallel_state import get_parallel_state, init_parallel_state
+        from fsdp_turbo.distributed import parallel_state
         from fsdp_turbo.fsdp_turbo import FSDPTurbo
         from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig, _dict_to_dataclass
         from fsdp_turbo.training.clip_grads import clip_grad_norm
@@ -37,63 +51,66 @@ def import_fsdp_turbo() -> SimpleNamespace:
         FSDPTurbo=FSDPTurbo,
         FSDPTurboConfig=FSDPTurboConfig,
         dict_to_dataclass=_dict_to_dataclass,
-        init_parallel_state=init_parallel_state,
-        get_parallel_state=get_parallel_state,
+        parallel_state=parallel_state,
         clip_grad_norm=clip_grad_norm,
     )
 
 
-def unknown_config_keys(config_type: type, given: dict[str, Any], prefix: str = "") -> list[str]:
-    """Keys of `given` that the library's config dataclasses do not declare (it would drop them)."""
-    if not dataclasses.is_dataclass(config_type):
-        return []
-    fields = {f.name: f for f in dataclasses.fields(config_type)}
-    unknown = []
-    for key, value in given.items():
-        if key not in fields:
-            unknown.append(prefix + key)
-            continue
-        field_type = fields[key].type
-        if isinstance(field_type, str):  # postponed annotations: resolve from the default
-            default = (
-                fields[key].default_factory
-                if fields[key].default_factory is not dataclasses.MISSING
-                else None
-            )
-            field_type = type(default()) if default else None
-        if (
-            isinstance(value, dict)
-            and field_type is not None
-            and dataclasses.is_dataclass(field_type)
-        ):
-            unknown += unknown_config_keys(field_type, value, f"{prefix}{key}.")
-    return unknown
+def reset_parallel_state(parallel_state) -> None:
+    """ParallelState is a process-wide singleton: a second init with another config would silently
+    return the first. Drop the instance so this engine's config is the one that counts."""
+    cls = parallel_state.ParallelState
+    store = getattr(type(cls), "_instances", None)
+    if not isinstance(store, dict):
+        raise FSDPTurboAPIChanged(
+            "fsdp_turbo's ParallelState is no longer a metaclass singleton with an _instances "
+            "store; update pytest_fsdp_turbo_engine.fsdp_turbo_engine.reset_parallel_state"
+        )
+    store.pop(cls, None)
 
 
-@register(backend="fsdp_turbo", device=["cuda", "npu"])
+@register(backend="fsdp_turbo", device=["cpu", "cuda", "npu"])
 class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
     def _build_mesh(self):
         self.turbo = import_fsdp_turbo()
-        unknown = unknown_config_keys(self.turbo.FSDPTurboConfig, self.config.turbo_config)
-        if unknown:
-            raise ValueError(f"turbo_config: keys fsdp_turbo would silently drop: {unknown}")
+        world = dist.get_world_size()
+        if os.environ.get("WORLD_SIZE") != str(world):
+            raise RuntimeError(
+                f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} but the process group has {world} "
+                "ranks; fsdp_turbo derives its gradient divide factor from WORLD_SIZE"
+            )
+        problems = schema_problems(schema_of(self.turbo.FSDPTurboConfig), self.config.turbo_config)
+        if problems:
+            raise ValueError(
+                "turbo_config does not fit the installed fsdp_turbo: " + "; ".join(problems)
+            )
+        reset_parallel_state(self.turbo.parallel_state)
         self.turbo_config = self.turbo.dict_to_dataclass(
-            self.turbo.FSDPTurboConfig, self.config.turbo_config
+            self.turbo.FSDPTurboConfig, copy.deepcopy(self.config.turbo_config)
         )
-        self.turbo.init_parallel_state(self.turbo_config)
-        self.parallel_state = self.turbo.get_parallel_state()
+        self.parallel_state = self.turbo.parallel_state.init_parallel_state(self.turbo_config)
         return None
 
+    def _data(self, what: str):
+        for name in DATA_GETTERS[what]:
+            getter = getattr(self.parallel_state, name, None)
+            if getter is not None:
+                return getter()
+        raise FSDPTurboAPIChanged(f"fsdp_turbo's ParallelState has none of {DATA_GETTERS[what]}")
+
     def data_parallel_rank(self) -> int:
-        return self.parallel_state.get_data_rank()
+        return self._data("rank")
 
     def data_parallel_size(self) -> int:
-        return self.parallel_state.get_data_group_size()
+        return self._data("size")
 
     def data_parallel_group(self) -> dist.ProcessGroup:
-        return self.parallel_state.get_data_group()
+        return self._data("group")
 
     def replicate_group(self) -> dist.ProcessGroup | None:
+        """HSDP layouts (fsdp < world / tp): the replicas are the library's dp mesh."""
+        if self.parallel_state.is_group_enable("dp"):
+            return self.parallel_state.get_group("dp")
         return None
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:

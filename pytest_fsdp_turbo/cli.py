@@ -1,4 +1,4 @@
-"""`pytest-fsdp-turbo doctor | run | compare`: the harness without writing pytest commands."""
+"""`pytest-fsdp-turbo doctor | run | config | compare`: the harness without pytest commands."""
 
 from __future__ import annotations
 
@@ -22,6 +22,17 @@ def _version(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+def _describe_library(path) -> None:
+    from pytest_fsdp_turbo.turbo_library import inspect, torch_outside_range, torch_requirement
+
+    try:
+        print(f"           config layout: {inspect(None, path).layout}")
+    except ConfigError as exc:
+        print(f"           config layout: unknown ({exc})")
+    outside = torch_outside_range(path)
+    print(f"           torch: {outside or 'inside the supported range ' + torch_requirement(path)}")
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -48,6 +59,7 @@ def doctor(args: argparse.Namespace) -> int:
     try:
         found = resolve_checkout(settings.checkout, clone=args.clone)
         print(f"FSDPTurbo: {found.path} @ {found.commit or 'unknown commit'} ({found.source})")
+        _describe_library(found.path)
     except CheckoutUnavailable as exc:
         hint = "" if args.clone else " (pass --clone to fetch it now)"
         print(f"FSDPTurbo: not available: {exc}{hint}")
@@ -64,10 +76,8 @@ def doctor(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """One case outside pytest: the same leases, env and launcher as the ppo_run fixture."""
     import json
-    from pathlib import Path
 
     from pytest_fsdp_turbo import checks
-    from pytest_fsdp_turbo.cases import CaseBook, load_cases
     from pytest_fsdp_turbo.leases import LeaseBook
     from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
     from pytest_fsdp_turbo.runs import RunRequest, run_case, run_with_twin
@@ -79,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
             "fsdp_turbo_artifacts": args.artifacts,
         }
     )
-    path = settings.cases or Path("e2e") / "cases.toml"
-    case = CaseBook(path, load_cases(path)).get(args.case_id)
+    case = _load_case(args, settings)
     accel = detect(settings.device)
     if accel.kind not in case.devices:
         print(
@@ -94,6 +103,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"pytest-fsdp-turbo run: {exc}", file=sys.stderr)
         return 2
     checkout = resolve_checkout(settings.checkout) if case.is_turbo else None
+    if checkout is not None:
+        from pytest_fsdp_turbo.turbo_library import torch_outside_range
+
+        outside = torch_outside_range(checkout.path)
+        if outside:
+            print(f"case {case.id}: {outside}", file=sys.stderr)
+            return 2
     out = settings.artifacts / f"{case.id}-{accel.kind}"
     book = LeaseBook()
     result = run_with_twin(
@@ -110,6 +126,48 @@ def run(args: argparse.Namespace) -> int:
         f"case {case.id} on {accel.kind}: passed ({result.duration_s:.1f}s; checks not "
         f"applicable: {skipped}; artifacts {out})"
     )
+    return 0
+
+
+def _load_case(args: argparse.Namespace, settings):
+    from pathlib import Path
+
+    from pytest_fsdp_turbo.cases import CaseBook, load_cases
+
+    path = settings.cases or Path("e2e") / "cases.toml"
+    return CaseBook(path, load_cases(path)).get(args.case_id)
+
+
+def config(args: argparse.Namespace) -> int:
+    """The exact turbo_config a rank of CASE_ID would hand the library, on any box. With a
+    checkout, validated against its schema: one line per problem on stderr, exit 1."""
+    import json
+
+    from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
+    from pytest_fsdp_turbo.turbo_library import TurboConfigProblems, turbo_config_for
+
+    settings = resolve({"fsdp_turbo_cases": args.cases})
+    case = _load_case(args, settings)
+    if not case.is_turbo:
+        print(f"case {case.id}: backend {case.backend} takes no turbo_config", file=sys.stderr)
+        return 2
+    kind = args.device or next(k for k in case.devices if k != "cpu")
+    try:
+        model = resolve_model(case.model, settings.models)
+    except ModelUnavailable as exc:
+        print(f"pytest-fsdp-turbo config: {exc}", file=sys.stderr)
+        return 2
+    try:
+        checkout = resolve_checkout(settings.checkout, clone=False).path
+    except CheckoutUnavailable as exc:
+        checkout = None
+        print(f"note: {exc}; newest layout, not validated", file=sys.stderr)
+    try:
+        print(json.dumps(turbo_config_for(case, kind, model, checkout), indent=1, sort_keys=True))
+    except TurboConfigProblems as exc:
+        for line in exc.problems:
+            print(line, file=sys.stderr)
+        return 1
     return 0
 
 
@@ -142,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--device", help="override detection: cpu|cuda|npu[:N]")
     one.add_argument("--artifacts", help="artifact folder (default ./fsdp-turbo-artifacts)")
     one.set_defaults(func=run)
+    cfg = verbs.add_parser("config", help="the exact turbo_config a rank hands fsdp_turbo")
+    cfg.add_argument("case_id")
+    cfg.add_argument("--device", choices=("cuda", "npu"), help="default: the case's first")
+    cfg.add_argument("--cases", help="case file (default e2e/cases.toml)")
+    cfg.set_defaults(func=config)
     cmp = verbs.add_parser("compare", help="two runs' artifacts side by side")
     cmp.add_argument("a", help="artifact folder of run A (e.g. the cuda run)")
     cmp.add_argument("b", help="artifact folder of run B (e.g. the npu run)")

@@ -192,6 +192,7 @@ def ppo_run(
     fsdp_turbo_lease_book: LeaseBook,
 ) -> Callable[..., RunResult]:
     """Factory: a case (object, parameter or id) plus field overrides -> the run's result.
+    `checkout=` runs an fsdp_turbo case against another FSDPTurbo checkout than the session's.
 
     It does not assert: call pytest_fsdp_turbo.checks on the result. Missing model directories and
     FSDPTurbo checkouts skip (fail under --fsdp-turbo-strict) with the path or source tried.
@@ -217,6 +218,7 @@ def ppo_run(
         pythonpath: Sequence[str] = (),
         extra_env: dict[str, str] | None = None,
         launcher: str | None = None,
+        checkout: Checkout | None = None,
         **overrides: object,
     ) -> RunResult:
         if isinstance(case, CaseParam):
@@ -239,9 +241,15 @@ def ppo_run(
                 f"case {case.id}: backend {case.backend} needs verl, which is not importable here: "
                 "pip install 'pytest-fsdp-turbo[verl]'",
             )
-        checkout = None
         if case.is_turbo:
-            checkout = request.getfixturevalue("fsdp_turbo_checkout")
+            from pytest_fsdp_turbo.turbo_library import torch_outside_range
+
+            checkout = checkout or request.getfixturevalue("fsdp_turbo_checkout")
+            outside = torch_outside_range(checkout.path)
+            if outside:
+                _skip_or_fail(settings.strict, f"case {case.id}: {outside}")
+        else:
+            checkout = None
         calls[0] += 1
         name = artifact_name(request.node.nodeid) + (f"-{calls[0]}" if calls[0] > 1 else "")
         run_request = RunRequest(

@@ -17,7 +17,6 @@ from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secre
 from pytest_fsdp_turbo.launch import RunResult, launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
-from pytest_fsdp_turbo.turbo_config import build_turbo_config
 
 CHECKOUT_VAR = "PYTEST_FSDP_TURBO_CHECKOUT"
 PORT_ATTEMPTS = 3
@@ -35,6 +34,7 @@ class RunRequest:
     pythonpath: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     replay: Path | None = None  # twin runs: the main run's artifacts, whose batch is replayed
+    turbo_config: dict | None = None  # fsdp_turbo cases: the exact config, see with_turbo_config
 
 
 def worker_spec(request: RunRequest) -> dict:
@@ -54,7 +54,7 @@ def worker_spec(request: RunRequest) -> dict:
             "dtype": case.dtype_on(kind),
             "sync_policy": case.gradient_sync,
             "lr": case.lr,
-            "turbo_config": build_turbo_config(case, kind) if case.is_turbo else {},
+            "turbo_config": request.turbo_config or {},
         },
         "ppo": {
             "num_prompts": case.num_prompts,
@@ -210,8 +210,21 @@ def twin_case(case: Case) -> Case | None:
     )
 
 
+def with_turbo_config(request: RunRequest) -> RunRequest:
+    """fsdp_turbo cases: the exact turbo_config for the checkout's layout and the model's module
+    tree, validated against the checkout's schema before any rank starts."""
+    if not request.case.is_turbo or request.turbo_config is not None:
+        return request
+    from pytest_fsdp_turbo.turbo_library import turbo_config_for
+
+    checkout = request.checkout.path if request.checkout is not None else None
+    config = turbo_config_for(request.case, request.accelerator.kind, request.model_path, checkout)
+    return replace(request, turbo_config=config)
+
+
 def run_with_twin(request: RunRequest, launch: Callable[[RunRequest], RunResult]) -> RunResult:
     """The case, then (if it declares one and completed) its twin replaying the saved batch."""
+    request = with_turbo_config(request)
     result = launch(request)
     twin = twin_case(request.case)
     if twin is None or not result.ok:
@@ -221,7 +234,9 @@ def run_with_twin(request: RunRequest, launch: Callable[[RunRequest], RunResult]
         case=twin,
         artifacts_dir=request.artifacts_dir / "twin",
         checkout=request.checkout if twin.is_turbo else None,
+        turbo_config=None,
         replay=request.artifacts_dir,
     )
+    twin_request = with_turbo_config(twin_request)
     result.twin, result.twin_kind = launch(twin_request), request.case.twin_kind()
     return result

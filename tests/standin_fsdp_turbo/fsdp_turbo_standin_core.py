@@ -1,0 +1,322 @@
+"""STAND-IN for the Ascend `fsdp_turbo` library: a test double, never the library, never installed
+with the plugin, never evidence about hardware. It reproduces the library's observable contract as
+the facts sheet describes it (shared/FACTS-fsdp_turbo.md), so the harness's FSDP-Turbo adapter can be
+wired and tested end to end on CPU:
+
+- config dataclasses per layout, and a loader that drops unknown keys with only a warning;
+- a process-wide ParallelState singleton (metaclass instance store) that creates an hccl process
+  group when none exists, with is_/get_<mesh>_* getters for dp/fsdp/tp, cdp/kvallgather/ulysses and
+  the 2-D dp_fsdp mesh; the newest layout adds get_data_rank / get_data_group_size / get_data_group;
+- FSDPTurbo(config, model).model: the same HF model, fully_shard-ed in place by apply_modules
+  (None raises, a pattern matching nothing raises, hook_modules must match too), module_patches
+  applied (a target that resolves to nothing raises), the gradient divide factor from WORLD_SIZE;
+- clip_grad_norm(model, max_norm, norm_type, group) returning a Python float;
+- no accelerator, no start: it refuses a CPU box unless FSDP_TURBO_STANDIN_ALLOW_CPU=1.
+
+Ulysses context parallelism is not reproduced (sp_size > 1 raises).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import re
+import typing
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+logger = logging.getLogger("fsdp_turbo")
+ALLOW_CPU_VAR = "FSDP_TURBO_STANDIN_ALLOW_CPU"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def get_accelerator_name() -> str:
+    try:
+        import torch_npu  # noqa: F401
+
+        return "npu"
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get(ALLOW_CPU_VAR) == "1":
+        return "cpu"
+    raise RuntimeError("No available accelerator (NPU/CUDA).")
+
+
+def _nested_dataclass(annotation):
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    return next((a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)), None)
+
+
+def _dict_to_dataclass(cls, data):
+    if not isinstance(data, dict):
+        return data
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in hints:
+            logger.warning("Ignoring unknown config key '%s' for %s", key, cls.__name__)
+            continue
+        nested = _nested_dataclass(hints[key])
+        kwargs[key] = (
+            _dict_to_dataclass(nested, value) if nested and isinstance(value, dict) else value
+        )
+    return cls(**kwargs)
+
+
+# --- config dataclasses shared by every layout ---------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    model_name_or_path: str = ""
+    torch_dtype: str = "bf16"
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    batch_size: int = 1
+
+
+@dataclass
+class TrainRunConfig:
+    seed: int = 42
+
+
+@dataclass
+class CheckpointConfig:
+    output_dir: str = "./output"
+
+
+@dataclass
+class FSDPPlanConfig:
+    ignored_modules: list = dataclasses.field(default_factory=list)
+    apply_modules: dict = None
+    param_dtype: str = None
+    reduce_dtype: str = None
+    output_dtype: str = None
+    cast_forward_inputs: bool = True
+    cpu_offload: bool = False
+    pin_memory: bool = True
+    num_to_forward_prefetch: int = 0
+    num_to_backward_prefetch: int = 0
+    hook_modules: list = None
+    fsdp_implementation: str = "native"
+    gradient_divide_factor: float = None
+
+
+@dataclass
+class TPPlanConfig:
+    colwise_parallel: list = None
+    rowwise_parallel: list = None
+
+
+@dataclass
+class EPPlanConfig:
+    apply_modules: list = None
+    dispatcher: str = None
+
+
+@dataclass
+class MemoryConfig:
+    recompute: bool = False
+    recompute_plan: list = None
+
+
+@dataclass
+class QuantizationConfig:
+    quantization_plan: dict = None
+
+
+def finish_config(config) -> None:
+    """The library's config validation: a default fsdp_plan, and the gradient divide factor (when
+    unset) from the launcher's WORLD_SIZE, an unset WORLD_SIZE counting as 1."""
+    distributed = config.distributed
+    if distributed.fsdp_plan is None:
+        distributed.fsdp_plan = FSDPPlanConfig()
+    if distributed.fsdp_plan.gradient_divide_factor is None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        fsdp, tp = distributed.fully_shard_parallel_size, distributed.tensor_parallel_size
+        distributed.fsdp_plan.gradient_divide_factor = fsdp * (world // (fsdp * tp))
+
+
+class Singleton(type):
+    _instances: dict = {}
+
+    def __call__(cls, *args, **kwargs):
+        if cls not in cls._instances:
+            cls._instances[cls] = super().__call__(*args, **kwargs)
+        return cls._instances[cls]
+
+
+def make_parallel_state(data_getters: bool):
+    """(ParallelState, init_parallel_state, get_parallel_state) for one layout."""
+
+    @dataclass
+    class ParallelState(metaclass=Singleton):
+        data_parallel_size: int = 1
+        fully_shard_parallel_size: int = 1
+        tensor_parallel_size: int = 1
+        kv_allgather_parallel_size: int = 1
+        ulysses_parallel_size: int = 1
+        device_mesh_map: dict = None
+
+        def __post_init__(self):
+            if not dist.is_initialized():
+                dist.init_process_group(backend="hccl")
+            self.device_mesh_map = {}
+            world = dist.get_world_size()
+            fsdp, tp = self.fully_shard_parallel_size, self.tensor_parallel_size
+            self._mesh(("dp", "fsdp", "tp"), (world // (fsdp * tp), fsdp, tp))
+            kv, ulysses = self.kv_allgather_parallel_size, self.ulysses_parallel_size
+            self._mesh(
+                ("cdp", "kvallgather", "ulysses", "tp"),
+                (world // (kv * ulysses * tp), kv, ulysses, tp),
+            )
+            self.device_mesh_map["dp_fsdp"] = self.device_mesh_map["dp"]["dp", "fsdp"]
+            self.data_parallel_size = world // (fsdp * tp)
+
+        def _mesh(self, names, shape):
+            mesh = init_device_mesh(get_accelerator_name(), shape, mesh_dim_names=names)
+            for name in names:
+                self.device_mesh_map[name] = mesh
+
+        def is_group_enable(self, name: str) -> bool:
+            return (
+                name in self.device_mesh_map
+                and self.device_mesh_map[name].size(
+                    self.device_mesh_map[name].mesh_dim_names.index(name)
+                )
+                > 1
+            )
+
+        def get_group(self, name: str):
+            return self.device_mesh_map[name].get_group(name)
+
+        def __getattr__(self, attr: str):
+            """get_<mesh>_group / _group_size / _rank / _device_mesh and is_<mesh>_enable."""
+            match = re.fullmatch(
+                r"(get|is)_(\w+?)_(group|group_size|rank|device_mesh|enable)", attr
+            )
+            if not match or match.group(2) not in (self.__dict__.get("device_mesh_map") or {}):
+                raise AttributeError(attr)
+            name, what = match.group(2), match.group(3)
+            mesh = self.device_mesh_map[name]
+            return {
+                "enable": lambda: self.is_group_enable(name),
+                "group": lambda: mesh.get_group(name),
+                "group_size": lambda: mesh.size(mesh.mesh_dim_names.index(name)),
+                "rank": lambda: mesh.get_local_rank(name),
+                "device_mesh": lambda: mesh if name == "dp_fsdp" else mesh[name],
+            }[what]
+
+    if data_getters:  # the newest layout: ranks that see different data, i.e. the cdp mesh
+        ParallelState.get_data_rank = lambda self: self.get_cdp_rank()
+        ParallelState.get_data_group_size = lambda self: self.get_cdp_group_size()
+        ParallelState.get_data_group = lambda self: self.get_cdp_group()
+
+    def init_parallel_state(config):
+        wanted = {f.name for f in dataclasses.fields(ParallelState)} - {"device_mesh_map"}
+        given = dataclasses.asdict(config.distributed)
+        return ParallelState(**{k: v for k, v in given.items() if k in wanted})
+
+    def get_parallel_state():
+        return ParallelState()
+
+    return ParallelState, init_parallel_state, get_parallel_state
+
+
+def _pattern(name: str) -> re.Pattern:
+    return re.compile("^" + re.escape(name).replace(re.escape("{*}"), r"\d+") + "$")
+
+
+def _matching(model: torch.nn.Module, patterns, what: str) -> list[torch.nn.Module]:
+    named = list(model.named_modules())
+    found = []
+    for pattern in patterns:
+        hits = [m for n, m in named if n and _pattern(pattern).match(n)]
+        if not hits:
+            raise ValueError(
+                f"{what} pattern {pattern!r} matches no module of {type(model).__name__}"
+            )
+        found.extend(hits)
+    return found
+
+
+def _resolve(dotted: str):
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        owner = obj
+        for part in parts[cut:]:
+            owner, obj = obj, getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is not None:
+            return owner, parts[-1], obj
+    raise ValueError(f"module_patches target {dotted!r} resolves to nothing")
+
+
+class FSDPTurbo(torch.nn.Module):
+    def __init__(self, config, model: torch.nn.Module):
+        super().__init__()
+        from fsdp_turbo.distributed.parallel_state import init_parallel_state
+
+        state = init_parallel_state(config)  # the library builds its parallel state itself
+        for patch in config.module_patches or []:
+            owner, attr, _ = _resolve(patch["target"])
+            replacement = patch["replacement"]
+            setattr(
+                owner,
+                attr,
+                _resolve(replacement)[2] if isinstance(replacement, str) else replacement,
+            )
+        distributed = config.distributed
+        if distributed.ulysses_parallel_size > 1:
+            raise NotImplementedError(
+                "stand-in fsdp_turbo: Ulysses context parallelism is not reproduced"
+            )
+        plan = distributed.fsdp_plan
+        if plan is None or plan.apply_modules is None:
+            raise ValueError("distributed.fsdp_plan.apply_modules must be set")
+        units = _matching(model, plan.apply_modules, "fsdp_plan.apply_modules")
+        _matching(model, plan.hook_modules or [], "fsdp_plan.hook_modules")
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        hsdp = state.get_dp_group_size() > 1
+        mesh = state.device_mesh_map["dp_fsdp"] if hsdp else state.get_fsdp_device_mesh()
+        policy = MixedPrecisionPolicy(
+            param_dtype=DTYPES.get(plan.param_dtype), reduce_dtype=DTYPES.get(plan.reduce_dtype)
+        )
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        factor = plan.gradient_divide_factor
+        if factor != dist.get_world_size():
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(float(factor))
+        self.model = model
+
+
+def clip_grad_norm(model, max_norm: float, norm_type: float = 2.0, group=None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=False)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

@@ -1,0 +1,1 @@
+from fsdp_turbo_standin_core import clip_grad_norm  # noqa: F401
