@@ -32,7 +32,8 @@ def _describe_library(path) -> None:
     except ConfigError as exc:
         print(f"           config layout: unknown ({exc})")
     outside = torch_outside_range(path)
-    print(f"           torch: {outside or 'inside the supported range ' + torch_requirement(path)}")
+    wanted, source = torch_requirement(path)
+    print(f"           torch: {outside or f'inside the supported range {wanted} (from {source})'}")
 
 
 def doctor(args: argparse.Namespace) -> int:

@@ -74,7 +74,8 @@ def turbo_config_for(case, kind: str, model_dir: Path | None, checkout: Path | N
     return config
 
 
-def torch_requirement(checkout: Path | None) -> str:
+def torch_requirement(checkout: Path | None) -> tuple[str, str]:
+    """(specifier, where it comes from): the checkout's requirements.txt, else the README's."""
     requirements = checkout / "requirements.txt" if checkout else None
     if requirements is not None and requirements.is_file():
         for line in requirements.read_text().splitlines():
@@ -82,13 +83,13 @@ def torch_requirement(checkout: Path | None) -> str:
             if text.startswith("torch") and not text.startswith(
                 ("torch_", "torch-", "torchvision")
             ):
-                return text[len("torch") :] or ">=0"
-    return DOCUMENTED_TORCH
+                return text[len("torch") :] or ">=0", "the checkout"
+    return DOCUMENTED_TORCH, "its README"
 
 
 def torch_outside_range(checkout: Path | None) -> str | None:
     """One line naming the package, its version and the range, or None when all is inside."""
-    wanted = torch_requirement(checkout)
+    wanted, source = torch_requirement(checkout)
     try:
         spec = SpecifierSet(wanted)
     except InvalidSpecifier:
@@ -101,6 +102,6 @@ def torch_outside_range(checkout: Path | None) -> str | None:
         if Version(Version(installed).base_version) not in spec:
             return (
                 f"fsdp_turbo supports {package} {wanted}; installed {package} {installed} "
-                f"(from {'the checkout' if wanted != DOCUMENTED_TORCH else 'its README'})"
+                f"(from {source})"
             )
     return None

@@ -1,6 +1,9 @@
 """What can be tested of the fsdp_turbo backend without the library: selection, errors, config keys."""
 
+import sys
+import textwrap
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -9,46 +12,126 @@ pytest.importorskip("torch")
 from pytest_fsdp_turbo_engine import registry  # noqa: E402
 from pytest_fsdp_turbo_engine.fsdp_turbo_engine import (  # noqa: E402
     CHECKOUT_VAR,
+    FSDPTurboAPIChanged,
     import_fsdp_turbo,
-    unknown_config_keys,
+    reset_parallel_state,
 )
+from pytest_fsdp_turbo_engine.turbo_inspect import schema_of  # noqa: E402
+
+STANDIN = Path(__file__).parent / "standin_fsdp_turbo"
 
 
 @dataclass
 class FsdpPlan:
-    param_dtype: str = "bf16"
-    reduce_dtype: str = "fp32"
+    apply_modules: dict = None
 
 
 @dataclass
 class Distributed:
-    fully_shard_parallel_size: int = 1
-    ulysses_parallel_size: int = 1
-    fsdp_plan: FsdpPlan = field(default_factory=FsdpPlan)
+    seed: int
+    fsdp_plan: FsdpPlan | None = None
 
 
 @dataclass
 class TurboConfig:
-    distributed: Distributed = field(default_factory=Distributed)
-    recompute: bool = False
+    distributed: Distributed = field(default_factory=lambda: Distributed(0))
 
 
-def test_unknown_keys_are_listed_with_their_path():
-    given = {
+def test_schema_of_follows_nested_and_optional_dataclasses():
+    assert schema_of(TurboConfig) == {
         "distributed": {
-            "fully_shard_parallel_size": 4,
-            "ulysses_size": 2,
-            "fsdp_plan": {"param_dtype": "bf16", "reduce_dtyp": "fp32"},
-        },
-        "recompute": True,
-        "offload": True,
+            "required": False,
+            "fields": {
+                "seed": {"required": True, "fields": None},
+                "fsdp_plan": {
+                    "required": False,
+                    "fields": {"apply_modules": {"required": False, "fields": None}},
+                },
+            },
+        }
     }
-    assert unknown_config_keys(TurboConfig, given) == [
-        "distributed.ulysses_size",
-        "distributed.fsdp_plan.reduce_dtyp",
-        "offload",
-    ]
-    assert unknown_config_keys(TurboConfig, {"distributed": {"ulysses_parallel_size": 2}}) == []
+
+
+def test_parallel_state_reset_drops_the_singleton_and_names_a_changed_api():
+    sys.path.insert(0, str(STANDIN))
+    try:
+        from fsdp_turbo_standin_core import Singleton
+    finally:
+        sys.path.remove(str(STANDIN))
+
+    class State(metaclass=Singleton):
+        pass
+
+    module = type("parallel_state", (), {"ParallelState": State})
+    first = State()
+    assert State() is first
+    reset_parallel_state(module)
+    assert State() is not first
+    module.ParallelState = type("Plain", (), {})
+    with pytest.raises(FSDPTurboAPIChanged, match="_instances"):
+        reset_parallel_state(module)
+
+
+def test_standin_refuses_a_cpu_box_unless_allowed(monkeypatch):
+    sys.path.insert(0, str(STANDIN))
+    try:
+        from fsdp_turbo_standin_core import ALLOW_CPU_VAR, get_accelerator_name
+    finally:
+        sys.path.remove(str(STANDIN))
+    monkeypatch.delenv(ALLOW_CPU_VAR, raising=False)
+    with pytest.raises(RuntimeError, match=r"No available accelerator \(NPU/CUDA\)"):
+        get_accelerator_name()
+    monkeypatch.setenv(ALLOW_CPU_VAR, "1")
+    assert get_accelerator_name() == "cpu"
+
+
+def test_config_drift_fails_the_case_before_any_rank_starts(pytester, tmp_path):
+    checkout = tmp_path / "FSDPTurbo"
+    (checkout / "fsdp_turbo").mkdir(parents=True)
+    (checkout / "fsdp_turbo" / "__init__.py").write_text("")
+    (checkout / "requirements.txt").write_text("torch>=2.0\n")
+    (checkout / "fsdp_turbo" / "fsdp_turbo_config.py").write_text(
+        textwrap.dedent(
+            """
+            from dataclasses import dataclass, field
+
+            @dataclass
+            class FSDPPlanConfig:
+                apply_modules: dict = None
+
+            @dataclass
+            class DistributedConfig:
+                fully_shard_parallel_size: int = 1
+                ulysses_parallel_size: int = 1
+                fsdp_plan: FSDPPlanConfig = None
+
+            @dataclass
+            class FSDPTurboConfig:
+                distributed: DistributedConfig = field(default_factory=DistributedConfig)
+            """
+        )
+    )
+    pytester.makefile(
+        ".toml",
+        cases='[[case]]\nid = "turbo"\nmodel = "tiny-qwen3_5"\nbackend = "fsdp_turbo"\n'
+        'world_size = 2\ndevices = ["npu"]\n',
+    )
+    pytester.makepyfile("def test_run(fsdp_turbo_case, ppo_run):\n    ppo_run(fsdp_turbo_case)\n")
+    result = pytester.runpytest(
+        "--fsdp-turbo-cases=cases.toml",
+        "--fsdp-turbo-device=npu:2",
+        f"--fsdp-turbo-path={checkout}",
+        f"--fsdp-turbo-artifacts={tmp_path / 'artifacts'}",
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*turbo_config does not fit the FSDPTurbo checkout:*",
+            "*turbo_config.distributed.fsdp_plan.param_dtype: not in the library's schema*",
+            "*turbo_config.distributed.fsdp_plan.hook_modules: not in the library's schema*",
+        ]
+    )
+    assert not list((tmp_path / "artifacts").rglob("rank*.log"))  # no rank was started
 
 
 def test_missing_library_error_names_checkout_and_pythonpath(monkeypatch):
@@ -62,12 +145,12 @@ def test_missing_library_error_names_checkout_and_pythonpath(monkeypatch):
     assert "PYTHONPATH='/cache/FSDPTurbo-abc'" in message
 
 
-def test_turbo_backend_is_registered_for_accelerators_only():
+def test_turbo_backend_is_registered_everywhere_and_the_library_decides():
+    """cpu too: the library itself refuses a CPU box (the stand-in reproduces that)."""
     engine = registry.lookup("qwen3_5_text", "fsdp_turbo", "npu")
     assert engine.__name__ == "FSDPTurboEngineWithLMHead"
-    assert registry.lookup("qwen3_5_text", "fsdp_turbo", "cuda") is engine
-    with pytest.raises(registry.RegistryError, match="backend='fsdp_turbo', device='cpu'"):
-        registry.lookup("qwen3_5_text", "fsdp_turbo", "cpu")
+    for kind in ("cuda", "cpu"):
+        assert registry.lookup("qwen3_5_text", "fsdp_turbo", kind) is engine
 
 
 def test_turbo_case_skips_without_checkout_and_fails_under_strict(pytester, tmp_path, monkeypatch):

@@ -1,5 +1,11 @@
-"""The settings the two FSDP-Turbo migration runs need, generated from their cases."""
+"""turbo_config generation per library layout, and validation against a checkout's schema
+(torch-free here; the schema and module tree come from engine/turbo_inspect in a subprocess)."""
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,9 +15,29 @@ from pytest_fsdp_turbo.cases import CaseBook, load_cases
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.runs import RunRequest, worker_spec
-from pytest_fsdp_turbo.turbo_config import build_turbo_config
+from pytest_fsdp_turbo.turbo_config import (
+    CORE_ATTENTION,
+    FUNCTION_PATCHES,
+    LEGACY,
+    ModulePlan,
+    build_turbo_config,
+    detect_layout,
+    schema_problems,
+)
+from pytest_fsdp_turbo.turbo_library import inspect, torch_outside_range
 
 REPO = Path(__file__).resolve().parent.parent
+STANDIN = REPO / "tests" / "standin_fsdp_turbo"
+QWEN = "transformers.models.qwen3_5.modeling_qwen3_5"
+TEXT_MODEL = ModulePlan(
+    "Qwen3_5ForCausalLM", ("model.layers.{*}",), ("model.embed_tokens", "lm_head")
+)
+MODULE_PATCH = [
+    {
+        "target": f"{QWEN}.Qwen3_5Model.forward",
+        "replacement": "fsdp_turbo.models.qwen.qwen3_5.qwen3_5_model_forward",
+    }
+]
 
 
 @pytest.fixture
@@ -19,40 +45,217 @@ def book():
     return CaseBook(REPO / "e2e" / "cases.toml", load_cases(REPO / "e2e" / "cases.toml"))
 
 
-def test_qwen3_5_2b_npu_fsdp4_sp2(book):
+def test_npu_sp2_case_in_the_newest_layout(book):
     case = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
-    assert build_turbo_config(case, "npu") == {
+    config = build_turbo_config(case, "npu", FUNCTION_PATCHES, TEXT_MODEL)
+    assert config == {
         "distributed": {
             "fully_shard_parallel_size": 4,
             "ulysses_parallel_size": 2,
-            "fsdp_plan": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
-            "ulysses_plan": {
-                "patches": ["qwen3_5.attention", "qwen3_5.gated_delta_net", "causal_lm_loss"],
-                "module_patches": ["qwen3_5.model_forward"],
+            "fsdp_plan": {
+                "param_dtype": "bf16",
+                "reduce_dtype": "fp32",
+                "apply_modules": {"model.layers.{*}": {}, "model.embed_tokens": {}, "lm_head": {}},
+                "hook_modules": ["model.layers.{*}"],
+            },
+            "cp_plan": {
+                "ulysses_function_patches": [
+                    {
+                        "target_functions": [f"{QWEN}.eager_attention_forward"],
+                        "type": "full_attention",
+                    },
+                    {
+                        "target_functions": [f"{QWEN}.Qwen3_5GatedDeltaNet.forward"],
+                        "type": "gated_delta_net",
+                    },
+                ],
+                "loss_function_patches": [
+                    {
+                        "target_functions": ["transformers.loss.loss_utils.ForCausalLMLoss"],
+                        "type": "causal_lm_loss",
+                    }
+                ],
+            },
+        },
+        "module_patches": MODULE_PATCH,
+    }
+
+
+def test_npu_sp2_case_in_the_middle_layout(book):
+    case = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
+    config = build_turbo_config(case, "npu", CORE_ATTENTION, TEXT_MODEL)
+    assert config["distributed"]["cp_plan"] == {
+        "ulysses_core_attention_function": [f"{QWEN}.eager_attention_forward"]
+    }
+    assert config["module_patches"] == MODULE_PATCH
+
+
+def test_sp_on_the_legacy_layout_is_an_error(book):
+    case = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
+    with pytest.raises(
+        ConfigError, match="legacy config layout, which has no Ulysses patch fields"
+    ):
+        build_turbo_config(case, "npu", LEGACY, TEXT_MODEL)
+
+
+def test_gpu_case_without_sp_has_no_patches(book):
+    case = book.get("qwen3_5-0_8b-fsdp_turbo-fsdp8-vllm")
+    config = build_turbo_config(case, "cuda", FUNCTION_PATCHES, TEXT_MODEL)
+    assert "cp_plan" not in config["distributed"] and "module_patches" not in config
+    assert config["distributed"]["fully_shard_parallel_size"] == 8
+    assert config["distributed"]["fsdp_plan"]["apply_modules"]
+
+
+def test_module_plan_follows_the_class_actually_loaded(tmp_path):
+    text = json.dumps(
+        {
+            "model_type": "qwen3_5_text",
+            "vocab_size": 64,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "layer_types": ["linear_attention", "full_attention"],
+        }
+    )
+    (tmp_path / "config.json").write_text(text)
+    plan = inspect(tmp_path, None).modules
+    assert plan == ModulePlan(
+        "Qwen3_5ForCausalLM", ("model.layers.{*}",), ("model.embed_tokens", "lm_head")
+    )
+
+
+@pytest.mark.parametrize(
+    ("layout", "cp_fields"),
+    [
+        (FUNCTION_PATCHES, ["ulysses_function_patches", "loss_function_patches"]),
+        (CORE_ATTENTION, ["ulysses_core_attention_function"]),
+    ],
+)
+def test_layout_is_detected_from_the_checkout_dataclasses(layout, cp_fields):
+    found = inspect(None, STANDIN / layout)
+    assert found.layout == layout
+    cp_plan = found.schema["distributed"]["fields"]["cp_plan"]["fields"]
+    assert set(cp_fields) <= set(cp_plan)
+    assert detect_layout({"distributed": {"fields": {"cp_plan": {"fields": {}}}}}) == LEGACY
+
+
+def test_schema_problems_name_dropped_keys_and_missing_required_fields():
+    schema = {
+        "distributed": {
+            "required": False,
+            "fields": {
+                "fsdp_plan": {
+                    "required": False,
+                    "fields": {"apply_modules": {"required": False, "fields": None}},
+                },
+                "seed": {"required": True, "fields": None},
             },
         }
     }
+    config = {"distributed": {"fsdp_plan": {"hook_modules": ["x"]}, "ulysses_plan": {}}}
+    assert schema_problems(schema, config) == [
+        "turbo_config.distributed.fsdp_plan.hook_modules: not in the library's schema "
+        "(known: apply_modules); its loader would drop it",
+        "turbo_config.distributed.ulysses_plan: not in the library's schema "
+        "(known: fsdp_plan, seed); its loader would drop it",
+        "turbo_config.distributed.seed: required by the library, missing",
+        "turbo_config.distributed.fsdp_plan.apply_modules: required by the library (None raises), "
+        "missing",
+    ]
 
 
-def test_qwen3_5_0_8b_gpu_fsdp8(book):
-    case = book.get("qwen3_5-0_8b-fsdp_turbo-fsdp8-vllm")
-    assert build_turbo_config(case, "cuda") == {
-        "distributed": {
-            "fully_shard_parallel_size": 8,
-            "ulysses_parallel_size": 1,
-            "fsdp_plan": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
-        }
+DRIFTED = """
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class FSDPPlanConfig:
+        apply_modules: dict = None
+        param_dtype: str = None
+
+    @dataclass
+    class DistributedConfig:
+        seed: int
+        fully_shard_parallel_size: int = 1
+        ulysses_parallel_size: int = 1
+        fsdp_plan: FSDPPlanConfig = None
+        launcher_token: str = field(default=None)
+
+    @dataclass
+    class FSDPTurboConfig:
+        distributed: DistributedConfig = field(default_factory=lambda: None)
+"""
+
+
+def drifted_checkout(root: Path) -> Path:
+    package = root / "fsdp_turbo"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "raise ImportError('the package itself is never imported')\n"
+    )
+    (package / "fsdp_turbo_config.py").write_text(textwrap.dedent(DRIFTED))
+    (root / "requirements.txt").write_text("torch>=2.0\n")
+    return root
+
+
+def test_config_verb_prints_the_config_and_flags_drift(tmp_path, monkeypatch):
+    models = tmp_path / "models"
+    models.mkdir()
+    tiny = (
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from pytest_fsdp_turbo.models import build_tiny_model; print(build_tiny_model('tiny-qwen3_5'))",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    (models / "Qwen3.5-0.8B").symlink_to(tiny)
+    env = {
+        "PYTEST_FSDP_TURBO_MODELS": str(models),
+        "FSDP_TURBO_PATH": str(STANDIN / FUNCTION_PATCHES),
     }
-    assert case.rollout == "vllm" and case.world_size == 8
+    cli = str(Path(sys.executable).parent / "pytest-fsdp-turbo")
+    argv = [cli, "config", "qwen3_5-0_8b-fsdp_turbo-fsdp8-vllm"]
+    good = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env})
+    assert good.returncode == 0, good.stderr
+    printed = json.loads(good.stdout)
+    assert printed["distributed"]["fsdp_plan"]["apply_modules"] == {
+        "model.layers.{*}": {},
+        "model.embed_tokens": {},
+        "lm_head": {},
+    }
+    env["FSDP_TURBO_PATH"] = str(drifted_checkout(tmp_path / "drifted"))
+    bad = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env})
+    assert bad.returncode == 1
+    lines = bad.stderr.strip().splitlines()
+    assert (
+        "turbo_config.distributed.fsdp_plan.reduce_dtype: not in the library's schema" in lines[0]
+    )
+    assert any(
+        line.startswith("turbo_config.distributed.fsdp_plan.hook_modules: not in") for line in lines
+    )
+    assert "turbo_config.distributed.seed: required by the library, missing" in lines
 
 
-def test_spec_carries_the_generated_config(book, tmp_path):
+def test_spec_carries_the_config_the_run_path_made(book, tmp_path):
     case = replace(book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2"), model="tiny-qwen3_5")
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen3_5_text"}')
-    spec = worker_spec(RunRequest(case, model, tmp_path, Accelerator("npu", tuple(range(8)))))
-    assert spec["engine"]["turbo_config"]["distributed"]["ulysses_parallel_size"] == 2
+    config = build_turbo_config(case, "npu", FUNCTION_PATCHES, TEXT_MODEL)
+    request = RunRequest(
+        case, model, tmp_path, Accelerator("npu", tuple(range(8))), turbo_config=config
+    )
+    spec = worker_spec(request)
+    assert spec["engine"]["turbo_config"] == config
     assert spec["engine"]["sp_size"] == 2 and spec["engine"]["fsdp_size"] == 4
 
 
@@ -71,3 +274,15 @@ def test_sp_without_known_patches_is_an_error(book):
         ConfigError, match="needs Ulysses patches, and none are known for model 'Llama-3-8B'"
     ):
         build_turbo_config(case, "npu")
+
+
+def test_torch_outside_the_library_range_is_one_line(tmp_path):
+    assert torch_outside_range(STANDIN / FUNCTION_PATCHES) is None  # the stand-in declares >=2.6
+    (tmp_path / "requirements.txt").write_text("torch>=2.9,<2.12\n")
+    line = torch_outside_range(tmp_path)
+    from importlib import metadata
+
+    assert line == (
+        f"fsdp_turbo supports torch >=2.9,<2.12; installed torch {metadata.version('torch')} "
+        "(from the checkout)"
+    )
