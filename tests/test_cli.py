@@ -47,6 +47,21 @@ def test_doctor_shows_devices_env_user_values_and_masks_secrets(tmp_path):
     assert missing.returncode == 1 and "doctor --require cuda: detected npu" in missing.stderr
 
 
+def test_doctor_reports_the_checkout_layout_and_torch_range(tmp_path):
+    standin = Path(__file__).parent / "standin_fsdp_turbo" / "core_attention"
+    done = cli("doctor", "--device", "cpu", env={"FSDP_TURBO_PATH": str(standin)})
+    assert done.returncode == 0, done.stderr
+    assert f"FSDPTurbo: {standin} @ " in done.stdout
+    assert "config layout: core_attention" in done.stdout
+    assert "torch: inside the supported range >=2.6 (from the checkout)" in done.stdout
+    library = tmp_path / "FSDPTurbo"
+    (library / "fsdp_turbo").mkdir(parents=True)
+    (library / "fsdp_turbo" / "__init__.py").write_text("")
+    done = cli("doctor", "--device", "cpu", env={"FSDP_TURBO_PATH": str(library)})
+    assert "torch: fsdp_turbo supports torch >=2.9,<2.12; installed torch" in done.stdout
+    assert "(from its README)" in done.stdout
+
+
 def test_doctor_bad_override_is_one_line():
     done = cli("doctor", "--device", "tpu")
     assert done.returncode == 2
