@@ -101,6 +101,14 @@ def _per_rank(result: RunResult, key: str) -> Iterator[tuple[int, object]]:
         yield rank.rank, rank.metrics[key]
 
 
+def _first_above(result: RunResult, key: str, tolerance: float) -> tuple[int, float] | None:
+    """The first rank whose `key` is above `tolerance` (NaN counts as above), or None."""
+    for rank, value in _per_rank(result, key):
+        if not value <= tolerance:
+            return rank, value
+    return None
+
+
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
@@ -173,23 +181,23 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
         raise NotApplicable("no reference")
     dtype = _dtype(result)
     tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
-    if tol is not None:  # fp32: per parameter, so the message names the parameter
-        params = dict(_per_rank(result, "sync/grad_max_rel_err_param"))
-        for rank, err in _per_rank(result, "sync/grad_max_rel_err"):
-            if not err <= tol:
-                raise CheckFailure(
-                    f"check c: rank {rank}: parameter {params[rank]}: gradient differs from the "
-                    f"single-process reference by {err:.3g} (relative to its largest entry), "
-                    f"tolerance {tol:g} [sync policy {result.metrics.get('case/sync_policy')}]"
-                )
+    policy = result.metrics.get("case/sync_policy")
+    # fp32: per parameter first, so the message names the parameter
+    if tol is not None and (over := _first_above(result, "sync/grad_max_rel_err", tol)):
+        rank, err = over
+        param = result.ranks[rank].metrics["sync/grad_max_rel_err_param"]
+        raise CheckFailure(
+            f"check c: rank {rank}: parameter {param}: gradient differs from the single-process "
+            f"reference by {err:.3g} (relative to its largest entry), tolerance {tol:g} "
+            f"[sync policy {policy}]"
+        )
     tol = GRAD_PARITY_L2_TOL[dtype]
-    for rank, err in _per_rank(result, "sync/grad_rel_l2_err"):
-        if not err <= tol:
-            raise CheckFailure(
-                f"check c: rank {rank}: gradients differ from the single-process reference by "
-                f"relative L2 error {err:.3g} (sync/grad_rel_l2_err), tolerance {tol:g} "
-                f"[sync policy {result.metrics.get('case/sync_policy')}]"
-            )
+    if over := _first_above(result, "sync/grad_rel_l2_err", tol):
+        raise CheckFailure(
+            f"check c: rank {over[0]}: gradients differ from the single-process reference by "
+            f"relative L2 error {over[1]:.3g} (sync/grad_rel_l2_err), tolerance {tol:g} "
+            f"[sync policy {policy}]"
+        )
 
 
 def check_twin(result: RunResult) -> None:
@@ -257,11 +265,10 @@ def check_policies_agree(
 
 
 def _each_at_most(result: RunResult, check: str, key: str, tolerance: float) -> None:
-    for rank, value in _per_rank(result, key):
-        if not value <= tolerance:  # written so that NaN fails too
-            raise CheckFailure(
-                f"check {check}: rank {rank}: {key} = {value:.3g}, tolerance {tolerance:g}"
-            )
+    if over := _first_above(result, key, tolerance):
+        raise CheckFailure(
+            f"check {check}: rank {over[0]}: {key} = {over[1]:.3g}, tolerance {tolerance:g}"
+        )
 
 
 def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
@@ -354,20 +361,17 @@ def check_optimizer_step(result: RunResult) -> None:
         return
     dtype = _dtype(result)
     tol = STEP_L2_TOL[dtype]
-    for rank, err in _per_rank(result, "sync/step_rel_l2_err"):
-        if not err <= tol:
-            raise CheckFailure(
-                f"check i: rank {rank}: the update differs from the single-process reference "
-                f"step's by relative L2 error {err:.3g} (sync/step_rel_l2_err), tolerance {tol:g}"
-            )
-    if dtype in STEP_TOL_LR:
-        tol = STEP_TOL_LR[dtype]
-        for rank, err in _per_rank(result, "sync/step_max_err_lr"):
-            if not err <= tol:
-                raise CheckFailure(
-                    f"check i: rank {rank}: post-step parameters differ from the single-process "
-                    f"reference step by {err:.3g} x lr (sync/step_max_err_lr), tolerance {tol:g}"
-                )
+    if over := _first_above(result, "sync/step_rel_l2_err", tol):
+        raise CheckFailure(
+            f"check i: rank {over[0]}: the update differs from the single-process reference "
+            f"step's by relative L2 error {over[1]:.3g} (sync/step_rel_l2_err), tolerance {tol:g}"
+        )
+    tol = STEP_TOL_LR.get(dtype)
+    if tol is not None and (over := _first_above(result, "sync/step_max_err_lr", tol)):
+        raise CheckFailure(
+            f"check i: rank {over[0]}: post-step parameters differ from the single-process "
+            f"reference step by {over[1]:.3g} x lr (sync/step_max_err_lr), tolerance {tol:g}"
+        )
 
 
 CHECKS: tuple[tuple[str, Callable[[RunResult, float | None], None]], ...] = (

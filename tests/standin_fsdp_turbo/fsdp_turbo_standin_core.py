@@ -142,16 +142,45 @@ class QuantizationConfig:
     quantization_plan: dict = None
 
 
-def finish_config(config) -> None:
-    """The library's config validation: a default fsdp_plan, and the gradient divide factor (when
-    unset) from the launcher's WORLD_SIZE, an unset WORLD_SIZE counting as 1."""
-    distributed = config.distributed
-    if distributed.fsdp_plan is None:
-        distributed.fsdp_plan = FSDPPlanConfig()
-    if distributed.fsdp_plan.gradient_divide_factor is None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        fsdp, tp = distributed.fully_shard_parallel_size, distributed.tensor_parallel_size
-        distributed.fsdp_plan.gradient_divide_factor = fsdp * (world // (fsdp * tp))
+@dataclass
+class DistributedConfigBase:
+    """Everything but cp_plan, whose shape is what tells the layouts apart."""
+
+    data_parallel_size: int = 1
+    fully_shard_parallel_size: int = 1
+    fsdp_plan: FSDPPlanConfig = None
+    tensor_parallel_size: int = 1
+    tp_plan: TPPlanConfig = None
+    kv_allgather_parallel_size: int = 1
+    ulysses_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    expert_fully_shard_parallel_size: int = 1
+    expert_data_parallel_size: int = 1
+    ep_plan: EPPlanConfig = None
+
+
+@dataclass
+class FSDPTurboConfigBase:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    run: TrainRunConfig = dataclasses.field(default_factory=TrainRunConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfigBase = None
+    module_patches: list = dataclasses.field(default_factory=list)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+    quantization: QuantizationConfig = dataclasses.field(default_factory=QuantizationConfig)
+
+    def __post_init__(self):
+        """The library's config validation: a default fsdp_plan, and the gradient divide factor
+        (when unset) from the launcher's WORLD_SIZE, an unset WORLD_SIZE counting as 1."""
+        distributed = self.distributed
+        if distributed.fsdp_plan is None:
+            distributed.fsdp_plan = FSDPPlanConfig()
+        if distributed.fsdp_plan.gradient_divide_factor is None:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            fsdp, tp = distributed.fully_shard_parallel_size, distributed.tensor_parallel_size
+            distributed.fsdp_plan.gradient_divide_factor = fsdp * (world // (fsdp * tp))
 
 
 class Singleton(type):
