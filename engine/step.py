@@ -38,6 +38,8 @@ from pytest_fsdp_turbo_engine.rollout import HFRollout, RolloutBatch
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
 from pytest_fsdp_turbo_engine.worker import PARTIAL_METRICS_ATTR
 
+from pytest_fsdp_turbo.launch import LAUNCHED_AT_VAR
+
 BATCH_FILE = "batch.pt"  # the global training batch, for a twin to replay
 POST_STEP_FILE = "post_step.pt"  # the global post-step logprobs on that batch
 SUMMED_PARTS = (
@@ -52,17 +54,33 @@ SUMMED_PARTS = (
 
 @dataclass
 class Phase:
-    """Where the rank is, so a failure report can say so."""
+    """Where the rank is, so a failure report can say so, and when it got there."""
 
     rank: int
     fault: Fault | None = None
     name: str = "init"
+    started: dict[str, float] = field(default_factory=dict)  # phase -> wall clock
 
     def enter(self, name: str) -> None:
         self.name = name
+        self.started[name] = time.time()
         print(f"[rank {self.rank}] phase {name}", flush=True)
         if self.fault:
             self.fault.at_phase(self.rank, name)
+
+    def timings(self, launched_at: float | None) -> dict[str, float]:
+        """timing_s/<phase> for every phase entered so far; timing_s/startup is the time from
+        launch (interpreter, imports, process group) to loading the model."""
+        names = list(self.started)
+        ends = [self.started[n] for n in names[1:]] + [time.time()]
+        out = {
+            f"timing_s/{name}": end - self.started[name]
+            for name, end in zip(names, ends)
+            if name != "init"
+        }
+        if launched_at is not None and "load" in self.started:
+            out["timing_s/startup"] = self.started["load"] - launched_at
+        return out
 
 
 def device_for(kind: str, local_rank: int) -> torch.device:
@@ -539,4 +557,6 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
             "perf/peak_memory_bytes": peak_memory_bytes(device),
         }
     )
+    launched = os.environ.get(LAUNCHED_AT_VAR)
+    metrics.update(phase.timings(float(launched) if launched else None))
     return StepOutput(metrics, ref.fingerprint if ref else None, files)

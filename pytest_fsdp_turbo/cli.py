@@ -113,9 +113,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     out = settings.artifacts / f"{case.id}-{accel.kind}"
     book = LeaseBook()
-    result = run_with_twin(
-        RunRequest(case, model, out.resolve(), accel, checkout), lambda r: run_case(r, book)
-    )
+    request = RunRequest(case, model, out.resolve(), accel, checkout, launcher=settings.launcher)
+    result = run_with_twin(request, lambda r: run_case(r, book))
     print(json.dumps(result.metrics, indent=1, sort_keys=True))
     try:
         verdict = checks.check_all(result)

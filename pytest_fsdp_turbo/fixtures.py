@@ -30,9 +30,13 @@ ENV_GUARD_INI = "fsdp_turbo_env_guard"
 _PYTEST_OWN = ("PYTEST_CURRENT_TEST",)
 
 
-@pytest.fixture(autouse=True)
-def _fsdp_turbo_env_guard(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every test leaves os.environ and the working directory as it found them."""
+@pytest.fixture
+def fsdp_turbo_env_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The test leaves os.environ and the working directory as it found them.
+
+    Active on every test that uses the harness's fixtures (they depend on it), not imposed on the
+    rest of a downstream suite; a conftest opts every test in with an autouse fixture that
+    requests it (this repository does)."""
     if not request.config.getini(ENV_GUARD_INI):
         yield
         return
@@ -81,7 +85,7 @@ def free_port(fsdp_turbo_lease_book: LeaseBook) -> Iterator[int]:
 
 @pytest.fixture
 def device_lease(
-    accelerator: Accelerator, fsdp_turbo_lease_book: LeaseBook
+    accelerator: Accelerator, fsdp_turbo_lease_book: LeaseBook, fsdp_turbo_env_guard: None
 ) -> Iterator[Callable[..., DeviceLease]]:
     held: list[DeviceLease] = []
 
@@ -190,6 +194,7 @@ def ppo_run(
     request: pytest.FixtureRequest,
     accelerator: Accelerator,
     fsdp_turbo_lease_book: LeaseBook,
+    fsdp_turbo_env_guard: None,
 ) -> Callable[..., RunResult]:
     """Factory: a case (object, parameter or id) plus field overrides -> the run's result.
     `checkout=` runs an fsdp_turbo case against another FSDPTurbo checkout than the session's.
@@ -261,9 +266,10 @@ def ppo_run(
             engine_modules=[*config.getini("fsdp_turbo_engine_modules"), *engine_modules],
             pythonpath=list(pythonpath),
             extra_env=dict(extra_env or {}),
+            launcher=launcher or settings.launcher,
         )
         try:
-            if (launcher or settings.launcher) == "ray":
+            if run_request.launcher == "ray":
                 request.getfixturevalue("ray_cluster")
                 result = run_with_twin(run_request, run_case_on_ray)
             else:
@@ -289,13 +295,20 @@ def no_leaked_processes() -> Iterator[None]:
     """Fails the test if a process it started is still alive shortly after it ends."""
     import psutil
 
+    from pytest_fsdp_turbo.warm import warm_parent_pids
+
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     yield
     deadline = time.monotonic() + 5.0
     leaked: list[psutil.Process] = []
     while time.monotonic() < deadline:
-        leaked = [p for p in me.children(recursive=True) if p.pid not in before and _alive(p)]
+        kept = warm_parent_pids()  # lives for the whole session by design; its ranks do not
+        leaked = [
+            p
+            for p in me.children(recursive=True)
+            if p.pid not in before and p.pid not in kept and _alive(p)
+        ]
         if not leaked:
             return
         time.sleep(0.1)
@@ -306,6 +319,8 @@ def no_leaked_processes() -> Iterator[None]:
 
 
 def _alive(proc: psutil.Process) -> bool:
+    import psutil  # module level only for type checking: keep the plugin import light
+
     try:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -313,6 +328,8 @@ def _alive(proc: psutil.Process) -> bool:
 
 
 def _cmd(proc: psutil.Process) -> str:
+    import psutil
+
     try:
         return " ".join(proc.cmdline())[:120]
     except psutil.Error:

@@ -26,6 +26,7 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 STACK_DUMP_WAIT_S = 1.0
 LOG_TAIL_LINES = 30
 PR_SET_PDEATHSIG = 1
+LAUNCHED_AT_VAR = "PYTEST_FSDP_TURBO_LAUNCHED_AT"  # wall clock at launch: start-up time per rank
 
 
 @dataclass
@@ -103,7 +104,7 @@ def rank_env(base: Mapping[str, str], rank: int, world_size: int) -> dict[str, s
     return env
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: a rank is killed when the process that launched it dies,
     so a killed pytest-xdist worker never leaves ranks behind (Linux; elsewhere a no-op)."""
     try:
@@ -121,6 +122,13 @@ def _process_tree(pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.Error:
         return []
+
+
+def kill_pid_tree(pid: int) -> None:
+    """Kill a process we did not start (a forked rank) and everything it started."""
+    for proc in reversed(_process_tree(pid)):
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 def kill_trees(children: Sequence[subprocess.Popen]) -> None:
@@ -168,7 +176,7 @@ class LocalRank:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
 
     def poll(self) -> int | None:
@@ -181,6 +189,32 @@ class LocalRank:
 
     def kill(self) -> None:
         kill_trees([self.proc])
+
+
+class ForkedRank:
+    """A rank forked by this process's warm parent; the parent reaps it and reports its exit."""
+
+    def __init__(self, parent, rank: int, env: Mapping[str, str], spec: Path, log_path: Path):
+        self.parent, self.rank, self.log_path = parent, rank, log_path
+        self.pid = parent.fork(rank, env, spec, log_path)
+
+    def poll(self) -> int | None:
+        code = self.parent.exits.get(self.pid)
+        if code is None and not self.parent.alive:
+            return -signal.SIGKILL  # it died with the parent
+        return code
+
+    def dump_stacks(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, STACK_DUMP_SIGNAL)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            kill_pid_tree(self.pid)
+        deadline = time.monotonic() + 5.0
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def supervise(handles: Sequence[RankHandle], timeout_s: float, poll_s: float = 0.05):
@@ -260,16 +294,23 @@ def launch_local(
     timeout_s: float,
     command: Sequence[str] | None = None,
     poll_s: float = 0.05,
+    warm_parent=None,
 ) -> RunResult:
-    """Run `command` (default: the engine worker on artifacts_dir/spec.json) as world_size ranks."""
+    """Run `command` (default: the engine worker on artifacts_dir/spec.json) as world_size ranks:
+    forked from `warm_parent` when one is given, otherwise fresh interpreters."""
     artifacts_dir.mkdir(parents=True, exist_ok=True)
     command = list(command or worker_command(artifacts_dir))
-    handles: list[LocalRank] = []
+    handles: list[RankHandle] = []
     start = time.monotonic()
     try:
         for rank in range(world_size):
             log_path = artifacts_dir / f"rank{rank}.log"
-            handles.append(LocalRank(rank, command, rank_env(env, rank, world_size), log_path))
+            rank_vars = {**rank_env(env, rank, world_size), LAUNCHED_AT_VAR: f"{time.time():.6f}"}
+            if warm_parent is not None:
+                spec = artifacts_dir / "spec.json"
+                handles.append(ForkedRank(warm_parent, rank, rank_vars, spec, log_path))
+            else:
+                handles.append(LocalRank(rank, command, rank_vars, log_path))
     except BaseException:
         for handle in handles:
             handle.kill()

@@ -66,7 +66,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         accel = accelerator_of(config)
     except ConfigError as exc:
         raise pytest.UsageError(str(exc)) from None
-    lines = [f"fsdp-turbo: {accel.describe()}"]
+    lines = [f"fsdp-turbo: {accel.describe()}", _launcher_line(settings_of(config).launcher)]
     request = settings_of(config).checkout
     if request.path or request.ci_path.exists() or request.ref:
         from pytest_fsdp_turbo.checkout import find_checkout
@@ -77,6 +77,17 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
                 f"fsdp-turbo: FSDPTurbo {found.path} @ {found.commit or '?'} ({found.source})"
             )
     return lines
+
+
+def _launcher_line(launcher: str) -> str:
+    if launcher != "local":
+        return f"fsdp-turbo: launcher {launcher}"
+    from pytest_fsdp_turbo.warm import fork_unavailable_reason
+
+    why = fork_unavailable_reason()
+    if why:
+        return f"fsdp-turbo: launcher local: ranks spawned as fresh interpreters ({why})"
+    return "fsdp-turbo: launcher local: ranks forked from a warm parent per pytest process"
 
 
 def devices_needed(item: pytest.Item) -> int | None:

@@ -35,6 +35,7 @@ class RunRequest:
     extra_env: dict[str, str] = field(default_factory=dict)
     replay: Path | None = None  # twin runs: the main run's artifacts, whose batch is replayed
     turbo_config: dict | None = None  # fsdp_turbo cases: the exact config, see with_turbo_config
+    launcher: str = "local"  # local: forked from this process's warm parent; spawn: fresh
 
 
 def worker_spec(request: RunRequest) -> dict:
@@ -153,6 +154,13 @@ def run_case(
     lease = book.devices(accel.kind, accel.ids, case.world_size, timeout_s=lease_timeout_s)
     slot, ranges = book.port_ranges() if accel.kind == "npu" else (None, None)
     notes: list[str] = []
+    parent = None
+    if request.launcher == "local":
+        from pytest_fsdp_turbo.warm import warm_parent
+
+        parent, why = warm_parent(book.state_dir)
+        if parent is None:
+            notes.append(f"ranks spawned as fresh interpreters: {why}")
     try:
         for attempt in range(1, port_attempts + 1):
             port = book.port()
@@ -167,6 +175,7 @@ def run_case(
                     env=env,
                     artifacts_dir=out,
                     timeout_s=case.timeout,
+                    warm_parent=parent,
                 )
             finally:
                 book.release_port(port)
@@ -181,7 +190,7 @@ def run_case(
             notes.append(note)
             with open(out / "launcher.log", "a") as log:
                 log.write(note + "\n")
-        result.notes = notes
+        result.notes = notes + result.notes
         return result
     finally:
         book.release(lease)

@@ -16,7 +16,7 @@ from pytest_fsdp_turbo.checkout import DEFAULT_REPO, CheckoutRequest, validate_r
 from pytest_fsdp_turbo.devices import parse_device_override
 from pytest_fsdp_turbo.errors import ConfigError
 
-LAUNCHERS = ("local", "ray")
+LAUNCHERS = ("local", "spawn", "ray")
 
 
 class Option(NamedTuple):
@@ -66,7 +66,11 @@ OPTIONS = (
         "PYTEST_FSDP_TURBO_GOLDENS",
         "folder of hardware-keyed goldens (default fixtures/goldens)",
     ),
-    Option("--fsdp-turbo-launcher", "PYTEST_FSDP_TURBO_LAUNCHER", "how ranks start: local|ray"),
+    Option(
+        "--fsdp-turbo-launcher",
+        "PYTEST_FSDP_TURBO_LAUNCHER",
+        "how ranks start: local (forked from a warm parent) | spawn (fresh interpreters) | ray",
+    ),
     Option(
         "--fsdp-turbo-ray-address", "RAY_ADDRESS", "join this Ray cluster instead of a local one"
     ),
@@ -116,7 +120,7 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
     launcher = raw["fsdp_turbo_launcher"] or "local"
     if launcher not in LAUNCHERS:
         raise ConfigError(
-            f"{origin['fsdp_turbo_launcher']}: expected local or ray; got {launcher!r}"
+            f"{origin['fsdp_turbo_launcher']}: expected one of {', '.join(LAUNCHERS)}; got {launcher!r}"
         )
     repo = raw["fsdp_turbo_repo"] or DEFAULT_REPO
     validate_repo(repo, origin["fsdp_turbo_repo"])

@@ -93,6 +93,23 @@ def test_header_shows_detection(pytester, no_gpu_path):
     )
 
 
+def test_header_says_how_ranks_start(pytester, monkeypatch):
+    pytester.makepyfile("def test_x(): pass")
+    pytester.runpytest().stdout.fnmatch_lines(
+        ["fsdp-turbo: launcher local: ranks forked from a warm parent per pytest process"]
+    )
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_NO_FORK", "1")
+    pytester.runpytest().stdout.fnmatch_lines(
+        [
+            "fsdp-turbo: launcher local: ranks spawned as fresh interpreters "
+            "(PYTEST_FSDP_TURBO_NO_FORK is set)"
+        ]
+    )
+    pytester.runpytest("--fsdp-turbo-launcher=spawn").stdout.fnmatch_lines(
+        ["fsdp-turbo: launcher spawn"]
+    )
+
+
 def test_fake_gpus_let_gpu_tests_run(pytester, no_gpu_path):
     fake_tool(no_gpu_path, "nvidia-smi", nvidia_smi_listing(2))
     pytester.makepyfile(E2E_SUITE)
@@ -136,7 +153,7 @@ def test_strict_from_env_and_passes_when_something_runs(pytester, no_gpu_path, m
         (
             ["--fsdp-turbo-launcher=slurm"],
             {},
-            "ERROR: --fsdp-turbo-launcher: expected local or ray*",
+            "ERROR: --fsdp-turbo-launcher: expected one of local, spawn, ray; got *slurm*",
         ),
         (
             [],

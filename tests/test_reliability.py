@@ -123,21 +123,32 @@ def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_pa
     try:
         deadline = time.monotonic() + 120
         ranks: list[psutil.Process] = []
+        parent = None
         while time.monotonic() < deadline and len(ranks) < 2:
-            ranks = [
+            warm = [
                 p
                 for p in psutil.Process(inner.pid).children(recursive=True)
-                if "pytest_fsdp_turbo_engine.worker" in " ".join(p.cmdline())
+                if "pytest_fsdp_turbo_engine.warm_parent" in " ".join(p.cmdline())
             ]
+            parent = next(
+                (
+                    p
+                    for p in warm
+                    if p.parent() and "warm_parent" not in " ".join(p.parent().cmdline())
+                ),
+                None,
+            )
+            ranks = parent.children() if parent else []
             time.sleep(0.2)
-        assert len(ranks) == 2, "the ranks never started"
-        worker = ranks[0].parent()
+        assert len(ranks) == 2, "the ranks were never forked from the warm parent"
+        worker = parent.parent()  # the xdist worker that started the warm parent
         assert "python" in worker.name()
+        ranks.append(parent)
         book = LeaseBook(state)
         assert book.holders()["devices"], "the worker should hold its devices now"
         worker.send_signal(signal.SIGKILL)  # the xdist worker dies mid-case
         gone, alive = psutil.wait_procs(ranks, timeout=10)
-        assert not alive, f"ranks outlived their worker: {[p.pid for p in alive]}"
+        assert not alive, f"warm parent or ranks outlived their worker: {[p.pid for p in alive]}"
         lease = book.devices("cpu", [0, 1], 2, timeout_s=5)  # reclaimed, not stuck behind the dead
         assert lease.ids == (0, 1)
     finally:
@@ -225,11 +236,12 @@ def test_missing_or_incomplete_local_model_skips_with_the_path(pytester, tmp_pat
 def test_env_guard_names_the_leaked_variable_and_can_be_turned_off(pytester):
     pytester.makepyfile(
         "import os\n"
-        "def test_leaks():\n    os.environ['LEAKY_SETTING'] = '1'\n"
-        "def test_moves(tmp_path):\n    os.chdir(tmp_path)\n"
+        "def test_leaks(device_lease):\n    os.environ['LEAKY_SETTING'] = '1'\n"
+        "def test_moves(tmp_path, device_lease):\n    os.chdir(tmp_path)\n"
+        "def test_not_using_the_harness():\n    os.environ['OTHER_SETTING'] = '1'\n"
     )
     result = pytester.runpytest_subprocess()
-    result.assert_outcomes(passed=2, errors=2)
+    result.assert_outcomes(passed=3, errors=2)  # a test without harness fixtures is not guarded
     result.stdout.fnmatch_lines(
         [
             "*test changed environment variable LEAKY_SETTING and did not restore it*",
@@ -237,7 +249,12 @@ def test_env_guard_names_the_leaked_variable_and_can_be_turned_off(pytester):
         ]
     )
     pytester.makeini("[pytest]\nfsdp_turbo_env_guard = false\n")
-    pytester.runpytest_subprocess().assert_outcomes(passed=2)
+    pytester.runpytest_subprocess().assert_outcomes(passed=3)
+    pytester.makeconftest(
+        "import pytest\n@pytest.fixture(autouse=True)\ndef _all(fsdp_turbo_env_guard):\n    pass\n"
+    )
+    pytester.makeini("[pytest]\n")
+    pytester.runpytest_subprocess().assert_outcomes(passed=3, errors=3)  # opted in: every test
 
 
 def test_secrets_are_masked_in_artifacts(ppo_run):
