@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ TINY_PREFIX = "tiny-"
 BUILTIN_BACKENDS = ("fsdp", "fsdp_turbo")
 VERL_PREFIX = "verl:"  # verl:<name>, a name in verl's EngineRegistry (verl:fsdp2, verl:fsdp_turbo)
 VERL_NAME = re.compile(r"^verl:[A-Za-z0-9_]+$")
+BACKEND_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+# Ids become test ids and folder names (goldens, artifacts): no separators, no "..", no spaces.
+CASE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 ENGINE_ENTRY_POINTS = "pytest_fsdp_turbo.engines"
 SYNC_POLICIES = ("deferred", "every_micro_batch")
 DTYPES = ("auto", "fp32", "bf16")
@@ -100,31 +104,18 @@ _EXPECTED = {
     dict: "a table",
     tuple: "a list of strings",
 }
-_TYPES = {
-    "id": str,
-    "model": str,
-    "backend": str,
-    "world_size": int,
-    "fsdp_size": int,
-    "sp_size": int,
-    "micro_batches": int,
-    "dtype": str,
-    "gradient_sync": str,
-    "rollout": str,
-    "devices": tuple,
-    "timeout": float,
-    "collective_timeout": float,
-    "memory_budget_mb": float,
-    "golden_tier": str,
-    "turbo_config": dict,
-    "num_prompts": int,
-    "n": int,
-    "max_new_tokens": int,
-    "lr": float,
-    "reference_checks": bool,
-    "twin": str,
-    "description": str,
-}
+
+
+def _base_type(annotation) -> type:
+    """`int`, `float | None`, `tuple[str, ...]` -> int, float, tuple: the field's TOML type."""
+    for arg in (annotation, *typing.get_args(annotation)):
+        origin = typing.get_origin(arg) or arg
+        if origin in _EXPECTED:
+            return origin
+    raise TypeError(f"Case field type {annotation!r} has no TOML reading")
+
+
+_TYPES = {name: _base_type(hint) for name, hint in typing.get_type_hints(Case).items()}
 
 
 def known_backends() -> tuple[str, ...]:
@@ -140,7 +131,7 @@ def tiny_specs(fixtures_dir: Path = FIXTURES_DIR) -> list[str]:
 
 
 class _Where:
-    def __init__(self, path: Path, case_id: str):
+    def __init__(self, path: Path | str, case_id: str):
         self.path, self.case_id = path, case_id
 
     def error(self, name: str, expected: str, got: Any) -> ConfigError:
@@ -155,7 +146,7 @@ def _coerce(where: _Where, name: str, value: Any) -> Any:
         return float(value)
     if kind is int and isinstance(value, int) and not isinstance(value, bool):
         return value
-    if kind is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
+    if kind is tuple and isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
         return tuple(value)
     if kind in (str, bool, dict) and isinstance(value, kind):
         return value
@@ -167,11 +158,20 @@ def _choice(where: _Where, name: str, value: str, allowed: tuple[str, ...]) -> N
         raise where.error(name, "one of " + ", ".join(allowed), value)
 
 
-def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
+def validate_case(
+    raw: dict, path: Path | str, specs: list[str], open_backends: bool = False
+) -> Case:
+    """Every rule for a case, wherever it is made (case file or ppo_run overrides).
+    open_backends: engine modules will register engines the pytest process cannot see, so any
+    plain backend name is accepted and the rank's registry lookup names it if it is missing."""
     case_id = raw.get("id")
     where = _Where(path, case_id if isinstance(case_id, str) else "?")
-    if not isinstance(case_id, str) or not case_id:
-        raise where.error("id", "a non-empty string", case_id)
+    if not isinstance(case_id, str) or not CASE_ID.match(case_id) or ".." in case_id:
+        raise where.error(
+            "id",
+            "letters, digits, '.', '_' and '-', starting with a letter or digit, no '..'",
+            case_id,
+        )
     unknown = sorted(set(raw) - set(_FIELDS))
     if unknown:
         raise where.error(unknown[0], "a known field (" + ", ".join(_FIELDS) + ")", raw[unknown[0]])
@@ -189,7 +189,8 @@ def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
                 "backend", "verl:<name> with a name from verl's EngineRegistry", case.backend
             )
     else:
-        _choice(where, "backend", case.backend, (*known_backends(), "verl:<name>"))
+        if not (open_backends and BACKEND_NAME.match(case.backend)):
+            _choice(where, "backend", case.backend, (*known_backends(), "verl:<name>"))
     _choice(where, "dtype", case.dtype, DTYPES)
     _choice(where, "gradient_sync", case.gradient_sync, SYNC_POLICIES)
     _choice(where, "rollout", case.rollout, ROLLOUTS)
@@ -262,6 +263,14 @@ def validate_case(raw: dict, path: Path, specs: list[str]) -> Case:
     if case.memory_budget_mb is not None and case.memory_budget_mb <= 0:
         raise where.error("memory_budget_mb", "a positive number of MiB", case.memory_budget_mb)
     return case
+
+
+def with_overrides(case: Case, overrides: dict, open_backends: bool = False) -> Case:
+    """`ppo_run(case, **overrides)`: the same rules as the case file, the same one-line errors."""
+    raw = {k: v for k, v in dataclasses.asdict(case).items() if v is not None}
+    raw.update(overrides)
+    raw = {k: v for k, v in raw.items() if v is not None}  # None: back to the field's default
+    return validate_case(raw, "ppo_run overrides", tiny_specs(), open_backends)
 
 
 def load_cases(path: Path, fixtures_dir: Path = FIXTURES_DIR) -> list[Case]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import time
@@ -202,7 +201,7 @@ def ppo_run(
     It does not assert: call pytest_fsdp_turbo.checks on the result. Missing model directories and
     FSDPTurbo checkouts skip (fail under --fsdp-turbo-strict) with the path or source tried.
     """
-    from pytest_fsdp_turbo.cases import CaseParam
+    from pytest_fsdp_turbo.cases import CaseParam, with_overrides
     from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
     from pytest_fsdp_turbo.report import (
         SUMMARY_PROPERTY,
@@ -230,8 +229,12 @@ def ppo_run(
             case = case.case
         elif isinstance(case, str):
             case = cases_of(config).get(case)
+        modules = [*config.getini("fsdp_turbo_engine_modules"), *engine_modules]
         if overrides:
-            case = dataclasses.replace(case, **overrides)
+            try:
+                case = with_overrides(case, overrides, open_backends=bool(modules))
+            except ConfigError as exc:
+                pytest.fail(str(exc), pytrace=False)
         try:
             model_path = resolve_model(case.model, settings.models)
         except ModelUnavailable as exc:
@@ -263,7 +266,7 @@ def ppo_run(
             artifacts_dir=artifacts_root(config) / name,
             accelerator=accelerator,
             checkout=checkout,
-            engine_modules=[*config.getini("fsdp_turbo_engine_modules"), *engine_modules],
+            engine_modules=modules,
             pythonpath=list(pythonpath),
             extra_env=dict(extra_env or {}),
             launcher=launcher or settings.launcher,

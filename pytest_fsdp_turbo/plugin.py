@@ -187,16 +187,26 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(CASE_FIXTURE, params)
 
 
+OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    rows = []
-    for outcome in ("passed", "failed", "error"):
+    """One row per run of each test (a test may run several cases), with the test's worst outcome
+    over setup, call and teardown: a run that passed and then errored in teardown is one "error"."""
+    runs: dict[tuple[str, int], dict] = {}
+    worst: dict[str, str] = {}
+    for outcome in OUTCOME_RANK:
         for report in terminalreporter.stats.get(outcome, []):
-            if getattr(report, "when", "call") != "call" and outcome != "error":
-                continue
-            for name, value in getattr(report, "user_properties", ()):
-                if name == SUMMARY_PROPERTY:
-                    rows.append((json.loads(value), outcome))
-    if rows:
+            nodeid = getattr(report, "nodeid", "")
+            if OUTCOME_RANK[outcome] > OUTCOME_RANK.get(worst.get(nodeid, "passed"), 0):
+                worst[nodeid] = outcome
+            summaries = [
+                v for n, v in getattr(report, "user_properties", ()) if n == SUMMARY_PROPERTY
+            ]
+            for index, value in enumerate(summaries):
+                runs.setdefault((nodeid, index), json.loads(value))
+    if runs:
+        rows = [(row, worst.get(nodeid, "passed")) for (nodeid, _), row in runs.items()]
         terminalreporter.write_sep("=", "fsdp-turbo e2e runs")
         for line in render_table(rows):
             terminalreporter.write_line(line)

@@ -35,11 +35,25 @@ def artifact_name(nodeid: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
 
 
+JUNIT_METRICS = (
+    "actor/grad_norm",
+    "actor/pg_loss",
+    "sync/retained_grad_bytes",
+    "comm/reduce_scatter_calls",
+    "perf/peak_memory_bytes",
+    "perf/step_time_s",
+    "timing_s/startup",
+)
+
+
 def junit_properties(result: RunResult) -> list[tuple[str, object]]:
-    props: list[tuple[str, object]] = [("fsdp_turbo/artifacts", str(result.artifacts_dir))]
-    for key, value in sorted(result.metrics.items()):
-        if isinstance(value, int | float | str | bool):
-            props.append((key, value))
+    """A handful per run: where the artifacts are, whether the run completed, key metrics. The
+    full metrics stay in the artifacts (rankN.metrics.json)."""
+    props: list[tuple[str, object]] = [
+        ("fsdp_turbo/artifacts", str(result.artifacts_dir)),
+        ("fsdp_turbo/run", "completed" if result.ok else "failed"),
+    ]
+    props += [(key, result.metrics[key]) for key in JUNIT_METRICS if key in result.metrics]
     return props
 
 

@@ -169,3 +169,53 @@ def test_turbo_config_contradicting_the_case_is_a_collection_error(tmp_path):
     assert str(info.value).startswith(
         f"{path}: case 'ok': field 'turbo_config': turbo_config.distributed.fully_shard_parallel_size: the case says 2"
     )
+
+
+@pytest.mark.parametrize("bad", ["../escape", "a/b", "with space", ".hidden", "x..y", ""])
+def test_case_ids_are_a_safe_name(tmp_path, bad):
+    path = write(tmp_path, GOOD.replace('id = "ok"', f"id = {bad!r}"))
+    with pytest.raises(ConfigError) as info:
+        load_cases(path)
+    assert "field 'id': expected letters, digits" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_paths_built_from_case_ids_and_test_ids_stay_inside_their_roots(tmp_path):
+    from pytest_fsdp_turbo.goldens import golden_path
+    from pytest_fsdp_turbo.report import artifact_name
+
+    for case in load_cases(REPO / "e2e" / "cases.toml"):
+        path = golden_path(case.id, "cpu", "fp32", case.world_size, tmp_path)
+        assert path.resolve().is_relative_to(tmp_path.resolve()), case.id
+    for nodeid in ("e2e/t.py::test[../../etc]", "t.py::test[a/b\\\\c]", "t.py::test[..]"):
+        name = artifact_name(nodeid)
+        assert "/" not in name and "\\" not in name and name not in ("", ".", "..")
+        assert (tmp_path / name).resolve().parent == tmp_path.resolve()
+
+
+def test_overrides_obey_the_case_rules_with_the_same_one_line_errors():
+    from pytest_fsdp_turbo.cases import with_overrides
+
+    case = next(
+        c for c in load_cases(REPO / "e2e" / "cases.toml") if c.id == "tiny-qwen3-single-rank"
+    )
+    assert with_overrides(case, {"world_size": 2}).world_size == 2
+    for overrides, field, expected in (
+        (
+            {"world_size": 3, "num_prompts": 4},
+            "num_prompts",
+            "divisible by the data-parallel size 3",
+        ),
+        ({"gradient_sync": "sometimes"}, "gradient_sync", "one of deferred, every_micro_batch"),
+        ({"colour": 1}, "colour", "a known field"),
+        ({"backend": "fsdp_off_by_one_sync"}, "backend", "one of fsdp, fsdp_turbo"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            with_overrides(case, overrides)
+        message = str(info.value)
+        assert message.startswith(
+            f"ppo_run overrides: case 'tiny-qwen3-single-rank': field '{field}'"
+        )
+        assert expected in message and "\n" not in message
+    # engine modules register backends the pytest process cannot see: a plain name is accepted
+    assert with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, open_backends=True).backend

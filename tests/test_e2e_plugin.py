@@ -52,6 +52,9 @@ def test_record_golden_then_check_and_junit_properties(tmp_path):
     assert golden.is_file()
     props = {p.get("name"): p.get("value") for p in ET.parse(junit).iter("property")}
     assert float(props["actor/grad_norm"]) > 0
+    assert props["fsdp_turbo/run"] == "completed"
+    assert "actor/entropy" not in props and "case/dtype" not in props  # a handful, not all
+    assert len([n for n in props if "/" in n]) <= 12
     assert props["fsdp_turbo/golden"].startswith("recorded ")
     assert "fsdp-turbo e2e runs" in first.stdout and "one" in first.stdout
     assert (tmp_path / "art" / "test_ppo_one_step-one-cpu" / "rank0.log").is_file()
@@ -61,3 +64,18 @@ def test_record_golden_then_check_and_junit_properties(tmp_path):
     third = pytest_run(*common, cwd=tmp_path)
     assert third.returncode == 1
     assert "check g: metric actor/grad_norm" in third.stdout
+
+
+def test_summary_has_one_row_per_run_with_the_worst_outcome(pytester):
+    pytester.makepyfile(
+        "import os\n"
+        "def test_run_then_leak(ppo_run):\n"
+        "    ppo_run('tiny-qwen3-single-rank')\n"
+        "    os.environ['LEAKED_AFTER_THE_RUN'] = '1'  # the guard errors at teardown\n"
+    )
+    result = pytester.runpytest(f"--fsdp-turbo-cases={REPO / 'e2e' / 'cases.toml'}")
+    result.assert_outcomes(passed=1, errors=1)
+    table = result.stdout.str().split("fsdp-turbo e2e runs")[1].splitlines()
+    rows = [line for line in table if line.startswith("tiny-qwen3-single-rank")]
+    assert len(rows) == 1, table
+    assert " error " in rows[0] + " "

@@ -25,7 +25,6 @@ def test_fsdp_turbo_backend_passes_every_check_on_the_standin(ppo_run, layout):
     result = ppo_run(
         "tiny-qwen3_5-fsdp2-deferred",
         backend="fsdp_turbo",
-        devices=("cpu",),
         checkout=standin(layout),
         extra_env=ALLOW_CPU,
     )

@@ -107,3 +107,19 @@ def test_two_rank_run_metrics_complete(ppo_run):
     }
     for rank in result.ranks:
         assert expected <= set(rank.metrics), expected - set(rank.metrics)
+
+
+def test_leak_check_tolerates_a_child_that_exits_during_its_scan():
+    """Issue: the leak check raised NameError (psutil imported for type checking only)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from pytest_fsdp_turbo.fixtures import _alive, _cmd
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc = psutil.Process(child.pid)
+    child.wait()
+    assert _alive(proc) is False  # gone (reaped): no NameError, no exception
+    assert _cmd(proc) == "?"

@@ -27,7 +27,11 @@ def _live(marker: str) -> list[psutil.Process]:
     return found
 
 
-def test_two_rank_case_through_ray_matches_the_local_launcher(ray_cluster, ppo_run):
+def test_two_rank_case_through_ray_matches_the_local_launcher(
+    ray_cluster, no_leaked_processes, ppo_run
+):
+    """Ray started before the leak snapshot (ray_cluster first): its daemons are the session's;
+    the rank actors and everything the case started must be gone at the end."""
     on_ray = ppo_run("tiny-qwen3_5-fsdp2-deferred", launcher="ray")
     verdict = checks.check_all(on_ray)
     assert verdict.not_applicable() == ["d: no replicas"]

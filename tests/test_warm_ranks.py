@@ -53,7 +53,10 @@ def test_a_case_after_a_failed_polluting_case_is_unaffected(ppo_run):
     checks.check_all(after)  # leak_probe raises in the rank if env, modules or registry leaked
     for key in ("actor/grad_norm", "actor/pg_loss", "critic/score/mean"):
         assert after.metrics[key] == before.metrics[key], key  # RNG and weights untouched
-    orphan = ppo_run(CASE, backend="fsdp_polluted")
+    # the name passes as a plain backend (engine modules are given), but nothing registers it now
+    orphan = ppo_run(
+        CASE, backend="fsdp_polluted", engine_modules=["leak_probe"], pythonpath=[PROBES]
+    )
     assert not orphan.ok
     assert (
         "no engine for model_type='qwen3_5_text', backend='fsdp_polluted'" in orphan.failure_text()
