@@ -1,21 +1,51 @@
 """Rollout through vLLM (CUDA) or vllm-ascend (NPU), behind the same interface as HFRollout.
 
-Thin on purpose: vLLM cannot run on a CPU box, and its internals move between releases. The engine
-runs in-process (no engine-core subprocess) so the trainer can push weights into it after the step.
+Thin on purpose: vLLM cannot run on a CPU box here. Trainer weights reach the rollout model through
+vLLM's supported API, chosen by what the installed release offers (feature detection, not version
+strings): `LLM.collective_rpc` into a worker extension (`worker_extension_cls`, as verl does), else
+`LLM.apply_model`. No internal attribute paths.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from pytest_fsdp_turbo_engine.rollout import RolloutBatch, response_mask
 
-# Where the torch module lives inside an in-process LLM, across the releases we know of.
-_MODEL_PATHS = (
-    "llm_engine.model_executor.driver_worker.worker.model_runner.model",
-    "llm_engine.model_executor.driver_worker.model_runner.model",
-)
+WORKER_EXTENSION = "pytest_fsdp_turbo_engine.vllm_rollout.WeightLoaderExtension"
+
+
+class WeightLoaderExtension:
+    """Mixed into vLLM's worker class (worker_extension_cls); called through collective_rpc."""
+
+    def load_trainer_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.model_runner.model.load_weights(weights=weights)
+
+
+def supports_worker_extension() -> bool:
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return "worker_extension_cls" in {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def push_weights(llm, state_dict: dict[str, torch.Tensor], via_extension: bool) -> str:
+    """Load the trainer's weights into every vLLM worker; returns which API carried them."""
+    weights = list(state_dict.items())
+    if via_extension and hasattr(llm, "collective_rpc"):
+        llm.collective_rpc("load_trainer_weights", args=(weights,))
+        return "collective_rpc"
+    if hasattr(llm, "apply_model"):
+        llm.apply_model(lambda model: model.load_weights(weights=weights))
+        return "apply_model"
+    version = getattr(sys.modules.get("vllm"), "__version__", "unknown")
+    raise RuntimeError(
+        f"vLLM {version}: LLM offers neither collective_rpc (with worker_extension_cls) nor "
+        "apply_model, so trainer weights cannot reach the rollout"
+    )
 
 
 def _import_vllm():
@@ -33,8 +63,11 @@ class VLLMRollout:
     def __init__(self, model_path: str, eos_id: int, pad_id: int, dtype: str, seed: int):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         llm_cls, self.sampling = _import_vllm()
+        self.via_extension = supports_worker_extension()
+        extension = {"worker_extension_cls": WORKER_EXTENSION} if self.via_extension else {}
         self.llm = llm_cls(
             model=model_path,
+            **extension,
             dtype="bfloat16" if dtype == "bf16" else "float32",
             enforce_eager=True,
             gpu_memory_utilization=float(os.environ.get("PYTEST_FSDP_TURBO_VLLM_MEMORY", "0.3")),
@@ -69,21 +102,8 @@ class VLLMRollout:
             torch.tensor(index),
         )
 
-    def _model(self) -> torch.nn.Module:
-        for path in _MODEL_PATHS:
-            target = self.llm
-            try:
-                for part in path.split("."):
-                    target = getattr(target, part)
-            except AttributeError:
-                continue
-            return target
-        raise RuntimeError(
-            f"cannot reach the vLLM model to load weights; tried: {', '.join(_MODEL_PATHS)}"
-        )
-
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self._model().load_weights(weights=state_dict.items())
+        push_weights(self.llm, state_dict, self.via_extension)
 
     def logprobs(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
         params = self.sampling(max_tokens=1, prompt_logprobs=0, temperature=1.0)

@@ -215,3 +215,42 @@ def test_vllm_adapter_import_error_is_clear():
         ImportError, match=r"rollout 'vllm' needs vllm \(CUDA\) or vllm-ascend \(NPU\)"
     ):
         _import_vllm()
+
+
+class RecordingLLM:
+    """A stand-in for vLLM's LLM object (tests only): records which weight-push API was used."""
+
+    def __init__(self, *apis: str):
+        self.calls: list[tuple] = []
+        for api in apis:
+            setattr(self, api, getattr(self, f"_{api}"))
+
+    def _collective_rpc(self, method, args=()):
+        self.calls.append(("collective_rpc", method, [name for name, _ in args[0]]))
+
+    def _apply_model(self, func):
+        model = type(
+            "M",
+            (),
+            {
+                "load_weights": lambda _, weights: self.calls.append(
+                    ("apply_model", [name for name, _ in weights])
+                )
+            },
+        )()
+        func(model)
+
+
+def test_vllm_weight_push_uses_the_supported_api_the_release_offers():
+    import torch
+    from pytest_fsdp_turbo_engine.vllm_rollout import push_weights
+
+    weights = {"lm_head.weight": torch.zeros(2)}
+    both = RecordingLLM("collective_rpc", "apply_model")
+    assert push_weights(both, weights, via_extension=True) == "collective_rpc"
+    assert both.calls == [("collective_rpc", "load_trainer_weights", ["lm_head.weight"])]
+    assert push_weights(both, weights, via_extension=False) == "apply_model"
+    older = RecordingLLM("apply_model")
+    assert push_weights(older, weights, via_extension=True) == "apply_model"
+    with pytest.raises(RuntimeError, match="offers neither collective_rpc .* nor apply_model"):
+        push_weights(RecordingLLM(), weights, via_extension=True)
