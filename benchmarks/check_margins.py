@@ -21,6 +21,7 @@ from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.models import resolve_model
 from pytest_fsdp_turbo.runs import RunRequest, run_case, run_with_twin
+from pytest_fsdp_turbo.vocab import Metric
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,18 +32,18 @@ def rel(a: float, b: float) -> float:
 
 def margins(result, twin_result, dtype: str) -> list[tuple[str, float, float]]:
     ref, main, twin = result.metrics, twin_result.metrics, twin_result.twin.metrics
-    worst_step = max(r.metrics["sync/step_max_err_lr"] for r in result.ranks)
+    worst_step = max(r.metrics[Metric.SYNC_STEP_MAX_ERR_LR] for r in result.ranks)
     worst_l2 = max(r.metrics["sync/step_rel_l2_err"] for r in result.ranks)
     atol, rtol = checks.TWIN_LOSS_TOL[dtype]
     return [
         (
             "a norm vs harness norm (rel)",
-            rel(ref["actor/grad_norm"], ref["sync/grad_norm_measured"]),
+            rel(ref[Metric.ACTOR_GRAD_NORM], ref[Metric.SYNC_GRAD_NORM_MEASURED]),
             checks.GRAD_NORM_TRUE_REL[dtype],
         ),
         (
             "a norm vs reference norm (rel)",
-            rel(ref["actor/grad_norm"], ref["sync/reference_grad_norm"]),
+            rel(ref[Metric.ACTOR_GRAD_NORM], ref[Metric.SYNC_REFERENCE_GRAD_NORM]),
             checks.GRAD_NORM_REFERENCE_REL[dtype],
         ),
         (
@@ -52,22 +53,22 @@ def margins(result, twin_result, dtype: str) -> list[tuple[str, float, float]]:
         ),
         (
             "c gradients vs reference (per parameter, rel to its max entry)",
-            ref["sync/grad_max_rel_err"],
+            ref[Metric.SYNC_GRAD_MAX_REL_ERR],
             checks.GRAD_PARITY_TOL.get(dtype),
         ),
         (
             "c twin loss (abs)",
-            abs(main["actor/loss"] - twin["actor/loss"]),
-            atol + rtol * abs(twin["actor/loss"]),
+            abs(main[Metric.ACTOR_LOSS] - twin[Metric.ACTOR_LOSS]),
+            atol + rtol * abs(twin[Metric.ACTOR_LOSS]),
         ),
         (
             "c twin grad norm (rel)",
-            rel(main["actor/grad_norm"], twin["actor/grad_norm"]),
+            rel(main[Metric.ACTOR_GRAD_NORM], twin[Metric.ACTOR_GRAD_NORM]),
             checks.TWIN_GRAD_NORM_REL[dtype],
         ),
         (
             "c twin post-step logprobs (abs)",
-            twin["twin/post_step_logprob_max_abs_diff"],
+            twin[Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF],
             checks.TWIN_LOGPROB_TOL[dtype],
         ),
         ("i update vs reference update (relative L2)", worst_l2, checks.STEP_L2_TOL[dtype]),

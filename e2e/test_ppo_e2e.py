@@ -8,6 +8,7 @@ import pytest
 
 from pytest_fsdp_turbo import checks, goldens
 from pytest_fsdp_turbo.session import settings_of
+from pytest_fsdp_turbo.vocab import GoldenStatus
 
 
 def test_ppo_one_step(fsdp_turbo_case, ppo_run, pytestconfig, record_property, no_leaked_processes):
@@ -15,12 +16,12 @@ def test_ppo_one_step(fsdp_turbo_case, ppo_run, pytestconfig, record_property, n
     result = ppo_run(fsdp_turbo_case)
     checks.check_all(result)  # every check that applies; the case's memory budget rides along
     settings = settings_of(pytestconfig)
-    status = goldens.check_or_record(
+    golden = goldens.check_or_record(
         result, case, fsdp_turbo_case.kind, settings.goldens, settings.record_golden
     )
-    record_property("fsdp_turbo/golden", status)
-    if status.startswith("missing"):
-        warnings.warn(f"golden {status}; record with --fsdp-turbo-record-golden", stacklevel=1)
+    record_property("fsdp_turbo/golden", str(golden))
+    if golden.status is GoldenStatus.MISSING:
+        warnings.warn(f"golden {golden}; record with --fsdp-turbo-record-golden", stacklevel=1)
 
 
 @pytest.mark.e2e

@@ -9,7 +9,9 @@ import os
 import time
 from dataclasses import dataclass
 
-FAULT_VAR = "PYTEST_FSDP_TURBO_FAULT"
+from pytest_fsdp_turbo.vocab import Env
+
+FAULT_VAR = Env.FAULT
 KINDS = ("crash", "hang", "nan")
 
 

@@ -20,8 +20,9 @@ from pytest_fsdp_turbo_engine.registry import register
 from pytest_fsdp_turbo_engine.turbo_inspect import schema_of
 
 from pytest_fsdp_turbo.turbo_config import schema_problems
+from pytest_fsdp_turbo.vocab import Env
 
-CHECKOUT_VAR = "PYTEST_FSDP_TURBO_CHECKOUT"
+CHECKOUT_VAR = Env.CHECKOUT
 # The older layout has no data-parallel getters; its cdp mesh is the same group of ranks.
 DATA_GETTERS = {
     "rank": ("get_data_rank", "get_cdp_rank"),

@@ -11,8 +11,10 @@ import os
 from collections.abc import Callable, Iterable
 from importlib import metadata
 
+from pytest_fsdp_turbo.vocab import Env
+
 ENTRY_POINT_GROUP = "pytest_fsdp_turbo.engines"
-MODULES_VAR = "PYTEST_FSDP_TURBO_ENGINE_MODULES"
+MODULES_VAR = Env.ENGINE_MODULES
 ANY = "*"
 
 _REGISTRY: dict[tuple[str, str, str], type] = {}

@@ -38,17 +38,17 @@ from pytest_fsdp_turbo_engine.rollout import HFRollout, RolloutBatch
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
 from pytest_fsdp_turbo_engine.worker import PARTIAL_METRICS_ATTR
 
-from pytest_fsdp_turbo.launch import LAUNCHED_AT_VAR
+from pytest_fsdp_turbo.vocab import Env, Metric
 
 BATCH_FILE = "batch.pt"  # the global training batch, for a twin to replay
 POST_STEP_FILE = "post_step.pt"  # the global post-step logprobs on that batch
 SUMMED_PARTS = (
-    "actor/loss",
-    "actor/pg_loss",
-    "actor/pg_clipfrac",
-    "actor/ppo_kl",
-    "actor/kl_loss",
-    "actor/entropy",
+    Metric.ACTOR_LOSS,
+    Metric.ACTOR_PG_LOSS,
+    Metric.ACTOR_PG_CLIPFRAC,
+    Metric.ACTOR_PPO_KL,
+    Metric.ACTOR_KL_LOSS,
+    Metric.ACTOR_ENTROPY,
 )
 
 
@@ -79,7 +79,7 @@ class Phase:
             if name != "init"
         }
         if launched_at is not None and "load" in self.started:
-            out["timing_s/startup"] = self.started["load"] - launched_at
+            out[Metric.TIMING_S_STARTUP] = self.started["load"] - launched_at
         return out
 
 
@@ -433,7 +433,7 @@ def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> dic
     mine, mask = gather_rows(logprobs, group), gather_rows(batch.mask, group)
     main = torch.load(Path(ctx.cfg.replay) / POST_STEP_FILE, weights_only=True)
     diff = float(((mine - main["logprobs"]).abs() * mask).max())
-    return {"twin/post_step_logprob_max_abs_diff": diff}
+    return {Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF: diff}
 
 
 # --- the step -------------------------------------------------------------------------------------
@@ -450,15 +450,15 @@ def reduced_metrics(ctx: Rank, collected: Collected, trained: Trained, tokens: f
     """Per-rank sums and maxima reduced to the whole run (sequence-parallel ranks counted once)."""
     device, sp, batch = ctx.device, ctx.sp, collected.batch
     metrics = {key: all_sum(trained.parts.get(key, 0.0), device) / sp for key in SUMMED_PARTS}
-    for key in ("actor/ppo_kl", "actor/pg_clipfrac"):
+    for key in (Metric.ACTOR_PPO_KL, Metric.ACTOR_PG_CLIPFRAC):
         metrics[f"{key}_first_micro_batch"] = all_max(abs(trained.first_micro_batch[key]), device)
     responses = all_sum(float(batch.size), device) / sp
-    metrics["response_length/mean"] = tokens / responses
-    metrics["ppo/advantages_abs_max"] = all_max(float(batch.advantages.abs().max()), device)
+    metrics[Metric.RESPONSE_LENGTH_MEAN] = tokens / responses
+    metrics[Metric.PPO_ADVANTAGES_ABS_MAX] = all_max(float(batch.advantages.abs().max()), device)
     metrics["perf/global_tokens"] = all_sum(float(batch.input_ids.numel()), device) / sp
     if collected.scores is not None:
         scores = float(collected.scores.sum())
-        metrics["critic/score/mean"] = all_sum(scores, device) / sp / responses
+        metrics[Metric.CRITIC_SCORE_MEAN] = all_sum(scores, device) / sp / responses
     return metrics
 
 
@@ -478,14 +478,16 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     replicas = ctx.engine.replicate_group()
     metrics.update(
         {
-            "case/sync_policy": ctx.engine_cfg.sync_policy,
-            "case/world_size": ctx.engine_cfg.world_size,
-            "case/micro_batches": cfg.micro_batches,
-            "case/dtype": ctx.engine_cfg.dtype,
-            "case/device": spec["device_kind"],
-            "case/reference": cfg.reference_checks and not ctx.replaying,
-            "case/memory_budget_mb": spec.get("memory_budget_mb"),
-            "case/replicas": 1 if replicas is None else torch.distributed.get_world_size(replicas),
+            Metric.CASE_SYNC_POLICY: ctx.engine_cfg.sync_policy,
+            Metric.CASE_WORLD_SIZE: ctx.engine_cfg.world_size,
+            Metric.CASE_MICRO_BATCHES: cfg.micro_batches,
+            Metric.CASE_DTYPE: ctx.engine_cfg.dtype,
+            Metric.CASE_DEVICE: spec["device_kind"],
+            Metric.CASE_REFERENCE: cfg.reference_checks and not ctx.replaying,
+            Metric.CASE_MEMORY_BUDGET_MB: spec.get("memory_budget_mb"),
+            Metric.CASE_REPLICAS: 1
+            if replicas is None
+            else torch.distributed.get_world_size(replicas),
             "rank": rank,
         }
     )
@@ -504,11 +506,11 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     trained = train(ctx, batch, tokens)
     metrics.update(
         {
-            "comm/reduce_scatter_calls_by_micro_batch": trained.reduce_scatters_by_micro_batch,
-            "comm/reduce_scatter_calls": sum(trained.reduce_scatters_by_micro_batch),
-            "comm/fsdp_units": trained.fsdp_units,
-            "comm/shard_group_size": trained.shard_group_size,
-            "sync/retained_grad_bytes": trained.retained_grad_bytes,
+            Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH: trained.reduce_scatters_by_micro_batch,
+            Metric.COMM_REDUCE_SCATTER_CALLS: sum(trained.reduce_scatters_by_micro_batch),
+            Metric.COMM_FSDP_UNITS: trained.fsdp_units,
+            Metric.COMM_SHARD_GROUP_SIZE: trained.shard_group_size,
+            Metric.SYNC_RETAINED_GRAD_BYTES: trained.retained_grad_bytes,
         }
     )
 
@@ -516,9 +518,9 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     if cfg.reference_checks and not ctx.replaying:
         copy = single_process_copy(ctx)
         ref = reference(ctx, global_batch, tokens, copy)
-        metrics["sync/grad_max_rel_err"] = ref.grad_max_rel_err
-        metrics["sync/grad_max_rel_err_param"] = ref.grad_max_rel_err_param
-        metrics["sync/reference_grad_norm"] = ref.norm
+        metrics[Metric.SYNC_GRAD_MAX_REL_ERR] = ref.grad_max_rel_err
+        metrics[Metric.SYNC_GRAD_MAX_REL_ERR_PARAM] = ref.grad_max_rel_err_param
+        metrics[Metric.SYNC_REFERENCE_GRAD_NORM] = ref.norm
         metrics["sync/grad_rel_l2_err"] = ref.grad_rel_l2_err
 
     stepped = optimizer(ctx)
@@ -526,19 +528,19 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     finite = math.isfinite(stepped.reported_norm)
     metrics.update(
         {
-            "actor/grad_norm": stepped.reported_norm,
-            "actor/grad_norm_finite": finite,
-            "sync/grad_norm_measured": stepped.measured_norm,
-            "actor/param_update_max_abs": stepped.update_max_abs,
-            "actor/local_param_numel": stepped.local_numel,
+            Metric.ACTOR_GRAD_NORM: stepped.reported_norm,
+            Metric.ACTOR_GRAD_NORM_FINITE: finite,
+            Metric.SYNC_GRAD_NORM_MEASURED: stepped.measured_norm,
+            Metric.ACTOR_PARAM_UPDATE_MAX_ABS: stepped.update_max_abs,
+            Metric.ACTOR_LOCAL_PARAM_NUMEL: stepped.local_numel,
         }
     )
 
     after = post_step(ctx, batch, ref, copy, finite)
-    metrics["sync/replica_max_abs_diff"] = after.replica_max_abs_diff
-    metrics["sync/rollout_logprob_max_abs_diff"] = after.rollout_logprob_max_abs_diff
+    metrics[Metric.SYNC_REPLICA_MAX_ABS_DIFF] = after.replica_max_abs_diff
+    metrics[Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF] = after.rollout_logprob_max_abs_diff
     if after.step_max_err is not None:
-        metrics["sync/step_max_err_lr"] = after.step_max_err
+        metrics[Metric.SYNC_STEP_MAX_ERR_LR] = after.step_max_err
         metrics["sync/step_rel_l2_err"] = after.step_rel_l2_err
     if ctx.replaying:
         metrics.update(twin_comparison(ctx, batch, after.logprobs))
@@ -552,11 +554,11 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     metrics.update(reduced_metrics(ctx, collected, trained, tokens))
     metrics.update(
         {
-            "perf/step_time_s": step_time,
-            "perf/tokens_per_s": metrics.pop("perf/global_tokens") / step_time,
-            "perf/peak_memory_bytes": peak_memory_bytes(device),
+            Metric.PERF_STEP_TIME_S: step_time,
+            Metric.PERF_TOKENS_PER_S: metrics.pop("perf/global_tokens") / step_time,
+            Metric.PERF_PEAK_MEMORY_BYTES: peak_memory_bytes(device),
         }
     )
-    launched = os.environ.get(LAUNCHED_AT_VAR)
+    launched = os.environ.get(Env.LAUNCHED_AT)
     metrics.update(phase.timings(float(launched) if launched else None))
     return StepOutput(metrics, ref.fingerprint if ref else None, files)

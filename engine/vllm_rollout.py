@@ -14,6 +14,8 @@ import sys
 import torch
 from pytest_fsdp_turbo_engine.rollout import RolloutBatch, response_mask
 
+from pytest_fsdp_turbo.vocab import Env
+
 WORKER_EXTENSION = "pytest_fsdp_turbo_engine.vllm_rollout.WeightLoaderExtension"
 
 
@@ -70,7 +72,7 @@ class VLLMRollout:
             **extension,
             dtype="bfloat16" if dtype == "bf16" else "float32",
             enforce_eager=True,
-            gpu_memory_utilization=float(os.environ.get("PYTEST_FSDP_TURBO_VLLM_MEMORY", "0.3")),
+            gpu_memory_utilization=float(os.environ.get(Env.VLLM_MEMORY, "0.3")),
             seed=seed,
         )
         self.eos_id, self.pad_id = eos_id, pad_id

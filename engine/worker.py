@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
         from pytest_fsdp_turbo_engine.step import run_ppo_step
 
+        from pytest_fsdp_turbo.vocab import Env
+
         backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[spec["device_kind"]]
-        timeout_s = float(os.environ.get("PYTEST_FSDP_TURBO_COLLECTIVE_TIMEOUT_S", "120"))
+        timeout_s = float(os.environ.get(Env.COLLECTIVE_TIMEOUT_S, "120"))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         assert dist.get_world_size() == world_size
         output = run_ppo_step(spec, rank, phase, out)

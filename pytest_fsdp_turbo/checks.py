@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_fsdp_turbo.launch import RunResult
+from pytest_fsdp_turbo.vocab import Metric
 
 # Tolerances by compute dtype; measured margins: benchmarks/check_margins.py (README). fp32 gradient
 # parity per parameter allows for reduction-order differences in long reductions (gated delta-net
@@ -91,7 +92,7 @@ class Verdict:
 
 
 def _dtype(result: RunResult) -> str:
-    return str(result.metrics.get("case/dtype", "fp32"))
+    return str(result.metrics.get(Metric.CASE_DTYPE, "fp32"))
 
 
 def _per_rank(result: RunResult, key: str) -> Iterator[tuple[int, object]]:
@@ -121,7 +122,7 @@ def check_completed(result: RunResult) -> None:
 def check_grad_norm(result: RunResult) -> None:
     """a. Finite, the same on every rank, and true: the global L2 norm of the sharded gradients."""
     dtype = _dtype(result)
-    norms = list(_per_rank(result, "actor/grad_norm"))
+    norms = list(_per_rank(result, Metric.ACTOR_GRAD_NORM))
     for rank, value in norms:
         if value is None or not math.isfinite(value):
             raise CheckFailure(
@@ -135,20 +136,22 @@ def check_grad_norm(result: RunResult) -> None:
                 f"{base!r} beyond relative tolerance {NORM_AGREEMENT_REL:g}"
             )
     tol = GRAD_NORM_TRUE_REL[dtype]
-    for (rank, reported), (_, measured) in zip(norms, _per_rank(result, "sync/grad_norm_measured")):
+    for (rank, reported), (_, measured) in zip(
+        norms, _per_rank(result, Metric.SYNC_GRAD_NORM_MEASURED)
+    ):
         if not _rel(reported, measured) <= tol:
             raise CheckFailure(
                 f"check a: rank {rank}: actor/grad_norm = {reported:.6g} but the global L2 norm of "
                 f"the sharded gradients is {measured:.6g} (relative difference "
                 f"{_rel(reported, measured):.3g}, tolerance {tol:g})"
             )
-    advantages = result.metrics.get("ppo/advantages_abs_max", 0.0)
+    advantages = result.metrics.get(Metric.PPO_ADVANTAGES_ABS_MAX, 0.0)
     if base == 0 and advantages > 0:
         raise CheckFailure(
             f"check a: rank {base_rank}: actor/grad_norm = 0 on a step whose advantages are not "
             f"all zero (ppo/advantages_abs_max = {advantages:.3g}): no gradient reached the shards"
         )
-    reference = result.metrics.get("sync/reference_grad_norm")
+    reference = result.metrics.get(Metric.SYNC_REFERENCE_GRAD_NORM)
     if reference is not None:
         tol = GRAD_NORM_REFERENCE_REL[dtype]
         if not _rel(base, reference) <= tol:
@@ -162,13 +165,13 @@ def check_grad_norm(result: RunResult) -> None:
 def check_on_policy(result: RunResult) -> None:
     """b. On the first micro-batch the PPO ratio is 1: ppo_kl ~ 0 and nothing clipped."""
     tol = ON_POLICY_KL_TOL[_dtype(result)]
-    for rank, value in _per_rank(result, "actor/ppo_kl_first_micro_batch"):
+    for rank, value in _per_rank(result, Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH):
         if not abs(value) <= tol:
             raise CheckFailure(
                 f"check b: rank {rank}: actor/ppo_kl on the first micro-batch = {value:.3g}, "
                 f"expected |value| <= {tol:g} (old logprobs must come from the same weights)"
             )
-    for rank, value in _per_rank(result, "actor/pg_clipfrac_first_micro_batch"):
+    for rank, value in _per_rank(result, Metric.ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH):
         if value != 0:
             raise CheckFailure(
                 f"check b: rank {rank}: actor/pg_clipfrac on the first micro-batch = {value:.3g}, expected 0"
@@ -177,15 +180,15 @@ def check_on_policy(result: RunResult) -> None:
 
 def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> None:
     """c. Sharded gradients after accumulation equal a single-process reference over the batch."""
-    if "sync/grad_max_rel_err" not in result.metrics:
+    if Metric.SYNC_GRAD_MAX_REL_ERR not in result.metrics:
         raise NotApplicable("no reference")
     dtype = _dtype(result)
     tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
-    policy = result.metrics.get("case/sync_policy")
+    policy = result.metrics.get(Metric.CASE_SYNC_POLICY)
     # fp32: per parameter first, so the message names the parameter
-    if tol is not None and (over := _first_above(result, "sync/grad_max_rel_err", tol)):
+    if tol is not None and (over := _first_above(result, Metric.SYNC_GRAD_MAX_REL_ERR, tol)):
         rank, err = over
-        param = result.ranks[rank].metrics["sync/grad_max_rel_err_param"]
+        param = result.ranks[rank].metrics[Metric.SYNC_GRAD_MAX_REL_ERR_PARAM]
         raise CheckFailure(
             f"check c: rank {rank}: parameter {param}: gradient differs from the single-process "
             f"reference by {err:.3g} (relative to its largest entry), tolerance {tol:g} "
@@ -211,21 +214,21 @@ def check_twin(result: RunResult) -> None:
     dtype = _dtype(result)
     mine, theirs = result.metrics, twin.metrics
     atol, rtol = TWIN_LOSS_TOL[dtype]
-    diff = abs(mine["actor/loss"] - theirs["actor/loss"])
-    if not diff <= atol + rtol * abs(theirs["actor/loss"]):
+    diff = abs(mine[Metric.ACTOR_LOSS] - theirs[Metric.ACTOR_LOSS])
+    if not diff <= atol + rtol * abs(theirs[Metric.ACTOR_LOSS]):
         raise CheckFailure(
             f"{label}: actor/loss = {mine['actor/loss']:.6g}, twin {theirs['actor/loss']:.6g} "
             f"(difference {diff:.3g}, tolerance atol {atol:g} + rtol {rtol:g})"
         )
     tol = TWIN_GRAD_NORM_REL[dtype]
-    a, b = mine["actor/grad_norm"], theirs["actor/grad_norm"]
+    a, b = mine[Metric.ACTOR_GRAD_NORM], theirs[Metric.ACTOR_GRAD_NORM]
     if not (math.isfinite(a) and _rel(a, b) <= tol):
         raise CheckFailure(
             f"{label}: actor/grad_norm = {a:.6g}, twin {b:.6g} (relative difference "
             f"{_rel(a, b):.3g}, tolerance {tol:g})"
         )
     tol = TWIN_LOGPROB_TOL[dtype]
-    lp = theirs["twin/post_step_logprob_max_abs_diff"]
+    lp = theirs[Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF]
     if not lp <= tol:
         raise CheckFailure(
             f"{label}: post-step logprobs on the batch differ from the twin's by up to {lp:.3g} "
@@ -273,24 +276,24 @@ def _each_at_most(result: RunResult, check: str, key: str, tolerance: float) -> 
 
 def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
     """d. Every replica holds identical parameters after the step."""
-    if result.metrics.get("sync/replica_max_abs_diff") is None:
+    if result.metrics.get(Metric.SYNC_REPLICA_MAX_ABS_DIFF) is None:
         raise NotApplicable("no replicas")
-    _each_at_most(result, "d", "sync/replica_max_abs_diff", tolerance)
+    _each_at_most(result, "d", Metric.SYNC_REPLICA_MAX_ABS_DIFF, tolerance)
 
 
 def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None:
     """e. Weights gathered from FSDP into the rollout model reproduce the trainer's logprobs."""
-    if result.metrics.get("sync/rollout_logprob_max_abs_diff") is None:
+    if result.metrics.get(Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF) is None:
         raise NotApplicable("no rollout")
     tol = WEIGHT_SYNC_TOL[_dtype(result)] if tolerance is None else tolerance
-    _each_at_most(result, "e", "sync/rollout_logprob_max_abs_diff", tol)
+    _each_at_most(result, "e", Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF, tol)
 
 
 def check_memory(result: RunResult, budget_mb: float | None) -> None:
     """f. Peak memory within budget."""
     if budget_mb is None:
         raise NotApplicable("no memory budget")
-    for rank, value in _per_rank(result, "perf/peak_memory_bytes"):
+    for rank, value in _per_rank(result, Metric.PERF_PEAK_MEMORY_BYTES):
         if value > budget_mb * 2**20:
             raise CheckFailure(
                 f"check f: rank {rank}: perf/peak_memory_bytes = {value / 2**20:.1f} MiB, "
@@ -312,14 +315,14 @@ def expected_reduce_scatters(
 def check_sync_contract(result: RunResult) -> None:
     """h. What the declared gradient-sync policy promises is what the ranks measured."""
     m = result.metrics
-    policy, micro_batches = m.get("case/sync_policy"), m.get("case/micro_batches")
+    policy, micro_batches = m.get(Metric.CASE_SYNC_POLICY), m.get(Metric.CASE_MICRO_BATCHES)
     head = (
         f"check h: case {result.case_id}: declared gradient_sync {policy!r} with "
         f"{micro_batches} micro-batches"
     )
-    for rank, calls in _per_rank(result, "comm/reduce_scatter_calls_by_micro_batch"):
-        units = result.ranks[rank].metrics["comm/fsdp_units"]
-        shards = result.ranks[rank].metrics["comm/shard_group_size"]
+    for rank, calls in _per_rank(result, Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH):
+        units = result.ranks[rank].metrics[Metric.COMM_FSDP_UNITS]
+        shards = result.ranks[rank].metrics[Metric.COMM_SHARD_GROUP_SIZE]
         want = expected_reduce_scatters(policy, micro_batches, units, shards)
         if calls != want:
             raise CheckFailure(
@@ -327,7 +330,7 @@ def check_sync_contract(result: RunResult) -> None:
                 f"per micro-batch {want}, "
                 f"measured {calls} on rank {rank} (comm/reduce_scatter_calls_by_micro_batch)"
             )
-    for rank, retained in _per_rank(result, "sync/retained_grad_bytes"):
+    for rank, retained in _per_rank(result, Metric.SYNC_RETAINED_GRAD_BYTES):
         holds = policy == "deferred" and micro_batches > 1
         if holds and not retained > 0:
             raise CheckFailure(
@@ -344,9 +347,9 @@ def check_sync_contract(result: RunResult) -> None:
 def check_optimizer_step(result: RunResult) -> None:
     """i. Every rank holding parameters changed them (all bit-identical when the norm was not
     finite); with a reference, the post-step parameters equal the reference step's."""
-    finite = result.metrics.get("actor/grad_norm_finite", True)
-    numel = dict(_per_rank(result, "actor/local_param_numel"))
-    for rank, moved in _per_rank(result, "actor/param_update_max_abs"):
+    finite = result.metrics.get(Metric.ACTOR_GRAD_NORM_FINITE, True)
+    numel = dict(_per_rank(result, Metric.ACTOR_LOCAL_PARAM_NUMEL))
+    for rank, moved in _per_rank(result, Metric.ACTOR_PARAM_UPDATE_MAX_ABS):
         if finite and numel[rank] and not moved > 0:
             raise CheckFailure(
                 f"check i: rank {rank}: actor/param_update_max_abs = {moved}, expected this rank's "
@@ -357,7 +360,7 @@ def check_optimizer_step(result: RunResult) -> None:
                 f"check i: rank {rank}: actor/param_update_max_abs = {moved} after a non-finite "
                 "gradient norm, expected the step to be skipped (parameters bit-identical)"
             )
-    if "sync/step_max_err_lr" not in result.metrics:
+    if Metric.SYNC_STEP_MAX_ERR_LR not in result.metrics:
         return
     dtype = _dtype(result)
     tol = STEP_L2_TOL[dtype]
@@ -367,7 +370,7 @@ def check_optimizer_step(result: RunResult) -> None:
             f"step's by relative L2 error {over[1]:.3g} (sync/step_rel_l2_err), tolerance {tol:g}"
         )
     tol = STEP_TOL_LR.get(dtype)
-    if tol is not None and (over := _first_above(result, "sync/step_max_err_lr", tol)):
+    if tol is not None and (over := _first_above(result, Metric.SYNC_STEP_MAX_ERR_LR, tol)):
         raise CheckFailure(
             f"check i: rank {over[0]}: post-step parameters differ from the single-process "
             f"reference step by {over[1]:.3g} x lr (sync/step_max_err_lr), tolerance {tol:g}"
@@ -401,7 +404,7 @@ def _parity(result: RunResult) -> None:
 def evaluate(result: RunResult, budget_mb: float | None = None) -> Verdict:
     """Every check that applies, without raising: what passed, what failed, what could not apply."""
     if budget_mb is None:
-        budget_mb = result.metrics.get("case/memory_budget_mb")
+        budget_mb = result.metrics.get(Metric.CASE_MEMORY_BUDGET_MB)
     outcomes = []
     for letter, check in CHECKS:
         try:

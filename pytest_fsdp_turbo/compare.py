@@ -9,19 +9,20 @@ from pathlib import Path
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.goldens import GOLDEN_KEYS, within
 from pytest_fsdp_turbo.report import read_case_artifacts
+from pytest_fsdp_turbo.vocab import Metric
 
 COMPARED_KEYS = (
     *GOLDEN_KEYS,
-    "perf/peak_memory_bytes",
-    "sync/retained_grad_bytes",
-    "comm/reduce_scatter_calls",
-    "perf/step_time_s",
+    Metric.PERF_PEAK_MEMORY_BYTES,
+    Metric.SYNC_RETAINED_GRAD_BYTES,
+    Metric.COMM_REDUCE_SCATTER_CALLS,
+    Metric.PERF_STEP_TIME_S,
 )
 INFORMATIONAL = {
-    "perf/peak_memory_bytes",
-    "perf/step_time_s",
-    "comm/reduce_scatter_calls",
-    "sync/retained_grad_bytes",
+    Metric.PERF_PEAK_MEMORY_BYTES,
+    Metric.PERF_STEP_TIME_S,
+    Metric.COMM_REDUCE_SCATTER_CALLS,
+    Metric.SYNC_RETAINED_GRAD_BYTES,
 }
 
 

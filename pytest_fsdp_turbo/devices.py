@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo.vocab import DeviceKind
 
-KINDS = ("cpu", "cuda", "npu")
+KINDS = tuple(DeviceKind)
 BACKEND_BY_KIND = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 VISIBLE_DEVICES_VAR = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 KIND_BY_MARKER = {"cpu_e2e": "cpu", "gpu_e2e": "cuda", "npu_e2e": "npu"}

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
 from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo.vocab import Env
 
-COLLECTIVE_TIMEOUT_VAR = "PYTEST_FSDP_TURBO_COLLECTIVE_TIMEOUT_S"
+COLLECTIVE_TIMEOUT_VAR = Env.COLLECTIVE_TIMEOUT_S
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 DEFAULT_CASE_TIMEOUT_S = 600.0
 DEFAULT_HCCL_CONNECT_TIMEOUT_S = 1500

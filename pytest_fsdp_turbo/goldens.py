@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_fsdp_turbo.cases import FIXTURES_DIR
 from pytest_fsdp_turbo.checks import CheckFailure
+from pytest_fsdp_turbo.vocab import GoldenStatus, Metric
 
 GOLDEN_KEYS = (
-    "actor/grad_norm",
-    "actor/pg_loss",
-    "actor/entropy",
-    "actor/kl_loss",
-    "actor/pg_clipfrac",
-    "critic/score/mean",
-    "response_length/mean",
+    Metric.ACTOR_GRAD_NORM,
+    Metric.ACTOR_PG_LOSS,
+    Metric.ACTOR_ENTROPY,
+    Metric.ACTOR_KL_LOSS,
+    Metric.ACTOR_PG_CLIPFRAC,
+    Metric.CRITIC_SCORE_MEAN,
+    Metric.RESPONSE_LENGTH_MEAN,
 )
 RELATIVE_TOL = 1e-3
 ABSOLUTE_FLOOR = 1e-6
@@ -63,17 +65,27 @@ def compare_golden(path: Path, metrics: dict, tier: str) -> list[str]:
     return problems
 
 
-def check_or_record(result, case, kind: str, root: Path | None, record: bool) -> str:
-    """Record the golden (with --fsdp-turbo-record-golden) or check it; returns what happened."""
+@dataclass(frozen=True)
+class GoldenOutcome:
+    status: GoldenStatus
+    path: Path | None = None
+
+    def __str__(self) -> str:
+        where = f" {self.path}" if self.path else " (tier none)"
+        return f"{self.status}{where}"
+
+
+def check_or_record(result, case, kind: str, root: Path | None, record: bool) -> GoldenOutcome:
+    """Record the golden (with --fsdp-turbo-record-golden) or check it; says what happened."""
     if case.golden_tier == "none":
-        return "not compared (tier none)"
+        return GoldenOutcome(GoldenStatus.NOT_COMPARED)
     path = golden_path(case.id, kind, case.dtype_on(kind), case.world_size, root or DEFAULT_DIR)
     if record:
         record_golden(path, result.metrics)
-        return f"recorded {path}"
+        return GoldenOutcome(GoldenStatus.RECORDED, path)
     if not path.is_file():
-        return f"missing {path}"
+        return GoldenOutcome(GoldenStatus.MISSING, path)
     problems = compare_golden(path, result.metrics, case.golden_tier)
     if problems:
         raise CheckFailure("\n".join(problems))
-    return f"matched {path}"
+    return GoldenOutcome(GoldenStatus.MATCHED, path)

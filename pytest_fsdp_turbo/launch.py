@@ -21,12 +21,14 @@ from typing import Protocol
 
 import psutil
 
+from pytest_fsdp_turbo.vocab import Env
+
 WORKER_MODULE = "pytest_fsdp_turbo_engine.worker"
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 STACK_DUMP_WAIT_S = 1.0
 LOG_TAIL_LINES = 30
 PR_SET_PDEATHSIG = 1
-LAUNCHED_AT_VAR = "PYTEST_FSDP_TURBO_LAUNCHED_AT"  # wall clock at launch: start-up time per rank
+LAUNCHED_AT_VAR = Env.LAUNCHED_AT  # wall clock at launch: start-up time per rank
 
 
 @dataclass

@@ -19,8 +19,9 @@ import psutil
 from filelock import FileLock
 
 from pytest_fsdp_turbo.errors import LeaseTimeout
+from pytest_fsdp_turbo.vocab import Env
 
-STATE_DIR_VAR = "PYTEST_FSDP_TURBO_STATE_DIR"
+STATE_DIR_VAR = Env.STATE_DIR
 HCCL_RANGE_BASE = 61000  # above Linux's default ephemeral range (32768-60999)
 HCCL_RANGE_SPAN = 64
 HCCL_RANGE_SLOTS = (65535 - HCCL_RANGE_BASE + 1) // (2 * HCCL_RANGE_SPAN)

@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pytest_fsdp_turbo.vocab import Metric
+
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.launch import RunResult
 
@@ -36,13 +38,13 @@ def artifact_name(nodeid: str) -> str:
 
 
 JUNIT_METRICS = (
-    "actor/grad_norm",
-    "actor/pg_loss",
-    "sync/retained_grad_bytes",
-    "comm/reduce_scatter_calls",
-    "perf/peak_memory_bytes",
-    "perf/step_time_s",
-    "timing_s/startup",
+    Metric.ACTOR_GRAD_NORM,
+    Metric.ACTOR_PG_LOSS,
+    Metric.SYNC_RETAINED_GRAD_BYTES,
+    Metric.COMM_REDUCE_SCATTER_CALLS,
+    Metric.PERF_PEAK_MEMORY_BYTES,
+    Metric.PERF_STEP_TIME_S,
+    Metric.TIMING_S_STARTUP,
 )
 
 
@@ -61,15 +63,15 @@ def summary_row(result: RunResult) -> str:
     m = result.metrics
     row = {
         "case": result.case_id,
-        "device": m.get("case/device", "?"),
+        "device": m.get(Metric.CASE_DEVICE, "?"),
         "ranks": result.world_size,
-        "grad_norm": m.get("actor/grad_norm"),
-        "loss": m.get("actor/pg_loss"),
-        "peak": m.get("perf/peak_memory_bytes"),
-        "retained": m.get("sync/retained_grad_bytes"),
-        "rs_calls": m.get("comm/reduce_scatter_calls"),
-        "start_s": m.get("timing_s/startup"),
-        "step_s": m.get("perf/step_time_s"),
+        "grad_norm": m.get(Metric.ACTOR_GRAD_NORM),
+        "loss": m.get(Metric.ACTOR_PG_LOSS),
+        "peak": m.get(Metric.PERF_PEAK_MEMORY_BYTES),
+        "retained": m.get(Metric.SYNC_RETAINED_GRAD_BYTES),
+        "rs_calls": m.get(Metric.COMM_REDUCE_SCATTER_CALLS),
+        "start_s": m.get(Metric.TIMING_S_STARTUP),
+        "step_s": m.get(Metric.PERF_STEP_TIME_S),
         "ok": result.ok,
         "not_applicable": _not_applicable(result),
     }

@@ -17,8 +17,9 @@ from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secre
 from pytest_fsdp_turbo.launch import RunResult, launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
+from pytest_fsdp_turbo.vocab import Env
 
-CHECKOUT_VAR = "PYTEST_FSDP_TURBO_CHECKOUT"
+CHECKOUT_VAR = Env.CHECKOUT
 PORT_ATTEMPTS = 3
 PORT_CLASH = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 

@@ -15,8 +15,9 @@ from typing import Any, NamedTuple
 from pytest_fsdp_turbo.checkout import DEFAULT_REPO, CheckoutRequest, validate_ref, validate_repo
 from pytest_fsdp_turbo.devices import parse_device_override
 from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo.vocab import Launcher
 
-LAUNCHERS = ("local", "spawn", "ray")
+LAUNCHERS = tuple(Launcher)
 
 
 class Option(NamedTuple):

@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pytest_fsdp_turbo.launch import die_with_parent
+from pytest_fsdp_turbo.vocab import Env
 
 WARM_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
-NO_FORK_VAR = "PYTEST_FSDP_TURBO_NO_FORK"
+NO_FORK_VAR = Env.NO_FORK
 READY_TIMEOUT_S = 300.0
 FORK_TIMEOUT_S = 60.0
 # Read once at import by transformers / huggingface_hub, so they must be set before the parent

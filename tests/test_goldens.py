@@ -32,3 +32,35 @@ def test_nan_never_passes(tmp_path, bad):
 def test_refuses_to_record_nan(tmp_path):
     with pytest.raises(CheckFailure, match="refusing to record"):
         goldens.record_golden(tmp_path / "g.json", {"actor/grad_norm": math.nan})
+
+
+def test_check_or_record_says_what_happened_as_a_status(tmp_path):
+    from dataclasses import dataclass, field
+
+    from pytest_fsdp_turbo.vocab import GoldenStatus
+
+    @dataclass
+    class Result:
+        metrics: dict = field(default_factory=lambda: dict(METRICS))
+
+    @dataclass
+    class Case:
+        id: str = "c"
+        golden_tier: str = "relative"
+        world_size: int = 2
+
+        def dtype_on(self, kind):
+            return "fp32"
+
+    outcome = goldens.check_or_record(Result(), Case(), "cpu", tmp_path, record=False)
+    assert outcome.status is GoldenStatus.MISSING and outcome.path.parent.name == "c"
+    assert (
+        goldens.check_or_record(Result(), Case(), "cpu", tmp_path, True).status
+        is GoldenStatus.RECORDED
+    )
+    assert (
+        goldens.check_or_record(Result(), Case(), "cpu", tmp_path, False).status
+        is GoldenStatus.MATCHED
+    )
+    none = goldens.check_or_record(Result(), Case(golden_tier="none"), "cpu", tmp_path, False)
+    assert none.status is GoldenStatus.NOT_COMPARED and str(none) == "not compared (tier none)"

@@ -1,0 +1,31 @@
+"""The vocabulary is one torch-free module that plugin and ranks share."""
+
+import json
+import re
+import subprocess
+import sys
+
+from pytest_fsdp_turbo.vocab import DeviceKind, Env, Metric, SyncPolicy
+
+
+def test_metric_keys_are_unique_and_named_as_the_training_world_names_them():
+    values = [m.value for m in Metric]
+    assert len(values) == len(set(values))
+    assert all(re.fullmatch(r"[a-z_]+(/[a-z_]+)+", v) for v in values)
+    assert json.dumps({Metric.ACTOR_GRAD_NORM: 1.0}) == '{"actor/grad_norm": 1.0}'
+
+
+def test_the_names_the_plugin_checks_are_the_names_the_rank_writes():
+    from pytest_fsdp_turbo import cases, devices, settings
+    from pytest_fsdp_turbo.launch import LAUNCHED_AT_VAR
+
+    assert cases.SYNC_POLICIES == tuple(SyncPolicy) == ("deferred", "every_micro_batch")
+    assert devices.KINDS == tuple(DeviceKind) == ("cpu", "cuda", "npu")
+    assert LAUNCHED_AT_VAR == Env.LAUNCHED_AT
+    assert settings.LAUNCHERS == ("local", "spawn", "ray")
+
+
+def test_vocabulary_imports_no_torch():
+    code = "import sys, pytest_fsdp_turbo.vocab; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
