@@ -11,16 +11,13 @@ Usage: python benchmarks/check_margins.py [--case ID] [--dtypes fp32,bf16]
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 from pathlib import Path
 
 from pytest_fsdp_turbo import checks
-from pytest_fsdp_turbo.cases import CaseBook, load_cases
 from pytest_fsdp_turbo.devices import detect
-from pytest_fsdp_turbo.leases import LeaseBook
-from pytest_fsdp_turbo.models import resolve_model
-from pytest_fsdp_turbo.runs import RunRequest, run_case, run_with_twin
+from pytest_fsdp_turbo.run_path import standalone_runner
+from pytest_fsdp_turbo.settings import resolve
 from pytest_fsdp_turbo.vocab import Metric
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,20 +78,19 @@ def main() -> None:
     parser.add_argument("--case", default="tiny-qwen3_5-fsdp2-deferred")
     parser.add_argument("--dtypes", default="fp32,bf16")
     args = parser.parse_args()
-    case = CaseBook(Path("cases"), load_cases(REPO / "e2e" / "cases.toml")).get(args.case)
-    accel, book = detect("cpu"), LeaseBook()
-    model = resolve_model(case.model, None)
-    print(f"case {case.id}, {case.world_size} ranks on {accel.describe()}")
+    accel = detect("cpu")
     with tempfile.TemporaryDirectory() as tmp:
+        settings = resolve({"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp})
+        runner = standalone_runner(settings, accel, cwd=REPO)
+        case = runner.cases().get(args.case)
+        print(f"case {case.id}, {case.world_size} ranks on {accel.describe()}")
         for dtype in args.dtypes.split(","):
             runs = []
             for mode, fields in (
                 ("reference", {"reference_checks": True, "twin": "none"}),
                 ("twin", {"reference_checks": False, "twin": "single"}),
             ):
-                variant = dataclasses.replace(case, dtype=dtype, **fields)
-                request = RunRequest(variant, model, Path(tmp) / f"{dtype}-{mode}", accel)
-                result = run_with_twin(request, lambda r: run_case(r, book))
+                result = runner.run(case, f"{dtype}-{mode}", dtype=dtype, **fields)
                 if not result.ok:
                     raise SystemExit(result.failure_text())
                 runs.append(result)

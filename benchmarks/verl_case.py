@@ -14,11 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pytest_fsdp_turbo.cases import CaseBook, load_cases
 from pytest_fsdp_turbo.devices import detect
-from pytest_fsdp_turbo.leases import LeaseBook
-from pytest_fsdp_turbo.models import resolve_model
-from pytest_fsdp_turbo.runs import RunRequest, run_case
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,19 +24,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--case", default="tiny-qwen3-verl-fsdp2-deferred")
     args = parser.parse_args()
-    verl = CaseBook(Path("cases"), load_cases(REPO / "e2e" / "cases.toml")).get(args.case)
-    native = dataclasses.replace(verl, backend="fsdp")
-    accel, book = detect("cpu"), LeaseBook()
-    model = resolve_model(verl.model, None)
     times: dict[str, list[float]] = {"native": [], "verl": []}
     steps: dict[str, list[float]] = {"native": [], "verl": []}
     with tempfile.TemporaryDirectory() as tmp:
+        settings = resolve({"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp})
+        runner = standalone_runner(settings, detect("cpu"), cwd=REPO)
+        verl = runner.cases().get(args.case)
+        native = dataclasses.replace(verl, backend="fsdp")
         for round_ in range(args.rounds):
             for name, case in (("native", native), ("verl", verl)):
                 start = time.perf_counter()
-                result = run_case(
-                    RunRequest(case, model, Path(tmp) / f"{name}{round_}", accel), book
-                )
+                result = runner.run(case, f"{name}{round_}")
                 if not result.ok:
                     raise SystemExit(result.failure_text())
                 times[name].append(time.perf_counter() - start)

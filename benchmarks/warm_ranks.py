@@ -18,11 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pytest_fsdp_turbo.cases import CaseBook, load_cases
 from pytest_fsdp_turbo.devices import detect
-from pytest_fsdp_turbo.leases import LeaseBook
-from pytest_fsdp_turbo.models import resolve_model
-from pytest_fsdp_turbo.runs import RunRequest, run_case
+from pytest_fsdp_turbo.run_path import standalone_runner
+from pytest_fsdp_turbo.settings import resolve
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,15 +49,13 @@ def suite_seconds(launcher: str) -> float:
 
 
 def case_wall_and_step(rounds: int) -> tuple[float, float]:
-    case = CaseBook(Path("cases"), load_cases(REPO / "e2e" / "cases.toml")).get(
-        "tiny-qwen3_5-fsdp2-deferred"
-    )
-    accel, book, model = detect("cpu"), LeaseBook(), resolve_model(case.model, None)
     walls, steps = [], []
     with tempfile.TemporaryDirectory() as tmp:
+        settings = resolve({"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp})
+        runner = standalone_runner(settings, detect("cpu"), cwd=REPO)
         for round_ in range(rounds + 1):  # the first round starts the warm parent: not counted
             start = time.perf_counter()
-            result = run_case(RunRequest(case, model, Path(tmp) / str(round_), accel), book)
+            result = runner.run("tiny-qwen3_5-fsdp2-deferred", str(round_))
             wall = time.perf_counter() - start
             if not result.ok:
                 raise SystemExit(result.failure_text())

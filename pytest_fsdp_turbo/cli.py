@@ -75,13 +75,12 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """One case outside pytest: the same leases, env and launcher as the ppo_run fixture."""
+    """One case outside pytest, through the same run path as the ppo_run fixture: the rootdir's case
+    file and ini engine modules, the same gates (strict included), leases, launchers and twin."""
     import json
 
     from pytest_fsdp_turbo import checks
-    from pytest_fsdp_turbo.leases import LeaseBook
-    from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
-    from pytest_fsdp_turbo.runs import RunRequest, run_case, run_with_twin
+    from pytest_fsdp_turbo.run_path import Unavailable, standalone_runner
 
     settings = resolve(
         {
@@ -90,31 +89,21 @@ def run(args: argparse.Namespace) -> int:
             "fsdp_turbo_artifacts": args.artifacts,
         }
     )
-    case = _load_case(args, settings)
     accel = detect(settings.device)
+    runner = standalone_runner(settings, accel)
+    case = runner.cases().get(args.case_id)
     if accel.kind not in case.devices:
         print(
             f"case {case.id} runs on {', '.join(case.devices)}; detected {accel.describe()}",
             file=sys.stderr,
         )
         return 2
+    name = f"{case.id}-{accel.kind}"
     try:
-        model = resolve_model(case.model, settings.models)
-    except ModelUnavailable as exc:
-        print(f"pytest-fsdp-turbo run: {exc}", file=sys.stderr)
+        result = runner.run(case, name)
+    except Unavailable as why:
+        print(f"pytest-fsdp-turbo run: {why}", file=sys.stderr)
         return 2
-    checkout = resolve_checkout(settings.checkout) if case.is_turbo else None
-    if checkout is not None:
-        from pytest_fsdp_turbo.turbo_library import torch_outside_range
-
-        outside = torch_outside_range(checkout.path)
-        if outside:
-            print(f"case {case.id}: {outside}", file=sys.stderr)
-            return 2
-    out = settings.artifacts / f"{case.id}-{accel.kind}"
-    book = LeaseBook()
-    request = RunRequest(case, model, out.resolve(), accel, checkout, launcher=settings.launcher)
-    result = run_with_twin(request, lambda r: run_case(r, book))
     print(json.dumps(result.metrics, indent=1, sort_keys=True))
     try:
         verdict = checks.check_all(result)
@@ -124,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     skipped = "; ".join(verdict.not_applicable()) or "none"
     print(
         f"case {case.id} on {accel.kind}: passed ({result.duration_s:.1f}s; checks not "
-        f"applicable: {skipped}; artifacts {out})"
+        f"applicable: {skipped}; artifacts {result.artifacts_dir})"
     )
     return 0
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -188,103 +187,69 @@ def ray_cluster(pytestconfig: pytest.Config) -> Iterator[dict]:
             ray.shutdown()
 
 
+class PPORun:
+    """The ppo_run fixture: the shared run path (pytest_fsdp_turbo.run_path.CaseRunner) plus what
+    belongs to pytest: an artifact folder per test and call, skip or strict failure when a case
+    cannot run here, one-line failures for bad input, junit properties and the summary row."""
+
+    def __init__(self, request: pytest.FixtureRequest, runner):
+        self.request, self.runner, self.calls = request, runner, 0
+
+    def artifact_name(self) -> str:
+        from pytest_fsdp_turbo.report import artifact_name
+
+        self.calls += 1
+        name = artifact_name(self.request.node.nodeid)
+        return name + (f"-{self.calls}" if self.calls > 1 else "")
+
+    def record(self, result: RunResult) -> None:
+        from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, junit_properties, summary_row
+
+        self.request.node.user_properties.extend(junit_properties(result))
+        self.request.node.user_properties.append((SUMMARY_PROPERTY, summary_row(result)))
+
+    def __call__(self, case: Case | CaseParam | str, **options: object) -> RunResult:
+        from pytest_fsdp_turbo.run_path import Unavailable
+
+        try:
+            result = self.runner.run(case, self.artifact_name(), **options)
+        except Unavailable as why:
+            _skip_or_fail(self.runner.settings.strict, str(why))
+        except (ConfigError, LeaseTimeout) as exc:
+            pytest.fail(str(exc), pytrace=False)
+        self.record(result)
+        return result
+
+
 @pytest.fixture
 def ppo_run(
     request: pytest.FixtureRequest,
     accelerator: Accelerator,
     fsdp_turbo_lease_book: LeaseBook,
     fsdp_turbo_env_guard: None,
-) -> Callable[..., RunResult]:
+) -> PPORun:
     """Factory: a case (object, parameter or id) plus field overrides -> the run's result.
-    `checkout=` runs an fsdp_turbo case against another FSDPTurbo checkout than the session's.
 
-    It does not assert: call pytest_fsdp_turbo.checks on the result. Missing model directories and
-    FSDPTurbo checkouts skip (fail under --fsdp-turbo-strict) with the path or source tried.
+    Keywords: engine_modules, pythonpath, extra_env, launcher, checkout (an FSDPTurbo checkout other
+    than the session's), and any case field (validated like the case file). It does not assert:
+    call pytest_fsdp_turbo.checks on the result. A case that cannot run here (model directory,
+    vLLM, verl, FSDPTurbo checkout or its torch range) skips, and fails under --fsdp-turbo-strict,
+    naming what was looked for.
     """
-    from pytest_fsdp_turbo.cases import CaseParam, with_overrides
-    from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
-    from pytest_fsdp_turbo.report import (
-        SUMMARY_PROPERTY,
-        artifact_name,
-        junit_properties,
-        summary_row,
-    )
-    from pytest_fsdp_turbo.runs import RunRequest, run_case, run_case_on_ray, run_with_twin
+    from pytest_fsdp_turbo.run_path import CaseRunner
 
     config = request.config
-    settings = settings_of(config)
-    calls = [0]
-
-    def run(
-        case: Case | CaseParam | str,
-        *,
-        engine_modules: Sequence[str] = (),
-        pythonpath: Sequence[str] = (),
-        extra_env: dict[str, str] | None = None,
-        launcher: str | None = None,
-        checkout: Checkout | None = None,
-        **overrides: object,
-    ) -> RunResult:
-        if isinstance(case, CaseParam):
-            case = case.case
-        elif isinstance(case, str):
-            case = cases_of(config).get(case)
-        modules = [*config.getini("fsdp_turbo_engine_modules"), *engine_modules]
-        if overrides:
-            try:
-                case = with_overrides(case, overrides, open_backends=bool(modules))
-            except ConfigError as exc:
-                pytest.fail(str(exc), pytrace=False)
-        try:
-            model_path = resolve_model(case.model, settings.models)
-        except ModelUnavailable as exc:
-            _skip_or_fail(settings.strict, f"case {case.id}: {exc}")
-        if case.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
-            pytest.skip(
-                f"case {case.id}: rollout vllm needs vllm (or vllm-ascend); not importable here"
-            )
-        if case.is_verl and importlib.util.find_spec("verl") is None:
-            _skip_or_fail(
-                settings.strict,
-                f"case {case.id}: backend {case.backend} needs verl, which is not importable here: "
-                "pip install 'pytest-fsdp-turbo[verl]'",
-            )
-        if case.is_turbo:
-            from pytest_fsdp_turbo.turbo_library import torch_outside_range
-
-            checkout = checkout or request.getfixturevalue("fsdp_turbo_checkout")
-            outside = torch_outside_range(checkout.path)
-            if outside:
-                _skip_or_fail(settings.strict, f"case {case.id}: {outside}")
-        else:
-            checkout = None
-        calls[0] += 1
-        name = artifact_name(request.node.nodeid) + (f"-{calls[0]}" if calls[0] > 1 else "")
-        run_request = RunRequest(
-            case=case,
-            model_path=model_path,
-            artifacts_dir=artifacts_root(config) / name,
-            accelerator=accelerator,
-            checkout=checkout,
-            engine_modules=modules,
-            pythonpath=list(pythonpath),
-            extra_env=dict(extra_env or {}),
-            launcher=launcher or settings.launcher,
-        )
-        try:
-            if run_request.launcher == "ray":
-                request.getfixturevalue("ray_cluster")
-                result = run_with_twin(run_request, run_case_on_ray)
-            else:
-                result = run_with_twin(run_request, lambda r: run_case(r, fsdp_turbo_lease_book))
-        except (ConfigError, LeaseTimeout) as exc:
-            pytest.fail(f"case {case.id}: {exc}", pytrace=False)
-        for key, value in junit_properties(result):
-            request.node.user_properties.append((key, value))
-        request.node.user_properties.append((SUMMARY_PROPERTY, summary_row(result)))
-        return result
-
-    return run
+    runner = CaseRunner(
+        settings=settings_of(config),
+        accelerator=accelerator,
+        book=fsdp_turbo_lease_book,
+        cases=lambda: cases_of(config),
+        artifacts_root=artifacts_root(config),
+        ini_engine_modules=config.getini("fsdp_turbo_engine_modules"),
+        checkout=lambda: request.getfixturevalue("fsdp_turbo_checkout"),
+        start_ray=lambda: request.getfixturevalue("ray_cluster"),
+    )
+    return PPORun(request, runner)
 
 
 def _skip_or_fail(strict: bool, message: str) -> None:

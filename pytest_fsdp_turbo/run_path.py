@@ -1,0 +1,188 @@
+"""One run path: how a case becomes a run, for the `ppo_run` fixture, `pytest-fsdp-turbo run` and
+the benchmarks alike. Named steps: resolve the case (with validated overrides), gate it (model,
+vLLM, verl, FSDPTurbo checkout and its torch range), build the request, launch it (warm, spawn or
+Ray, then its twin). Callers decide what an unavailable case means (skip, or fail under strict).
+"""
+
+from __future__ import annotations
+
+import configparser
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pytest_fsdp_turbo.cases import Case, CaseBook, CaseParam, load_cases, with_overrides
+from pytest_fsdp_turbo.checkout import Checkout
+from pytest_fsdp_turbo.devices import Accelerator
+from pytest_fsdp_turbo.launch import RunResult
+from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.runs import RunRequest, run_case, run_case_on_ray, run_with_twin
+from pytest_fsdp_turbo.settings import Settings
+from pytest_fsdp_turbo.vocab import Launcher
+
+DEFAULT_CASES = Path("e2e") / "cases.toml"
+INI_FILES = ("pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
+
+
+class Unavailable(Exception):
+    """The case cannot run here (what was looked for is in the message)."""
+
+
+@dataclass
+class CaseRunner:
+    settings: Settings
+    accelerator: Accelerator
+    book: LeaseBook
+    cases: Callable[[], CaseBook]  # loaded when a case is named by id
+    artifacts_root: Path
+    ini_engine_modules: Sequence[str] = ()
+    checkout: Callable[[], Checkout] = field(default=lambda: None)  # resolved only when needed
+    start_ray: Callable[[], None] = field(default=lambda: None)
+
+    def resolve(self, case: Case | CaseParam | str, modules: list[str], overrides: dict) -> Case:
+        if isinstance(case, CaseParam):
+            case = case.case
+        elif isinstance(case, str):
+            case = self.cases().get(case)
+        return with_overrides(case, overrides, open_backends=bool(modules)) if overrides else case
+
+    def gate(self, case: Case, checkout: Checkout | None) -> tuple[Path, Checkout | None]:
+        from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
+
+        try:
+            model = resolve_model(case.model, self.settings.models)
+        except ModelUnavailable as exc:
+            raise Unavailable(f"case {case.id}: {exc}") from None
+        if case.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise Unavailable(
+                f"case {case.id}: rollout vllm needs vllm (or vllm-ascend); not importable here"
+            )
+        if case.is_verl and importlib.util.find_spec("verl") is None:
+            raise Unavailable(
+                f"case {case.id}: backend {case.backend} needs verl, which is not importable here: "
+                "pip install 'pytest-fsdp-turbo[verl]'"
+            )
+        if not case.is_turbo:
+            return model, None
+        from pytest_fsdp_turbo.turbo_library import torch_outside_range
+
+        checkout = checkout or self.checkout()
+        outside = torch_outside_range(checkout.path)
+        if outside:
+            raise Unavailable(f"case {case.id}: {outside}")
+        return model, checkout
+
+    def launch(self, request: RunRequest) -> RunResult:
+        if request.launcher == Launcher.RAY:
+            self.start_ray()
+            return run_with_twin(request, run_case_on_ray)
+        return run_with_twin(request, lambda r: run_case(r, self.book))
+
+    def run(
+        self,
+        case: Case | CaseParam | str,
+        name: str,
+        *,
+        engine_modules: Sequence[str] = (),
+        pythonpath: Sequence[str] = (),
+        extra_env: dict[str, str] | None = None,
+        launcher: str | None = None,
+        checkout: Checkout | None = None,
+        **overrides: object,
+    ) -> RunResult:
+        modules = [*self.ini_engine_modules, *engine_modules]
+        resolved = self.resolve(case, modules, overrides)
+        model, found = self.gate(resolved, checkout)
+        request = RunRequest(
+            case=resolved,
+            model_path=model,
+            artifacts_dir=self.artifacts_root / name,
+            accelerator=self.accelerator,
+            checkout=found,
+            engine_modules=modules,
+            pythonpath=list(pythonpath),
+            extra_env=dict(extra_env or {}),
+            launcher=launcher or self.settings.launcher,
+        )
+        return self.launch(request)
+
+
+def find_rootdir(start: Path) -> Path:
+    """The nearest folder holding a pytest configuration file, as pytest finds its rootdir."""
+    for folder in (start, *start.parents):
+        if any((folder / name).is_file() for name in INI_FILES):
+            return folder
+    return start
+
+
+def read_ini(rootdir: Path) -> dict[str, object]:
+    """The plugin's ini values from the rootdir's pytest configuration, outside pytest."""
+    import tomllib
+
+    pyproject = rootdir / "pyproject.toml"
+    if pyproject.is_file():
+        options = tomllib.loads(pyproject.read_text()).get("tool", {}).get("pytest", {})
+        values = options.get("ini_options", {})
+        if values:
+            return values
+    for name, section in (
+        ("pytest.ini", "pytest"),
+        ("tox.ini", "pytest"),
+        ("setup.cfg", "tool:pytest"),
+    ):
+        parser = configparser.ConfigParser()
+        if (rootdir / name).is_file():
+            parser.read(rootdir / name)
+            if parser.has_section(section):
+                return dict(parser[section])
+    return {}
+
+
+def _lines(value: object) -> list[str]:
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    return [line.strip() for line in str(value or "").splitlines() if line.strip()]
+
+
+def standalone_runner(
+    settings: Settings, accelerator: Accelerator, cwd: Path | None = None
+) -> CaseRunner:
+    """The runner `pytest-fsdp-turbo run` and the benchmarks use: the same case file (from the
+    option, else the rootdir's ini, else e2e/cases.toml under the rootdir), the ini engine modules,
+    the same gates and launchers as the fixture."""
+    from pytest_fsdp_turbo.checkout import resolve_checkout
+
+    rootdir = find_rootdir((cwd or Path.cwd()).resolve())
+    ini = read_ini(rootdir)
+    path = settings.cases or rootdir / str(ini.get("fsdp_turbo_cases") or DEFAULT_CASES)
+    artifacts = (
+        settings.artifacts if settings.artifacts.is_absolute() else Path.cwd() / settings.artifacts
+    )
+    return CaseRunner(
+        settings=settings,
+        accelerator=accelerator,
+        book=LeaseBook(),
+        cases=lambda: CaseBook(path, load_cases(path)),
+        artifacts_root=artifacts,
+        ini_engine_modules=_lines(ini.get("fsdp_turbo_engine_modules")),
+        checkout=lambda: resolve_checkout(settings.checkout),
+        start_ray=lambda: _start_ray(settings),
+    )
+
+
+def _start_ray(settings: Settings) -> None:
+    import atexit
+
+    import ray
+
+    from pytest_fsdp_turbo.environ import restored_environ
+
+    if ray.is_initialized():
+        return
+    with restored_environ():
+        if settings.ray_address:
+            ray.init(address=settings.ray_address, log_to_driver=False)
+        else:
+            ray.init(include_dashboard=False, log_to_driver=False)
+    atexit.register(ray.shutdown)
