@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 from pytest_fsdp_turbo.devices import detect
+from pytest_fsdp_turbo.run_path import standalone_runner
+from pytest_fsdp_turbo.settings import resolve
 
 REPO = Path(__file__).resolve().parent.parent
 
