@@ -142,3 +142,36 @@ def test_wheel_carries_plugin_engine_and_data(tmp_path):
         "fsdp_turbo = pytest_fsdp_turbo.plugin" in text
         and "pytest-fsdp-turbo = pytest_fsdp_turbo.cli:main" in text
     )
+
+
+def test_run_takes_the_rootdirs_case_file_and_the_fixtures_gates(tmp_path):
+    """`run` builds a run the way ppo_run does: from a subfolder it still finds the rootdir's
+    configured case file and ini engine modules, and a case that cannot run here says why."""
+    done = cli(
+        "run",
+        "tiny-qwen3-single-rank",
+        "--device",
+        "cpu",
+        "--artifacts",
+        str(tmp_path / "a"),
+        cwd=REPO / "e2e",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    project = tmp_path / "project"
+    (project / "sub").mkdir(parents=True)
+    (project / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\nfsdp_turbo_cases = "my_cases.toml"\n'
+        'fsdp_turbo_engine_modules = ["nowhere_engines"]\n'
+    )
+    (project / "my_cases.toml").write_text(
+        '[[case]]\nid = "vl"\nmodel = "tiny-qwen3"\nrollout = "vllm"\nworld_size = 1\n'
+    )
+    from pytest_fsdp_turbo.run_path import find_rootdir, read_ini
+
+    assert find_rootdir(project / "sub") == project
+    assert read_ini(project)["fsdp_turbo_engine_modules"] == ["nowhere_engines"]
+    gated = cli("run", "vl", "--device", "cpu", cwd=project / "sub")
+    assert gated.returncode == 2
+    assert gated.stderr.strip() == (
+        "pytest-fsdp-turbo run: case vl: rollout vllm needs vllm (or vllm-ascend); not importable here"
+    )
