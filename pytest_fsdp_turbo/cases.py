@@ -230,10 +230,6 @@ def validate_case(
             "no turbo_config unless backend is fsdp_turbo or verl:fsdp_turbo",
             "a table",
         )
-    if case.is_turbo and "cpu" in case.devices:
-        raise where.error(
-            "devices", f"cuda and/or npu for backend {case.backend}", list(case.devices)
-        )
     if not 0 < case.collective_timeout < case.timeout:
         raise where.error(
             "collective_timeout",

@@ -55,7 +55,7 @@ def junit_properties(result: RunResult) -> list[tuple[str, object]]:
         ("fsdp_turbo/artifacts", str(result.artifacts_dir)),
         ("fsdp_turbo/run", "completed" if result.ok else "failed"),
     ]
-    props += [(key, result.metrics[key]) for key in JUNIT_METRICS if key in result.metrics]
+    props += [(str(key), result.metrics[key]) for key in JUNIT_METRICS if key in result.metrics]
     return props
 
 

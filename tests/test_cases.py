@@ -97,7 +97,6 @@ def test_repository_matrix_is_valid_and_complete():
             "backend",
             "verl:<name> with a name from verl's EngineRegistry",
         ),
-        ('backend = "verl:fsdp_turbo"', "devices", "cuda and/or npu for backend verl:fsdp_turbo"),
         (
             'gradient_sync = "every_micro_batch"\ntwin = "every_micro_batch"',
             "twin",
@@ -128,10 +127,10 @@ def test_unknown_tiny_spec(tmp_path):
         load_cases(path)
 
 
-def test_turbo_on_cpu_rejected(tmp_path):
+def test_turbo_on_cpu_is_left_to_the_library(tmp_path):
+    """The library itself refuses a CPU box in one line; a stand-in in tests may run there."""
     path = write(tmp_path, GOOD + 'backend = "fsdp_turbo"\ndevices = ["cpu"]\n')
-    with pytest.raises(ConfigError, match="field 'devices': expected cuda and/or npu"):
-        load_cases(path)
+    assert load_cases(path)[0].devices == ("cpu",)
 
 
 def test_malformed_toml_and_missing_file(tmp_path):
