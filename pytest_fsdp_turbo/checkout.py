@@ -16,15 +16,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pytest_fsdp_turbo.checkout_request import (  # noqa: F401 - part of this module's API
+    CI_PATH,
+    DEFAULT_REPO,
+    CheckoutRequest,
+    validate_ref,
+    validate_repo,
+)
 from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError
 
-DEFAULT_REPO = "https://gitcode.com/Ascend/FSDPTurbo.git"
-CI_PATH = Path("/FSDPTurbo")
 PACKAGE = "fsdp_turbo"
 COMPLETE_MARKER = ".pytest-fsdp-turbo-complete"
 _FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
-_SCP_LIKE = re.compile(r"^[\w.-]+@[\w.-]+:[^-]")
-_ALLOWED_SCHEMES = ("https://", "ssh://", "git://", "file://")
 _GIT_ENV = {
     "GIT_TERMINAL_PROMPT": "0",
     "GIT_ASKPASS": "/bin/false",
@@ -44,40 +47,6 @@ class Checkout:
     def pythonpath(self) -> str:
         """The entry child processes put on PYTHONPATH to import `fsdp_turbo`."""
         return str(self.path)
-
-
-@dataclass(frozen=True)
-class CheckoutRequest:
-    path: str | None = None
-    repo: str = DEFAULT_REPO
-    ref: str | None = None
-    cache_dir: Path | None = None
-    ci_path: Path = CI_PATH
-    attempts: int = 3
-    backoff_s: float = 2.0
-    git_timeout_s: float = 600.0
-
-
-def validate_repo(url: str, origin: str = "--fsdp-turbo-repo") -> str:
-    if url.startswith("-"):
-        raise ConfigError(f"{origin}: must not start with '-'; got {url!r}")
-    if "://" in url:
-        if not url.startswith(_ALLOWED_SCHEMES):
-            raise ConfigError(
-                f"{origin}: expected an https://, ssh://, git:// or file:// URL or a local path; "
-                f"got {url!r}"
-            )
-    elif not _SCP_LIKE.match(url) and ":" in url.split("/")[0] and not Path(url).exists():
-        raise ConfigError(f"{origin}: expected a URL or a local path; got {url!r}")
-    return url
-
-
-def validate_ref(ref: str | None, origin: str = "--fsdp-turbo-ref") -> str | None:
-    if ref is None or ref == "":
-        return None
-    if ref.startswith("-") or any(c.isspace() for c in ref) or ".." in ref:
-        raise ConfigError(f"{origin}: expected a branch, tag or commit id; got {ref!r}")
-    return ref
 
 
 def _git(args: list[str], cwd: Path | None, timeout_s: float) -> str:

@@ -15,13 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.vocab import DeviceKind
+from pytest_fsdp_turbo.vocab import KIND_BY_MARKER, MARKER_BY_KIND, DeviceKind  # noqa: F401
 
 KINDS = tuple(DeviceKind)
 BACKEND_BY_KIND = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 VISIBLE_DEVICES_VAR = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
-KIND_BY_MARKER = {"cpu_e2e": "cpu", "gpu_e2e": "cuda", "npu_e2e": "npu"}
-MARKER_BY_KIND = {kind: marker for marker, kind in KIND_BY_MARKER.items()}
 TOOL_TIMEOUT_S = 15
 
 _NVIDIA_SMI_LINE = re.compile(r"^GPU (\d+): (.+?) \(UUID: ([^)]+)\)")

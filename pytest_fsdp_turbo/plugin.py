@@ -7,11 +7,10 @@ import json
 import pytest
 
 from pytest_fsdp_turbo import fixtures
-from pytest_fsdp_turbo.devices import KIND_BY_MARKER, MARKER_BY_KIND, Accelerator
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, render_table
 from pytest_fsdp_turbo.session import SETTINGS_KEY, accelerator_of, cases_of, settings_of
 from pytest_fsdp_turbo.settings import OPTIONS, option_dest, resolve
+from pytest_fsdp_turbo.vocab import KIND_BY_MARKER, MARKER_BY_KIND, SUMMARY_PROPERTY
 
 MARKERS = (
     "e2e: a distributed end-to-end test (runs on whatever hardware is detected)",
@@ -102,7 +101,7 @@ def devices_needed(item: pytest.Item) -> int | None:
     return args[0]
 
 
-def hardware_skip_reason(item: pytest.Item, accel: Accelerator) -> str | None:
+def hardware_skip_reason(item: pytest.Item, accel) -> str | None:
     """Why this item cannot run on this hardware, naming what was looked for and what was found."""
     kinds = {KIND_BY_MARKER[m.name] for m in item.iter_markers() if m.name in KIND_BY_MARKER}
     needed = devices_needed(item)
@@ -207,6 +206,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                 runs.setdefault((nodeid, index), json.loads(value))
     if runs:
         rows = [(row, worst.get(nodeid, "passed")) for (nodeid, _), row in runs.items()]
+        from pytest_fsdp_turbo.report import render_table
+
         terminalreporter.write_sep("=", "fsdp-turbo e2e runs")
         for line in render_table(rows):
             terminalreporter.write_line(line)

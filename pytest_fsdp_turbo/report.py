@@ -10,12 +10,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pytest_fsdp_turbo.vocab import Metric
+from pytest_fsdp_turbo.vocab import SUMMARY_PROPERTY, Metric  # noqa: F401
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.launch import RunResult
 
-SUMMARY_PROPERTY = "fsdp_turbo_run"
 COLUMNS = (
     "case",
     "device",

@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_fsdp_turbo.devices import Accelerator, detect
 from pytest_fsdp_turbo.settings import Settings
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.cases import CaseBook
+    from pytest_fsdp_turbo.devices import Accelerator
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
-ACCELERATOR_KEY = pytest.StashKey[Accelerator]()
+ACCELERATOR_KEY = pytest.StashKey["Accelerator"]()
 CASES_KEY = pytest.StashKey["CaseBook"]()
 DEFAULT_CASES = Path("e2e") / "cases.toml"
 
@@ -26,6 +26,8 @@ def settings_of(config: pytest.Config) -> Settings:
 def accelerator_of(config: pytest.Config) -> Accelerator:
     """Detected on first use, then cached: a suite that never asks pays nothing."""
     if ACCELERATOR_KEY not in config.stash:
+        from pytest_fsdp_turbo.devices import detect
+
         settings = settings_of(config)
         origin = (
             "--fsdp-turbo-device"

@@ -12,8 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pytest_fsdp_turbo.checkout import DEFAULT_REPO, CheckoutRequest, validate_ref, validate_repo
-from pytest_fsdp_turbo.devices import parse_device_override
+from pytest_fsdp_turbo.checkout_request import (
+    DEFAULT_REPO,
+    CheckoutRequest,
+    validate_ref,
+    validate_repo,
+)
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.vocab import Launcher
 
@@ -117,6 +121,8 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
         raw[dest] = value
     device = raw["fsdp_turbo_device"]
     if device:
+        from pytest_fsdp_turbo.devices import parse_device_override  # only when overriding
+
         parse_device_override(device, origin["fsdp_turbo_device"])
     launcher = raw["fsdp_turbo_launcher"] or "local"
     if launcher not in LAUNCHERS:

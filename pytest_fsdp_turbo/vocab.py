@@ -50,8 +50,14 @@ class Env:
     VLLM_MEMORY = "PYTEST_FSDP_TURBO_VLLM_MEMORY"
 
 
-class Metric(StrEnum):
-    """Keys of rankN.metrics.json, as the training world names them."""
+KIND_BY_MARKER = {"cpu_e2e": "cpu", "gpu_e2e": "cuda", "npu_e2e": "npu"}
+MARKER_BY_KIND = {kind: marker for marker, kind in KIND_BY_MARKER.items()}
+SUMMARY_PROPERTY = "fsdp_turbo_run"  # a test report's user property carrying one run's row
+
+
+class Metric:
+    """Keys of rankN.metrics.json, as the training world names them (plain strings: the plugin
+    imports this at start-up, and an enum of forty members is not free)."""
 
     ACTOR_ENTROPY = "actor/entropy"
     ACTOR_GRAD_NORM = "actor/grad_norm"
@@ -97,3 +103,7 @@ class Metric(StrEnum):
 
 def timing_key(phase: str) -> str:
     return f"timing_s/{phase}"
+
+
+def metric_keys() -> list[str]:
+    return [v for k, v in vars(Metric).items() if k.isupper()]
