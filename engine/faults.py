@@ -1,6 +1,7 @@
 """Fault injection for the harness's own reliability tests; inert unless the variable is set.
 
-PYTEST_FSDP_TURBO_FAULT=KIND:RANK[:PHASE], KIND one of crash | hang | nan, e.g. "crash:1:rollout".
+PYTEST_FSDP_TURBO_FAULT=KIND:RANK[:PHASE], KIND one of crash | hang | nan | stall, e.g.
+"crash:1:rollout"; stall sleeps PYTEST_FSDP_TURBO_FAULT_STALL_S seconds, then carries on.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 from pytest_fsdp_turbo.vocab import Env
 
 FAULT_VAR = Env.FAULT
-KINDS = ("crash", "hang", "nan")
+KINDS = ("crash", "hang", "nan", "stall")
+STALL_SECONDS_VAR = "PYTEST_FSDP_TURBO_FAULT_STALL_S"  # how long "stall" sleeps (default 5)
 
 
 class InjectedFault(RuntimeError):
@@ -43,6 +45,8 @@ class Fault:
             return
         if self.kind == "crash":
             raise InjectedFault(f"injected crash in rank {rank} at phase {phase}")
+        if self.kind == "stall":  # slow, not stuck: the phase resumes after a while
+            time.sleep(float(os.environ.get(STALL_SECONDS_VAR, "5")))
         if self.kind == "hang":
             while True:  # the other ranks block in their next collective
                 time.sleep(1)

@@ -11,6 +11,7 @@ Every measurement a check depends on is taken here, never inside an engine metho
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import os
 import resource
@@ -60,11 +61,15 @@ class Phase:
     fault: Fault | None = None
     name: str = "init"
     started: dict[str, float] = field(default_factory=dict)  # phase -> wall clock
+    report: Path | None = None  # rankN.phases.jsonl: the launcher follows it while the case runs
 
     def enter(self, name: str) -> None:
         self.name = name
         self.started[name] = time.time()
         print(f"[rank {self.rank}] phase {name}", flush=True)
+        if self.report is not None:
+            with open(self.report, "a") as report:
+                report.write(json.dumps({"phase": name, "t": self.started[name]}) + "\n")
         if self.fault:
             self.fault.at_phase(self.rank, name)
 

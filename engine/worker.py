@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from pytest_fsdp_turbo_engine.faults import Fault
     from pytest_fsdp_turbo_engine.step import Phase
 
-    phase = Phase(rank)
+    phase = Phase(rank, report=out / f"rank{rank}.phases.jsonl")
     try:
         phase.fault = Fault.from_env()
         phase.enter("init")

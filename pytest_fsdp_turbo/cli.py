@@ -163,12 +163,17 @@ def config(args: argparse.Namespace) -> int:
 def compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pytest_fsdp_turbo.compare import compare_runs, render, write_png
+    from pytest_fsdp_turbo.compare import compare_runs, render, write_png, write_timeline_png
 
     rows, label_a, label_b = compare_runs(Path(args.a), Path(args.b))
     for line in render(rows, label_a, label_b):
         print(line)
-    if args.png:
+    if args.timeline and not args.png:
+        raise ConfigError("compare --timeline: also give --png FILE to draw the timeline into")
+    if args.png and args.timeline:
+        write_timeline_png([(label_a, Path(args.a)), (label_b, Path(args.b))], Path(args.png))
+        print(f"timeline: {args.png}")
+    elif args.png:
         write_png(rows, label_a, label_b, Path(args.png))
         print(f"chart: {args.png}")
     differs = [r for r in rows if r.verdict.startswith(("differs", "only in"))]
@@ -199,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("b", help="artifact folder of run B (e.g. the npu run)")
     cmp.add_argument("--png", help="also write the comparison as a PNG chart (needs matplotlib)")
     cmp.add_argument("--fail-on-diff", action="store_true", help="exit 1 when a metric differs")
+    cmp.add_argument(
+        "--timeline", action="store_true", help="with --png: draw each case's per-rank phases"
+    )
     cmp.set_defaults(func=compare)
     return parser
 

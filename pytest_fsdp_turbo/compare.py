@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,8 +99,7 @@ def render(rows: list[Row], label_a: str, label_b: str) -> list[str]:
     return ["  ".join(c[i].ljust(widths[i]) for i in range(5)).rstrip() for c in cells]
 
 
-def write_png(rows: list[Row], label_a: str, label_b: str, path: Path) -> None:
-    """Each metric as B relative to A, one bar group per case: 1.0 means identical."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -109,6 +109,55 @@ def write_png(rows: list[Row], label_a: str, label_b: str, path: Path) -> None:
         raise ConfigError(
             "compare --png: matplotlib is not installed (pip install 'pytest-fsdp-turbo[plot]')"
         ) from None
+    return plt
+
+
+def write_timeline_png(runs: list[tuple[str, Path]], path: Path) -> None:
+    """Per-rank phase timelines (from each case folder's timeline.json), one panel per case and
+    run, so a slow case shows where its time went."""
+    from pytest_fsdp_turbo.progress import TIMELINE_FILE
+
+    panels = []
+    for label, root in runs:
+        for case_id, folder in sorted(_case_folders(root).items()):
+            timeline = folder / TIMELINE_FILE
+            if not timeline.is_file():
+                raise ConfigError(f"compare --timeline: {timeline} does not exist")
+            panels.append((f"{label}: {case_id}", json.loads(timeline.read_text())))
+    plt = _pyplot()
+    phases = sorted({row["phase"] for _, rows in panels for row in rows})
+    colours = {p: plt.get_cmap("tab20")(i % 20) for i, p in enumerate(phases)}
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(
+            9,
+            1.2 + 0.5 * sum(1 + max((r["rank"] for r in rows), default=0) for _, rows in panels),
+        ),
+        squeeze=False,
+    )
+    for ax, (title, rows) in zip(axes[:, 0], panels):
+        start = min((r["start"] for r in rows), default=0.0)
+        for row in rows:
+            ax.broken_barh(
+                [(row["start"] - start, row["end"] - row["start"])],
+                (row["rank"] - 0.4, 0.8),
+                color=colours[row["phase"]],
+            )
+        ax.set_yticks(sorted({r["rank"] for r in rows}))
+        ax.set_ylabel("rank")
+        ax.set_title(title, fontsize="small")
+    axes[-1, 0].set_xlabel("seconds since the first rank started")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[p]) for p in phases]
+    fig.legend(handles, phases, loc="upper right", fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_png(rows: list[Row], label_a: str, label_b: str, path: Path) -> None:
+    """Each metric as B relative to A, one bar group per case: 1.0 means identical."""
+    plt = _pyplot()
     numeric = [
         r for r in rows if isinstance(r.a, int | float) and isinstance(r.b, int | float) and r.a
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -206,6 +207,9 @@ class PPORun:
         from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, junit_properties, summary_row
 
         self.request.node.user_properties.extend(junit_properties(result))
+        for note in result.notes:
+            if note.startswith("fsdp-turbo: stall:"):
+                self.request.node.user_properties.append(("fsdp_turbo/stall", note))
         self.request.node.user_properties.append((SUMMARY_PROPERTY, summary_row(result)))
 
     def __call__(self, case: Case | CaseParam | str, **options: object) -> RunResult:
@@ -248,8 +252,40 @@ def ppo_run(
         ini_engine_modules=config.getini("fsdp_turbo_engine_modules"),
         checkout=lambda: request.getfixturevalue("fsdp_turbo_checkout"),
         start_ray=lambda: request.getfixturevalue("ray_cluster"),
+        progress=_terminal_progress(config),
     )
     return PPORun(request, runner)
+
+
+def _terminal_progress(config: pytest.Config):
+    """Live status through pytest's own terminal reporter: one line rewritten in place on a
+    terminal, plain lines on a phase change (at most every 30 s) in CI logs."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return None
+    from pytest_fsdp_turbo.progress import Progress
+
+    share = float(config.getini("fsdp_turbo_stall_share"))
+    capture = config.pluginmanager.getplugin("capturemanager")
+
+    def uncaptured():  # as pytest's live logging does: past the test's output capture
+        return capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
+
+    def live(text: str) -> None:
+        with uncaptured():
+            if text:
+                reporter.ensure_newline()
+            reporter.rewrite(text, erase=True)
+
+    def line(text: str) -> None:
+        with uncaptured():
+            reporter.write_line(text)
+
+    def make(case_id: str, world_size: int, timeout_s: float, out: Path) -> Progress:
+        interactive = live if getattr(reporter, "isatty", False) else None
+        return Progress(case_id, world_size, timeout_s, out, interactive, line, stall_share=share)
+
+    return make
 
 
 def _skip_or_fail(strict: bool, message: str) -> None:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -28,6 +28,7 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 STACK_DUMP_WAIT_S = 1.0
 LOG_TAIL_LINES = 30
 PR_SET_PDEATHSIG = 1
+WATCH_EVERY_S = 0.5
 LAUNCHED_AT_VAR = Env.LAUNCHED_AT  # wall clock at launch: start-up time per rank
 
 
@@ -219,14 +220,24 @@ class ForkedRank:
             time.sleep(0.01)
 
 
-def supervise(handles: Sequence[RankHandle], timeout_s: float, poll_s: float = 0.05):
+def supervise(
+    handles: Sequence[RankHandle],
+    timeout_s: float,
+    poll_s: float = 0.05,
+    watch: Callable[[float], None] | None = None,
+):
     """Wait for every rank; on the first failure or at the timeout, dump the stacks of the ranks
-    still alive (which rank waited where) and stop them. Returns (timed_out, first_failure, ends)."""
+    still alive (which rank waited where) and stop them. `watch(elapsed)` is called about every
+    WATCH_EVERY_S while the ranks run (live progress). Returns (timed_out, first_failure, ends)."""
     start = time.monotonic()
     ends: dict[int, float] = {}
     timed_out, first_failure = False, None
+    watched = start
     try:
         while len(ends) < len(handles):
+            if watch is not None and time.monotonic() - watched >= WATCH_EVERY_S:
+                watched = time.monotonic()
+                watch(watched - start)
             for handle in handles:
                 if handle.rank not in ends and (code := handle.poll()) is not None:
                     ends[handle.rank] = time.monotonic()
@@ -256,6 +267,9 @@ def collect_result(
     outcome: tuple,
 ) -> RunResult:
     timed_out, first_failure, ends = outcome
+    from pytest_fsdp_turbo.progress import write_timeline
+
+    write_timeline(artifacts_dir, len(handles))  # what every rank did when, kept with the logs
     now = time.monotonic()
     ranks = [
         RankResult(
@@ -297,6 +311,7 @@ def launch_local(
     command: Sequence[str] | None = None,
     poll_s: float = 0.05,
     warm_parent=None,
+    watch: Callable[[float], None] | None = None,
 ) -> RunResult:
     """Run `command` (default: the engine worker on artifacts_dir/spec.json) as world_size ranks:
     forked from `warm_parent` when one is given, otherwise fresh interpreters."""
@@ -317,5 +332,5 @@ def launch_local(
         for handle in handles:
             handle.kill()
         raise
-    outcome = supervise(handles, timeout_s, poll_s)
+    outcome = supervise(handles, timeout_s, poll_s, watch)
     return collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)

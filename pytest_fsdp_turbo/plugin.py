@@ -40,6 +40,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
     )
     parser.addini(
+        "fsdp_turbo_stall_share",
+        "warn when a rank stays in one phase longer than this share of the case timeout",
+        default="0.5",
+    )
+    parser.addini(
         "fsdp_turbo_env_guard",
         "fail a test that leaves os.environ or the working directory changed",
         type="bool",

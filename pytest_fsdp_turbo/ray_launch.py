@@ -113,6 +113,7 @@ def launch_ray(
     env_overrides: Mapping[str, str],
     artifacts_dir: Path,
     timeout_s: float,
+    watch=None,
 ) -> RunResult:
     bundle = {"CPU": 1.0, **({RAY_RESOURCE[kind]: 1.0} if kind in RAY_RESOURCE else {})}
     group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
@@ -154,7 +155,7 @@ def launch_ray(
             for rank, actor in enumerate(actors)
         ]
         actors = []  # owned by the handles now: supervise() kills them
-        outcome = supervise(handles, timeout_s, POLL_S)
+        outcome = supervise(handles, timeout_s, POLL_S, watch)
         result = collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)
         result.notes.append(f"ranks ran as Ray actors; rendezvous at {address}:{port}")
         return result

@@ -39,6 +39,7 @@ class CaseRunner:
     ini_engine_modules: Sequence[str] = ()
     checkout: Callable[[], Checkout] = field(default=lambda: None)  # resolved only when needed
     start_ray: Callable[[], None] = field(default=lambda: None)
+    progress: Callable | None = None  # (case_id, world_size, timeout_s, artifacts) -> Progress
 
     def resolve(self, case: Case | CaseParam | str, modules: list[str], overrides: dict) -> Case:
         if isinstance(case, CaseParam):
@@ -104,6 +105,7 @@ class CaseRunner:
             pythonpath=list(pythonpath),
             extra_env=dict(extra_env or {}),
             launcher=launcher or self.settings.launcher,
+            progress=self.progress,
         )
         return self.launch(request)
 
@@ -168,6 +170,25 @@ def standalone_runner(
         ini_engine_modules=_lines(ini.get("fsdp_turbo_engine_modules")),
         checkout=lambda: resolve_checkout(settings.checkout),
         start_ray=lambda: _start_ray(settings),
+        progress=_stderr_progress,
+    )
+
+
+def _stderr_progress(case_id: str, world_size: int, timeout_s: float, out: Path):
+    """Live status on stderr for `pytest-fsdp-turbo run`: rewritten in place on a terminal."""
+    import sys
+
+    from pytest_fsdp_turbo.progress import Progress
+
+    def live(text: str) -> None:
+        sys.stderr.write("\r\x1b[2K" + text)
+        sys.stderr.flush()
+
+    def line(text: str) -> None:
+        sys.stderr.write(text + "\n")
+
+    return Progress(
+        case_id, world_size, timeout_s, out, live if sys.stderr.isatty() else None, line
     )
 
 

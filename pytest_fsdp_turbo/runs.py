@@ -17,6 +17,7 @@ from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secre
 from pytest_fsdp_turbo.launch import RunResult, launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
+from pytest_fsdp_turbo.progress import Progress
 from pytest_fsdp_turbo.vocab import Env
 
 CHECKOUT_VAR = Env.CHECKOUT
@@ -37,6 +38,7 @@ class RunRequest:
     replay: Path | None = None  # twin runs: the main run's artifacts, whose batch is replayed
     turbo_config: dict | None = None  # fsdp_turbo cases: the exact config, see with_turbo_config
     launcher: str = "local"  # local: forked from this process's warm parent; spawn: fresh
+    progress: Callable[..., Progress] | None = None  # live status while the ranks run
 
 
 def worker_spec(request: RunRequest) -> dict:
@@ -119,6 +121,20 @@ def _prepare(request: RunRequest) -> Path:
     return out
 
 
+def _progress(request: RunRequest, out: Path) -> Progress | None:
+    if request.progress is None:
+        return None
+    case = request.case
+    return request.progress(case.id, case.world_size, case.timeout, out)
+
+
+def _finish(progress: Progress | None, result: RunResult) -> RunResult:
+    if progress is not None:
+        progress.close()
+        result.notes += progress.warnings
+    return result
+
+
 def run_case_on_ray(request: RunRequest) -> RunResult:
     """Ray places the ranks and assigns their devices; rank 0's node gives the rendezvous."""
     from pytest_fsdp_turbo.ray_launch import launch_ray
@@ -129,14 +145,17 @@ def run_case_on_ray(request: RunRequest) -> RunResult:
     for name in ("MASTER_ADDR", "MASTER_PORT"):  # rank 0's node decides these
         overrides.pop(name)
     (out / "env.json").write_text(json.dumps(mask_secrets(overrides), indent=1, sort_keys=True))
-    return launch_ray(
+    progress = _progress(request, out)
+    result = launch_ray(
         case_id=case.id,
         world_size=case.world_size,
         kind=kind,
         env_overrides=overrides,
         artifacts_dir=out,
         timeout_s=case.timeout,
+        watch=progress.tick if progress else None,
     )
+    return _finish(progress, result)
 
 
 def run_case(
@@ -155,6 +174,7 @@ def run_case(
     lease = book.devices(accel.kind, accel.ids, case.world_size, timeout_s=lease_timeout_s)
     slot, ranges = book.port_ranges() if accel.kind == "npu" else (None, None)
     notes: list[str] = []
+    progress = _progress(request, out)
     parent = None
     if request.launcher == "local":
         from pytest_fsdp_turbo.warm import warm_parent
@@ -177,6 +197,7 @@ def run_case(
                     artifacts_dir=out,
                     timeout_s=case.timeout,
                     warm_parent=parent,
+                    watch=progress.tick if progress else None,
                 )
             finally:
                 book.release_port(port)
@@ -192,7 +213,7 @@ def run_case(
             with open(out / "launcher.log", "a") as log:
                 log.write(note + "\n")
         result.notes = notes + result.notes
-        return result
+        return _finish(progress, result)
     finally:
         book.release(lease)
         if slot is not None:

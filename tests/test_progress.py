@@ -1,0 +1,85 @@
+"""Live progress while a case runs: phases per rank, elapsed time, stalls; the timeline after."""
+
+import json
+import time
+from pathlib import Path
+
+from pytest_fsdp_turbo.progress import Progress, group_ranks, phases_file
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_phase(folder: Path, rank: int, phase: str, at: float) -> None:
+    with open(phases_file(folder, rank), "a") as out:
+        out.write(json.dumps({"phase": phase, "t": at}) + "\n")
+
+
+def test_ranks_in_the_same_phase_are_grouped():
+    assert group_ranks({0: "train", 1: "train", 2: "train", 3: "train", 4: "reference"}) == (
+        "r0-3 train  r4 reference"
+    )
+    assert group_ranks({0: "load"}) == "r0 load"
+
+
+def test_terminal_status_is_rewritten_and_logs_get_a_line_per_change(tmp_path):
+    now = time.time()
+    for rank in (0, 1):
+        write_phase(tmp_path, rank, "train", now)
+    shown, lines = [], []
+    live = Progress("c", 2, 300, tmp_path, shown.append, lines.append, quiet_s=0)
+    live.tick(12.0)
+    live.tick(13.0)
+    live.close()
+    assert shown == ["c 12s  r0-1 train", "c 13s  r0-1 train", ""] and lines == []
+    plain = Progress("c", 2, 300, tmp_path, None, lines.append, quiet_s=0, every_s=30)
+    plain.tick(12.0)
+    plain.tick(13.0)  # no change, well within every_s: no new line
+    write_phase(tmp_path, 1, "reference", time.time())
+    plain.tick(14.0)
+    assert lines == ["fsdp-turbo: c 12s  r0-1 train", "fsdp-turbo: c 14s  r0 train  r1 reference"]
+
+
+def test_quick_case_prints_nothing_and_a_stall_warns_once(tmp_path):
+    write_phase(tmp_path, 0, "load", time.time() - 200)
+    lines = []
+    quiet = Progress("c", 1, 1000, tmp_path, None, lines.append, quiet_s=10)
+    quiet.tick(5.0)
+    assert lines == []  # under quiet_s and no stall
+    stalled = Progress("c", 1, 300, tmp_path, None, lines.append, quiet_s=10, stall_share=0.5)
+    stalled.tick(5.0)
+    stalled.tick(6.0)
+    assert len(lines) == 1 and lines[0].startswith(
+        "fsdp-turbo: stall: case c rank 0 has been in phase load for 20"
+    )
+    assert "over 0.5 of the 300s timeout" in lines[0] and stalled.warnings == lines
+
+
+def test_a_slowed_case_shows_its_phases_and_a_stall_warning_then_a_timeline(pytester, tmp_path):
+    pytester.makeini(
+        f"[pytest]\nfsdp_turbo_cases = {REPO / 'e2e' / 'cases.toml'}\nfsdp_turbo_stall_share = 0.1\n"
+    )
+    pytester.makepyfile(
+        "from pytest_fsdp_turbo import checks\n"
+        "def test_slow(ppo_run):\n"
+        "    r = ppo_run('tiny-qwen3_5-fsdp2-deferred', timeout=60.0, collective_timeout=40.0,\n"
+        "                extra_env={'PYTEST_FSDP_TURBO_FAULT': 'stall:1:rollout',\n"
+        "                           'PYTEST_FSDP_TURBO_FAULT_STALL_S': '14'})\n"
+        "    checks.check_completed(r)\n"
+        "def test_quick(ppo_run):\n"
+        "    checks.check_completed(ppo_run('tiny-qwen3-single-rank'))\n"
+    )
+    result = pytester.runpytest_subprocess(f"--fsdp-turbo-artifacts={tmp_path / 'art'}")
+    result.assert_outcomes(passed=2)
+    out = result.stdout.str()
+    assert (
+        "fsdp-turbo: stall: case tiny-qwen3_5-fsdp2-deferred rank 1 has been in phase rollout"
+        in out
+    )
+    status = [line for line in out.splitlines() if line.startswith("fsdp-turbo: tiny-qwen3_5")]
+    assert status and any("r1 rollout" in line for line in status), out[-3000:]
+    assert not [
+        line for line in out.splitlines() if line.startswith("fsdp-turbo: tiny-qwen3-single")
+    ]
+    rows = json.loads((tmp_path / "art" / "test_slow" / "timeline.json").read_text())
+    stalled = [r for r in rows if r["rank"] == 1 and r["phase"] == "rollout"]
+    assert stalled and stalled[0]["end"] - stalled[0]["start"] >= 14
