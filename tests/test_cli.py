@@ -175,3 +175,19 @@ def test_run_takes_the_rootdirs_case_file_and_the_fixtures_gates(tmp_path):
     assert gated.stderr.strip() == (
         "pytest-fsdp-turbo run: case vl: rollout vllm needs vllm (or vllm-ascend); not importable here"
     )
+
+
+def test_compare_draws_a_per_rank_timeline(tmp_path):
+    for name in ("a", "b"):
+        done = cli(
+            "run", "tiny-qwen3-single-rank", "--device", "cpu", "--artifacts", str(tmp_path / name)
+        )
+        assert done.returncode == 0, done.stderr[-1500:]
+    png = tmp_path / "timeline.png"
+    done = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--png", str(png), "--timeline")
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    rows = json.loads((tmp_path / "a" / "tiny-qwen3-single-rank-cpu" / "timeline.json").read_text())
+    assert [r["phase"] for r in rows][:3] == ["init", "load", "rollout"]
+    alone = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--timeline")
+    assert alone.returncode == 2 and "compare --timeline: also give --png FILE" in alone.stderr

@@ -82,14 +82,23 @@ def test_launcher_option_selects_ray(pytester):
         from pytest_fsdp_turbo import checks
 
         def test_run(ppo_run):
-            result = ppo_run("tiny-qwen3-single-rank")
+            result = ppo_run(
+                "tiny-qwen3-single-rank", timeout=60.0, collective_timeout=40.0,
+                extra_env={"PYTEST_FSDP_TURBO_FAULT": "stall:0:rollout",
+                           "PYTEST_FSDP_TURBO_FAULT_STALL_S": "8"},
+            )
             checks.check_completed(result)
             assert any("ranks ran as Ray actors" in note for note in result.notes), result.notes
         """
     )
+    pytester.makeini("[pytest]\nfsdp_turbo_stall_share = 0.1\n")
     result = pytester.runpytest_subprocess(
         "--fsdp-turbo-launcher=ray",
         "--fsdp-turbo-device=cpu",
         f"--fsdp-turbo-cases={REPO / 'e2e' / 'cases.toml'}",
     )
     result.assert_outcomes(passed=1)
+    # live progress follows Ray ranks too: the slowed rank is named before anything times out
+    result.stdout.fnmatch_lines(
+        ["fsdp-turbo: stall: case tiny-qwen3-single-rank rank 0 has been in phase rollout for *"]
+    )
