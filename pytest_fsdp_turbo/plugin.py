@@ -65,6 +65,37 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(fixtures, "fsdp_turbo_fixtures")
 
 
+_WATCHER = pytest.StashKey[object]()
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", 0))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under xdist the controller follows the workers' runs through their artifact folders."""
+    config = session.config
+    if not _is_xdist_controller(config):
+        return
+    from pytest_fsdp_turbo.progress import ArtifactWatcher
+    from pytest_fsdp_turbo.session import artifacts_root
+
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    watcher = ArtifactWatcher(
+        artifacts_root(config), reporter.write_line, float(config.getini("fsdp_turbo_stall_share"))
+    )
+    watcher.start()
+    config.stash[_WATCHER] = watcher
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    watcher = session.config.stash.get(_WATCHER, None)
+    if watcher is not None:
+        watcher.stop()
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     try:
         accel = accelerator_of(config)

@@ -120,3 +120,64 @@ class Progress:
     def close(self) -> None:
         if self._shown and self.live is not None:
             self.live("")
+
+
+class ArtifactWatcher:
+    """Live progress under pytest-xdist: the controller cannot see its workers' terminal output,
+    so it follows the artifact folders instead (every run writes rankN.phases.jsonl there while it
+    runs, and timeline.json when it ends) and prints plain status and stall lines."""
+
+    def __init__(self, root: Path, line: Callable[[str], None], stall_share: float = 0.5):
+        import threading
+
+        self.root, self.line, self.stall_share = root, line, stall_share
+        self.since = time.time()  # runs of earlier sessions are not followed
+        self.running: dict[Path, Progress] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="fsdp-turbo-watch")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.scan()
+            except OSError:
+                continue  # a folder being created or removed right now
+
+    def scan(self) -> None:
+        if not self.root.is_dir():
+            return
+        for spec in self.root.glob("**/spec.json"):
+            folder = spec.parent
+            if (folder / TIMELINE_FILE).exists() or spec.stat().st_mtime < self.since:
+                self.running.pop(folder, None)
+                continue
+            progress = self.running.get(folder) or self._follow(folder)
+            entries = read_phases(phases_file(folder, 0))
+            if progress is not None and entries:
+                progress.tick(time.time() - entries[0][1])
+
+    def _follow(self, folder: Path) -> Progress | None:
+        try:
+            case = json.loads((folder / "case.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if not phases_file(folder, 0).exists():
+            return None
+        progress = Progress(
+            case["id"],
+            case["world_size"],
+            float(case["timeout"]),
+            folder,
+            None,
+            self.line,
+            stall_share=self.stall_share,
+        )
+        self.running[folder] = progress
+        return progress
