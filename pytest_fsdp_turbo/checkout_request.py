@@ -11,7 +11,7 @@ from pytest_fsdp_turbo.errors import ConfigError
 
 DEFAULT_REPO = "https://gitcode.com/Ascend/FSDPTurbo.git"
 CI_PATH = Path("/FSDPTurbo")
-_SCP_LIKE = re.compile(r"^[\w.-]+@[\w.-]+:[^-]")
+_SCP_LIKE = r"^[\w.-]+@[\w.-]+:[^-]"  # compiled on first use: start-up stays light
 _ALLOWED_SCHEMES = ("https://", "ssh://", "git://", "file://")
 
 
@@ -36,7 +36,7 @@ def validate_repo(url: str, origin: str = "--fsdp-turbo-repo") -> str:
                 f"{origin}: expected an https://, ssh://, git:// or file:// URL or a local path; "
                 f"got {url!r}"
             )
-    elif not _SCP_LIKE.match(url) and ":" in url.split("/")[0] and not Path(url).exists():
+    elif not re.match(_SCP_LIKE, url) and ":" in url.split("/")[0] and not Path(url).exists():
         raise ConfigError(f"{origin}: expected a URL or a local path; got {url!r}")
     return url
 
