@@ -16,13 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from pytest_fsdp_turbo.cases import CaseBook, load_cases
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env
 from pytest_fsdp_turbo.launch import WORKER_MODULE
-from pytest_fsdp_turbo.leases import LeaseBook
-from pytest_fsdp_turbo.models import resolve_model
-from pytest_fsdp_turbo.runs import RunRequest, run_case, worker_spec
+from pytest_fsdp_turbo.run_path import standalone_runner
+from pytest_fsdp_turbo.runs import RunRequest, worker_spec
+from pytest_fsdp_turbo.settings import resolve
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,20 +31,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--case", default="tiny-qwen3_5-fsdp2-deferred")
     args = parser.parse_args()
-    case = CaseBook(Path("cases"), load_cases(REPO / "e2e" / "cases.toml")).get(args.case)
     accel = detect("cpu")
-    model = resolve_model(case.model, None)
-    book = LeaseBook()
     ours, bare, rss = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
+        settings = resolve({"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp})
+        runner = standalone_runner(settings, accel, cwd=REPO)  # the run path ppo_run uses
+        case = runner.cases().get(args.case)
+        model, _ = runner.gate(case, None)
+        book = runner.book
         for round_ in range(args.rounds):
             for mode in ("launcher", "torchrun"):
                 out = Path(tmp) / f"{mode}-{round_}"
-                request = RunRequest(case, model, out, accel)
                 start = time.perf_counter()
                 if mode == "launcher":  # as users meet it: leases, env, spec, ranks, results
-                    ok = run_case(request, book).ok
+                    ok = runner.run(case, out.name).ok
                 else:
+                    request = RunRequest(case, model, out, accel)
                     out.mkdir()
                     (out / "spec.json").write_text(json.dumps(worker_spec(request)))
                     port = book.port()
