@@ -39,7 +39,7 @@ from pytest_fsdp_turbo_engine.rollout import HFRollout, RolloutBatch
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
 from pytest_fsdp_turbo_engine.worker import PARTIAL_METRICS_ATTR
 
-from pytest_fsdp_turbo.vocab import Env, Metric
+from pytest_fsdp_turbo.vocab import Env, Metric, timing_key
 
 BATCH_FILE = "batch.pt"  # the global training batch, for a twin to replay
 POST_STEP_FILE = "post_step.pt"  # the global post-step logprobs on that batch
@@ -79,7 +79,7 @@ class Phase:
         names = list(self.started)
         ends = [self.started[n] for n in names[1:]] + [time.time()]
         out = {
-            f"timing_s/{name}": end - self.started[name]
+            timing_key(name): end - self.started[name]
             for name, end in zip(names, ends)
             if name != "init"
         }
@@ -448,7 +448,6 @@ def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> dic
 class StepOutput:
     metrics: dict[str, Any]
     grads_fingerprint: dict | None = None
-    files: list[str] = field(default_factory=list)
 
 
 def reduced_metrics(ctx: Rank, collected: Collected, trained: Trained, tokens: float) -> dict:
@@ -496,7 +495,6 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
             "rank": rank,
         }
     )
-    files: list[str] = []
     step_start = time.perf_counter()
     collected = replayed(ctx) if ctx.replaying else collect(ctx)
     batch = collected.batch
@@ -506,7 +504,6 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     global_batch = batch.gather(group) if not ctx.replaying else None
     if global_batch is not None and rank == 0:
         global_batch.save(out / BATCH_FILE)
-        files.append(BATCH_FILE)
 
     trained = train(ctx, batch, tokens)
     metrics.update(
@@ -553,7 +550,6 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
         logprobs = gather_rows(after.logprobs, group)
         if rank == 0:
             torch.save({"logprobs": logprobs}, out / POST_STEP_FILE)
-            files.append(POST_STEP_FILE)
 
     phase.enter("metrics")
     metrics.update(reduced_metrics(ctx, collected, trained, tokens))
@@ -566,4 +562,4 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     )
     launched = os.environ.get(Env.LAUNCHED_AT)
     metrics.update(phase.timings(float(launched) if launched else None))
-    return StepOutput(metrics, ref.fingerprint if ref else None, files)
+    return StepOutput(metrics, ref.fingerprint if ref else None)

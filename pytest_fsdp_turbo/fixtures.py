@@ -170,17 +170,13 @@ def ray_cluster(pytestconfig: pytest.Config) -> Iterator[dict]:
         import ray
     except ImportError:
         pytest.skip("the ray launcher needs ray: pip install 'pytest-fsdp-turbo[ray]'")
+    from pytest_fsdp_turbo.ray_launch import init_ray
+
     settings = settings_of(pytestconfig)
     if ray.is_initialized():
         yield {"address": "already initialised", "started": False}
         return
-    with restored_environ():
-        if settings.ray_address:
-            info = ray.init(address=settings.ray_address, log_to_driver=False)
-        else:
-            info = ray.init(
-                num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False
-            )
+    info = init_ray(settings.ray_address)
     try:
         yield {"address": info.address_info.get("address"), "started": not settings.ray_address}
     finally:

@@ -104,15 +104,13 @@ class Progress:
                 self.line(message)
         if elapsed < self.quiet_s:
             return
-        status = f"{self.case_id} {elapsed:.0f}s  " + group_ranks(
-            {rank: phase for rank, (phase, _) in phases.items()}
-        )
+        summary = group_ranks({rank: phase for rank, (phase, _) in phases.items()})
+        status = f"{self.case_id} {elapsed:.0f}s  {summary}"
         if self.live is not None:
             self.live(status)
             self._shown = True
             return
         text, at = self._last
-        summary = group_ranks({rank: phase for rank, (phase, _) in phases.items()})
         if summary != text or now - at >= self.every_s:
             self._last = (summary, now)
             self.line(f"fsdp-turbo: {status}")

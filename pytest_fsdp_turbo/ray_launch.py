@@ -38,6 +38,20 @@ POLL_S = 0.2
 KILLED = -9
 
 
+def init_ray(address: str | None):
+    """Join `address`, or start a local instance with at least 4 CPU slots (a 4-rank CPU case
+    fits a 2-core box). ray.init() exports variables into the driver's environment; they are put
+    back at once, so the caller sees the environment it started with."""
+    from pytest_fsdp_turbo.environ import restored_environ
+
+    with restored_environ():
+        if address:
+            return ray.init(address=address, log_to_driver=False)
+        return ray.init(
+            num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False
+        )
+
+
 @ray.remote
 class RankActor:
     """Lives on the rank's node; owns the rank's process."""

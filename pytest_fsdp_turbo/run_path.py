@@ -197,13 +197,9 @@ def _start_ray(settings: Settings) -> None:
 
     import ray
 
-    from pytest_fsdp_turbo.environ import restored_environ
+    from pytest_fsdp_turbo.ray_launch import init_ray
 
     if ray.is_initialized():
         return
-    with restored_environ():
-        if settings.ray_address:
-            ray.init(address=settings.ray_address, log_to_driver=False)
-        else:
-            ray.init(include_dashboard=False, log_to_driver=False)
+    init_ray(settings.ray_address)
     atexit.register(ray.shutdown)
