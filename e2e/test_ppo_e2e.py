@@ -20,7 +20,7 @@ def test_ppo_one_step(fsdp_turbo_case, ppo_run, pytestconfig, record_property, n
         result, case, fsdp_turbo_case.kind, settings.goldens, settings.record_golden
     )
     record_property("fsdp_turbo/golden", str(golden))
-    if golden.status is GoldenStatus.MISSING:
+    if golden.status == GoldenStatus.MISSING:
         warnings.warn(f"golden {golden}; record with --fsdp-turbo-record-golden", stacklevel=1)
 
 

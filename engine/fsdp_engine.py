@@ -15,9 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from pytest_fsdp_turbo.vocab import SyncPolicy
+from pytest_fsdp_turbo.vocab import SyncPolicy, members
 
-SYNC_POLICIES = tuple(SyncPolicy)
+SYNC_POLICIES = members(SyncPolicy)
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:

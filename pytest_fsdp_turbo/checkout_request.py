@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo.options import DEFAULT_REPO
 
-DEFAULT_REPO = "https://gitcode.com/Ascend/FSDPTurbo.git"
+__all__ = ["DEFAULT_REPO", "CheckoutRequest", "validate_ref", "validate_repo"]
 CI_PATH = Path("/FSDPTurbo")
 _SCP_LIKE = r"^[\w.-]+@[\w.-]+:[^-]"  # compiled on first use: start-up stays light
 _ALLOWED_SCHEMES = ("https://", "ssh://", "git://", "file://")

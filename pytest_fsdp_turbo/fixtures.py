@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -17,12 +16,11 @@ from pytest_fsdp_turbo.session import accelerator_of, artifacts_root, cases_of, 
 if TYPE_CHECKING:  # the heavier modules load on first use, so installing the plugin costs nothing
     import psutil
 
-    from pytest_fsdp_turbo.cases import Case, CaseParam
     from pytest_fsdp_turbo.checkout import Checkout
     from pytest_fsdp_turbo.devices import Accelerator
     from pytest_fsdp_turbo.environ import CollectiveEnv
-    from pytest_fsdp_turbo.launch import RunResult
     from pytest_fsdp_turbo.leases import DeviceLease, LeaseBook
+    from pytest_fsdp_turbo.ppo_run import PPORun
 
 
 ENV_GUARD_INI = "fsdp_turbo_env_guard"
@@ -135,12 +133,13 @@ def collective_env(
 def fsdp_turbo_checkout(pytestconfig: pytest.Config) -> Checkout:
     """Skips (fails under --fsdp-turbo-strict) with the source and git's last error."""
     from pytest_fsdp_turbo.checkout import resolve_checkout
+    from pytest_fsdp_turbo.ppo_run import skip_or_fail
 
     settings = settings_of(pytestconfig)
     try:
         return resolve_checkout(settings.checkout)
     except (CheckoutUnavailable, ConfigError) as exc:
-        _skip_or_fail(settings.strict, str(exc))
+        skip_or_fail(settings.strict, str(exc))
 
 
 @pytest.fixture(scope="session")
@@ -184,43 +183,6 @@ def ray_cluster(pytestconfig: pytest.Config) -> Iterator[dict]:
             ray.shutdown()
 
 
-class PPORun:
-    """The ppo_run fixture: the shared run path (pytest_fsdp_turbo.run_path.CaseRunner) plus what
-    belongs to pytest: an artifact folder per test and call, skip or strict failure when a case
-    cannot run here, one-line failures for bad input, junit properties and the summary row."""
-
-    def __init__(self, request: pytest.FixtureRequest, runner):
-        self.request, self.runner, self.calls = request, runner, 0
-
-    def artifact_name(self) -> str:
-        from pytest_fsdp_turbo.report import artifact_name
-
-        self.calls += 1
-        name = artifact_name(self.request.node.nodeid)
-        return name + (f"-{self.calls}" if self.calls > 1 else "")
-
-    def record(self, result: RunResult) -> None:
-        from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, junit_properties, summary_row
-
-        self.request.node.user_properties.extend(junit_properties(result))
-        for note in result.notes:
-            if note.startswith("fsdp-turbo: stall:"):
-                self.request.node.user_properties.append(("fsdp_turbo/stall", note))
-        self.request.node.user_properties.append((SUMMARY_PROPERTY, summary_row(result)))
-
-    def __call__(self, case: Case | CaseParam | str, **options: object) -> RunResult:
-        from pytest_fsdp_turbo.run_path import Unavailable
-
-        try:
-            result = self.runner.run(case, self.artifact_name(), **options)
-        except Unavailable as why:
-            _skip_or_fail(self.runner.settings.strict, str(why))
-        except (ConfigError, LeaseTimeout) as exc:
-            pytest.fail(str(exc), pytrace=False)
-        self.record(result)
-        return result
-
-
 @pytest.fixture
 def ppo_run(
     request: pytest.FixtureRequest,
@@ -236,6 +198,7 @@ def ppo_run(
     vLLM, verl, FSDPTurbo checkout or its torch range) skips, and fails under --fsdp-turbo-strict,
     naming what was looked for.
     """
+    from pytest_fsdp_turbo.ppo_run import PPORun, terminal_progress
     from pytest_fsdp_turbo.run_path import CaseRunner
 
     config = request.config
@@ -248,46 +211,9 @@ def ppo_run(
         ini_engine_modules=config.getini("fsdp_turbo_engine_modules"),
         checkout=lambda: request.getfixturevalue("fsdp_turbo_checkout"),
         start_ray=lambda: request.getfixturevalue("ray_cluster"),
-        progress=_terminal_progress(config),
+        progress=terminal_progress(config),
     )
     return PPORun(request, runner)
-
-
-def _terminal_progress(config: pytest.Config):
-    """Live status through pytest's own terminal reporter: one line rewritten in place on a
-    terminal, plain lines on a phase change (at most every 30 s) in CI logs."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None:
-        return None
-    from pytest_fsdp_turbo.progress import Progress
-
-    share = float(config.getini("fsdp_turbo_stall_share"))
-    capture = config.pluginmanager.getplugin("capturemanager")
-
-    def uncaptured():  # as pytest's live logging does: past the test's output capture
-        return capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
-
-    def live(text: str) -> None:
-        with uncaptured():
-            if text:
-                reporter.ensure_newline()
-            reporter.rewrite(text, erase=True)
-
-    def line(text: str) -> None:
-        with uncaptured():
-            reporter.write_line(text)
-
-    def make(case_id: str, world_size: int, timeout_s: float, out: Path) -> Progress:
-        interactive = live if getattr(reporter, "isatty", False) else None
-        return Progress(case_id, world_size, timeout_s, out, interactive, line, stall_share=share)
-
-    return make
-
-
-def _skip_or_fail(strict: bool, message: str) -> None:
-    if strict:
-        pytest.fail(f"--fsdp-turbo-strict: {message}", pytrace=False)
-    pytest.skip(message)
 
 
 @pytest.fixture

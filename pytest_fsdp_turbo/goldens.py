@@ -67,7 +67,7 @@ def compare_golden(path: Path, metrics: dict, tier: str) -> list[str]:
 
 @dataclass(frozen=True)
 class GoldenOutcome:
-    status: GoldenStatus
+    status: str  # a GoldenStatus value
     path: Path | None = None
 
     def __str__(self) -> str:

@@ -8,9 +8,20 @@ import pytest
 
 from pytest_fsdp_turbo import fixtures
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.session import SETTINGS_KEY, accelerator_of, cases_of, settings_of
-from pytest_fsdp_turbo.settings import OPTIONS, option_dest, resolve
-from pytest_fsdp_turbo.vocab import KIND_BY_MARKER, MARKER_BY_KIND, SUMMARY_PROPERTY
+from pytest_fsdp_turbo.options import (
+    KIND_BY_MARKER,
+    MARKER_BY_KIND,
+    OPTIONS,
+    SUMMARY_PROPERTY,
+    env_given,
+)
+from pytest_fsdp_turbo.session import (
+    SETTINGS_KEY,
+    accelerator_of,
+    cases_of,
+    settings_of,
+    strict_of,
+)
 
 MARKERS = (
     "e2e: a distributed end-to-end test (runs on whatever hardware is detected)",
@@ -55,13 +66,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
-    values = {option_dest(opt.flag): config.getoption(option_dest(opt.flag)) for opt in OPTIONS}
+    values = {opt.dest: config.getoption(opt.dest) for opt in OPTIONS}
     if values["fsdp_turbo_cases"] is None and config.getini("fsdp_turbo_cases"):
         values["fsdp_turbo_cases"] = str(config.rootpath / config.getini("fsdp_turbo_cases"))
-    try:
-        config.stash[SETTINGS_KEY] = resolve(values)
-    except ConfigError as exc:
-        raise pytest.UsageError(str(exc)) from None
+    if any(values.values()) or env_given():
+        # validated now, so bad input fails the session at start-up in one line; with nothing
+        # given, settings_of() builds the defaults on first use and a suite that never asks
+        # does not pay for them
+        from pytest_fsdp_turbo.settings import resolve
+
+        try:
+            config.stash[SETTINGS_KEY] = resolve(values)
+        except ConfigError as exc:
+            raise pytest.UsageError(str(exc)) from None
     config.pluginmanager.register(fixtures, "fsdp_turbo_fixtures")
 
 
@@ -158,8 +175,22 @@ def _is_e2e(item: pytest.Item) -> bool:
     return any(m.name in E2E_MARKERS for m in item.iter_markers())
 
 
+def _any_hardware_marker(items: list[pytest.Item]) -> bool:
+    """Like iter_markers() on every item, but a module or class shared by many items is read once:
+    this runs on every collection of every suite that has the plugin installed."""
+    seen: set[int] = set()
+    for item in items:
+        node = item
+        while node is not None and id(node) not in seen:
+            if any(m.name in HARDWARE_MARKERS for m in node.own_markers):
+                return True
+            seen.add(id(node))
+            node = node.parent
+    return False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not any(m.name in HARDWARE_MARKERS for item in items for m in item.iter_markers()):
+    if not _any_hardware_marker(items):
         return
     try:
         accel = accelerator_of(config)
@@ -173,7 +204,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if not settings_of(session.config).strict:
+    if not strict_of(session.config):
         return
     e2e = [item for item in session.items if _is_e2e(item)]
     blocked = [item for item in e2e if _HARDWARE_SKIP in item.stash]

@@ -7,20 +7,32 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_fsdp_turbo.settings import Settings
-
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.cases import CaseBook
     from pytest_fsdp_turbo.devices import Accelerator
+    from pytest_fsdp_turbo.settings import Settings
 
-SETTINGS_KEY = pytest.StashKey[Settings]()
+SETTINGS_KEY = pytest.StashKey["Settings"]()
 ACCELERATOR_KEY = pytest.StashKey["Accelerator"]()
 CASES_KEY = pytest.StashKey["CaseBook"]()
 DEFAULT_CASES = Path("e2e") / "cases.toml"
 
 
 def settings_of(config: pytest.Config) -> Settings:
+    """Resolved at start-up when an option or env var was given (bad input fails there); with
+    nothing given there is nothing to validate, so the defaults are built on first use."""
+    if SETTINGS_KEY not in config.stash:
+        from pytest_fsdp_turbo.settings import resolve
+
+        config.stash[SETTINGS_KEY] = resolve({}, env={})
     return config.stash[SETTINGS_KEY]
+
+
+def strict_of(config: pytest.Config) -> bool:
+    """Strict needs an option or env var, and those are resolved at start-up: a session with
+    neither is not strict, and finding that out builds nothing."""
+    settings = config.stash.get(SETTINGS_KEY, None)
+    return settings is not None and settings.strict
 
 
 def accelerator_of(config: pytest.Config) -> Accelerator:

@@ -10,82 +10,17 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from pytest_fsdp_turbo.checkout_request import (
-    DEFAULT_REPO,
-    CheckoutRequest,
-    validate_ref,
-    validate_repo,
-)
+from pytest_fsdp_turbo.checkout_request import CheckoutRequest, validate_ref, validate_repo
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.vocab import Launcher
+from pytest_fsdp_turbo.options import DEFAULT_REPO, OPTIONS, option_dest
+from pytest_fsdp_turbo.vocab import Launcher, members
 
-LAUNCHERS = tuple(Launcher)
+LAUNCHERS = members(Launcher)
 
-
-class Option(NamedTuple):
-    """A public option: its flag, the env var read when the flag is absent, and its help."""
-
-    flag: str
-    env: str | None
-    help: str
-    is_flag: bool = False
-    ini: str | None = None
-
-
-OPTIONS = (
-    Option(
-        "--fsdp-turbo-device", "PYTEST_FSDP_TURBO_DEVICE", "override detection: cpu|cuda|npu[:N]"
-    ),
-    Option(
-        "--fsdp-turbo-strict",
-        "PYTEST_FSDP_TURBO_STRICT",
-        "fail the session when selected e2e tests cannot run here or FSDPTurbo is missing",
-        is_flag=True,
-    ),
-    Option("--fsdp-turbo-path", "FSDP_TURBO_PATH", "an existing FSDPTurbo checkout"),
-    Option("--fsdp-turbo-repo", "FSDP_TURBO_REPO", f"FSDPTurbo git URL (default {DEFAULT_REPO})"),
-    Option("--fsdp-turbo-ref", "FSDP_TURBO_REF", "FSDPTurbo branch, tag or full commit id"),
-    Option(
-        "--fsdp-turbo-cases",
-        None,
-        "the e2e case file (default e2e/cases.toml)",
-        ini="fsdp_turbo_cases",
-    ),
-    Option(
-        "--fsdp-turbo-models",
-        "PYTEST_FSDP_TURBO_MODELS",
-        "folder holding local real-model directories",
-    ),
-    Option(
-        "--fsdp-turbo-artifacts",
-        "PYTEST_FSDP_TURBO_ARTIFACTS",
-        "folder for per-case logs and metrics (default ./fsdp-turbo-artifacts)",
-    ),
-    Option(
-        "--fsdp-turbo-record-golden", None, "write goldens instead of checking them", is_flag=True
-    ),
-    Option(
-        "--fsdp-turbo-goldens",
-        "PYTEST_FSDP_TURBO_GOLDENS",
-        "folder of hardware-keyed goldens (default fixtures/goldens)",
-    ),
-    Option(
-        "--fsdp-turbo-launcher",
-        "PYTEST_FSDP_TURBO_LAUNCHER",
-        "how ranks start: local (forked from a warm parent) | spawn (fresh interpreters) | ray",
-    ),
-    Option(
-        "--fsdp-turbo-ray-address", "RAY_ADDRESS", "join this Ray cluster instead of a local one"
-    ),
-)
 
 _TRUE = ("1", "true", "yes", "on")
-
-
-def option_dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
 
 
 @dataclass(frozen=True)

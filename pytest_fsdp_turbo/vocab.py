@@ -1,36 +1,39 @@
 """The project's names, defined once and torch-free, so the plugin and the ranks import the same
 ones: device kinds, sync policies, launchers, twins, golden statuses, environment variables and
-metric keys. StrEnum members are the strings themselves (JSON, dict keys, comparisons)."""
+metric keys. Plain string constants in plain classes, not enums: the plugin imports this on every
+pytest start, and each enum class costs about 0.1 ms to build; strings are what JSON, dict keys and
+comparisons want anyway. `members(cls)` lists a class's values in declaration order."""
 
 from __future__ import annotations
 
-from enum import StrEnum
+# the pytest-facing names live with the options (pytest reads them on every start)
+from pytest_fsdp_turbo.options import KIND_BY_MARKER, MARKER_BY_KIND, SUMMARY_PROPERTY  # noqa: F401
 
 
-class DeviceKind(StrEnum):
+class DeviceKind:
     CPU = "cpu"
     CUDA = "cuda"
     NPU = "npu"
 
 
-class SyncPolicy(StrEnum):
+class SyncPolicy:
     DEFERRED = "deferred"  # reduce-scatter only on the last micro-batch
     EVERY_MICRO_BATCH = "every_micro_batch"
 
 
-class Launcher(StrEnum):
+class Launcher:
     LOCAL = "local"  # forked from this process's warm parent
     SPAWN = "spawn"  # fresh interpreters
     RAY = "ray"
 
 
-class TwinKind(StrEnum):
+class TwinKind:
     SINGLE = "single"
     EVERY_MICRO_BATCH = "every_micro_batch"
     NONE = "none"
 
 
-class GoldenStatus(StrEnum):
+class GoldenStatus:
     MATCHED = "matched"
     RECORDED = "recorded"
     MISSING = "missing"
@@ -48,11 +51,6 @@ class Env:
     LAUNCHED_AT = "PYTEST_FSDP_TURBO_LAUNCHED_AT"
     NO_FORK = "PYTEST_FSDP_TURBO_NO_FORK"
     VLLM_MEMORY = "PYTEST_FSDP_TURBO_VLLM_MEMORY"
-
-
-KIND_BY_MARKER = {"cpu_e2e": "cpu", "gpu_e2e": "cuda", "npu_e2e": "npu"}
-MARKER_BY_KIND = {kind: marker for marker, kind in KIND_BY_MARKER.items()}
-SUMMARY_PROPERTY = "fsdp_turbo_run"  # a test report's user property carrying one run's row
 
 
 class Metric:
@@ -105,5 +103,9 @@ def timing_key(phase: str) -> str:
     return f"timing_s/{phase}"
 
 
+def members(names: type) -> tuple[str, ...]:
+    return tuple(v for k, v in vars(names).items() if k.isupper())
+
+
 def metric_keys() -> list[str]:
-    return [v for k, v in vars(Metric).items() if k.isupper()]
+    return list(members(Metric))

@@ -53,14 +53,14 @@ def test_check_or_record_says_what_happened_as_a_status(tmp_path):
             return "fp32"
 
     outcome = goldens.check_or_record(Result(), Case(), "cpu", tmp_path, record=False)
-    assert outcome.status is GoldenStatus.MISSING and outcome.path.parent.name == "c"
+    assert outcome.status == GoldenStatus.MISSING and outcome.path.parent.name == "c"
     assert (
         goldens.check_or_record(Result(), Case(), "cpu", tmp_path, True).status
-        is GoldenStatus.RECORDED
+        == GoldenStatus.RECORDED
     )
     assert (
         goldens.check_or_record(Result(), Case(), "cpu", tmp_path, False).status
-        is GoldenStatus.MATCHED
+        == GoldenStatus.MATCHED
     )
     none = goldens.check_or_record(Result(), Case(golden_tier="none"), "cpu", tmp_path, False)
-    assert none.status is GoldenStatus.NOT_COMPARED and str(none) == "not compared (tier none)"
+    assert none.status == GoldenStatus.NOT_COMPARED and str(none) == "not compared (tier none)"

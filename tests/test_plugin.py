@@ -196,6 +196,62 @@ def test_pytest_process_never_imports_torch(pytester):
     result.assert_outcomes(passed=1)
 
 
+START_UP_MODULES = {
+    "pytest_fsdp_turbo",
+    "pytest_fsdp_turbo.errors",
+    "pytest_fsdp_turbo.options",
+    "pytest_fsdp_turbo.session",
+    "pytest_fsdp_turbo.fixtures",
+    "pytest_fsdp_turbo.plugin",
+}
+
+
+def test_a_suite_that_never_uses_the_harness_loads_only_the_start_up_modules(pytester):
+    """The collection benchmark's budget: no settings dataclasses, no vocabulary, no detection."""
+    pytester.makepyfile("def test_plain(): pass")
+    pytester.makeconftest(
+        "import sys\n"
+        "def pytest_collection_finish(session):\n"
+        "    loaded = sorted(m for m in sys.modules if m.startswith('pytest_fsdp_turbo'))\n"
+        "    print('LOADED', ' '.join(loaded))\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "-s")
+    result.assert_outcomes(passed=1)
+    line = next(line for line in result.stdout.lines if line.startswith("LOADED"))
+    assert set(line.split()[1:]) == START_UP_MODULES
+
+
+def test_settings_given_nothing_are_the_defaults_and_an_env_var_makes_them_strict(
+    pytester, monkeypatch
+):
+    from pytest_fsdp_turbo.options import OPTIONS
+
+    for opt in OPTIONS:
+        if opt.env:
+            monkeypatch.delenv(opt.env, raising=False)
+    pytester.makepyfile(
+        """
+        from pytest_fsdp_turbo.session import settings_of, strict_of
+        from pytest_fsdp_turbo.settings import resolve
+
+        def test_settings(pytestconfig):
+            assert settings_of(pytestconfig) == resolve({}, env={})
+            assert strict_of(pytestconfig) is False
+        """
+    )
+    pytester.runpytest().assert_outcomes(passed=1)
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_STRICT", "1")
+    pytester.makepyfile(
+        """
+        from pytest_fsdp_turbo.session import settings_of, strict_of
+
+        def test_settings(pytestconfig):
+            assert strict_of(pytestconfig) and settings_of(pytestconfig).strict
+        """
+    )
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
 def test_collective_env_fixture_uses_the_lease(pytester, no_gpu_path, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTEST_FSDP_TURBO_STATE_DIR", str(tmp_path / "state"))
     pytester.makepyfile(

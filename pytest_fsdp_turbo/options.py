@@ -1,0 +1,86 @@
+"""What pytest reads from the plugin on every start, harness used or not: the command-line options
+with the env vars behind them, the e2e markers and the report property the summary collects. Kept
+free of dataclasses and enums (settings.py builds Settings only when something was given)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+DEFAULT_REPO = "https://gitcode.com/Ascend/FSDPTurbo.git"
+KIND_BY_MARKER = {"cpu_e2e": "cpu", "gpu_e2e": "cuda", "npu_e2e": "npu"}
+MARKER_BY_KIND = {kind: marker for marker, kind in KIND_BY_MARKER.items()}
+SUMMARY_PROPERTY = "fsdp_turbo_run"  # a test report's user property carrying one run's row
+
+
+class Option:
+    """A public option: its flag, the env var read when the flag is absent, and its help."""
+
+    __slots__ = ("flag", "env", "help", "is_flag", "ini")
+
+    def __init__(
+        self, flag: str, env: str | None, help: str, is_flag: bool = False, ini: str | None = None
+    ) -> None:
+        self.flag, self.env, self.help, self.is_flag, self.ini = flag, env, help, is_flag, ini
+
+    @property
+    def dest(self) -> str:
+        return option_dest(self.flag)
+
+
+OPTIONS = (
+    Option(
+        "--fsdp-turbo-device", "PYTEST_FSDP_TURBO_DEVICE", "override detection: cpu|cuda|npu[:N]"
+    ),
+    Option(
+        "--fsdp-turbo-strict",
+        "PYTEST_FSDP_TURBO_STRICT",
+        "fail the session when selected e2e tests cannot run here or FSDPTurbo is missing",
+        is_flag=True,
+    ),
+    Option("--fsdp-turbo-path", "FSDP_TURBO_PATH", "an existing FSDPTurbo checkout"),
+    Option("--fsdp-turbo-repo", "FSDP_TURBO_REPO", f"FSDPTurbo git URL (default {DEFAULT_REPO})"),
+    Option("--fsdp-turbo-ref", "FSDP_TURBO_REF", "FSDPTurbo branch, tag or full commit id"),
+    Option(
+        "--fsdp-turbo-cases",
+        None,
+        "the e2e case file (default e2e/cases.toml)",
+        ini="fsdp_turbo_cases",
+    ),
+    Option(
+        "--fsdp-turbo-models",
+        "PYTEST_FSDP_TURBO_MODELS",
+        "folder holding local real-model directories",
+    ),
+    Option(
+        "--fsdp-turbo-artifacts",
+        "PYTEST_FSDP_TURBO_ARTIFACTS",
+        "folder for per-case logs and metrics (default ./fsdp-turbo-artifacts)",
+    ),
+    Option(
+        "--fsdp-turbo-record-golden", None, "write goldens instead of checking them", is_flag=True
+    ),
+    Option(
+        "--fsdp-turbo-goldens",
+        "PYTEST_FSDP_TURBO_GOLDENS",
+        "folder of hardware-keyed goldens (default fixtures/goldens)",
+    ),
+    Option(
+        "--fsdp-turbo-launcher",
+        "PYTEST_FSDP_TURBO_LAUNCHER",
+        "how ranks start: local (forked from a warm parent) | spawn (fresh interpreters) | ray",
+    ),
+    Option(
+        "--fsdp-turbo-ray-address", "RAY_ADDRESS", "join this Ray cluster instead of a local one"
+    ),
+)
+
+
+def option_dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def env_given(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The options' env vars that are set (non-empty): what resolve() will read."""
+    env = os.environ if env is None else env
+    return {opt.env: env[opt.env] for opt in OPTIONS if opt.env and env.get(opt.env, "") != ""}
