@@ -6,8 +6,23 @@ import json
 
 import pytest
 
-from pytest_fsdp_turbo import fixtures
 from pytest_fsdp_turbo.errors import ConfigError
+
+# The public fixtures live in fixtures.py; imported here, pytest registers them as this plugin's
+# own (one module to scan instead of registering a second plugin on every start).
+from pytest_fsdp_turbo.fixtures import (  # noqa: F401
+    accelerator,
+    collective_env,
+    device_lease,
+    free_port,
+    fsdp_turbo_checkout,
+    fsdp_turbo_env_guard,
+    fsdp_turbo_lease_book,
+    no_leaked_processes,
+    ppo_run,
+    ray_cluster,
+    tiny_model,
+)
 from pytest_fsdp_turbo.options import (
     KIND_BY_MARKER,
     MARKER_BY_KIND,
@@ -79,7 +94,6 @@ def pytest_configure(config: pytest.Config) -> None:
             config.stash[SETTINGS_KEY] = resolve(values)
         except ConfigError as exc:
             raise pytest.UsageError(str(exc)) from None
-    config.pluginmanager.register(fixtures, "fsdp_turbo_fixtures")
 
 
 _WATCHER = pytest.StashKey[object]()
@@ -182,7 +196,7 @@ def _any_hardware_marker(items: list[pytest.Item]) -> bool:
     for item in items:
         node = item
         while node is not None and id(node) not in seen:
-            if any(m.name in HARDWARE_MARKERS for m in node.own_markers):
+            if node.own_markers and any(m.name in HARDWARE_MARKERS for m in node.own_markers):
                 return True
             seen.add(id(node))
             node = node.parent

@@ -318,3 +318,18 @@ def test_strict_under_xdist_fails_every_blocked_test_with_the_message(pytester, 
         ["*--fsdp-turbo-strict: 2 e2e test(s) selected and none can run here*"]
     )
     assert "INTERNALERROR" not in result.stdout.str()
+
+
+def test_every_fixture_in_the_fixtures_module_is_registered_through_the_plugin(pytester):
+    from pytest_fsdp_turbo import fixtures
+
+    defined = sorted(
+        name
+        for name, value in vars(fixtures).items()
+        if type(value).__name__ == "FixtureFunctionDefinition"
+    )
+    assert "ppo_run" in defined and "accelerator" in defined
+    result = pytester.runpytest("--fixtures", "-p", "no:cacheprovider")
+    listed = {line.split()[0] for line in result.stdout.lines if line and not line[0].isspace()}
+    missing = [name for name in defined if name not in listed]
+    assert not missing, f"fixtures.py defines fixtures pytest does not see: {missing}"
