@@ -67,7 +67,7 @@ def compare_golden(path: Path, metrics: dict, tier: str) -> list[str]:
 
 @dataclass(frozen=True)
 class GoldenOutcome:
-    status: str  # a GoldenStatus value
+    status: GoldenStatus
     path: Path | None = None
 
     def __str__(self) -> str:

@@ -1,39 +1,41 @@
 """The project's names, defined once and torch-free, so the plugin and the ranks import the same
 ones: device kinds, sync policies, launchers, twins, golden statuses, environment variables and
-metric keys. Plain string constants in plain classes, not enums: the plugin imports this on every
-pytest start, and each enum class costs about 0.1 ms to build; strings are what JSON, dict keys and
-comparisons want anyway. `members(cls)` lists a class's values in declaration order."""
+metric keys. The small closed sets are StrEnums (their members are the strings themselves, for
+JSON, dict keys and comparisons); env variables and metric keys are plain string constants. Pytest
+never imports this module at start-up: what it reads on every start lives in options.py."""
 
 from __future__ import annotations
+
+from enum import Enum, StrEnum
 
 # the pytest-facing names live with the options (pytest reads them on every start)
 from pytest_fsdp_turbo.options import KIND_BY_MARKER, MARKER_BY_KIND, SUMMARY_PROPERTY  # noqa: F401
 
 
-class DeviceKind:
+class DeviceKind(StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
     NPU = "npu"
 
 
-class SyncPolicy:
+class SyncPolicy(StrEnum):
     DEFERRED = "deferred"  # reduce-scatter only on the last micro-batch
     EVERY_MICRO_BATCH = "every_micro_batch"
 
 
-class Launcher:
+class Launcher(StrEnum):
     LOCAL = "local"  # forked from this process's warm parent
     SPAWN = "spawn"  # fresh interpreters
     RAY = "ray"
 
 
-class TwinKind:
+class TwinKind(StrEnum):
     SINGLE = "single"
     EVERY_MICRO_BATCH = "every_micro_batch"
     NONE = "none"
 
 
-class GoldenStatus:
+class GoldenStatus(StrEnum):
     MATCHED = "matched"
     RECORDED = "recorded"
     MISSING = "missing"
@@ -54,8 +56,8 @@ class Env:
 
 
 class Metric:
-    """Keys of rankN.metrics.json, as the training world names them (plain strings: the plugin
-    imports this at start-up, and an enum of forty members is not free)."""
+    """Keys of rankN.metrics.json, as the training world names them (plain strings, so a rank's
+    metrics dict is plain JSON without conversion)."""
 
     ACTOR_ENTROPY = "actor/entropy"
     ACTOR_GRAD_NORM = "actor/grad_norm"
@@ -104,6 +106,9 @@ def timing_key(phase: str) -> str:
 
 
 def members(names: type) -> tuple[str, ...]:
+    """A vocabulary's values in declaration order: a StrEnum's members or a class's constants."""
+    if issubclass(names, Enum):
+        return tuple(names)
     return tuple(v for k, v in vars(names).items() if k.isupper())
 
 
