@@ -79,9 +79,7 @@ def main() -> None:
     print(
         f"2-rank tiny Qwen3.5 case, warm: wall {wall:.2f} s, step {step:.2f} s, ratio {wall / step:.2f} (target <= 2)"
     )
-    subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "collection.py"), "--rounds", "15"], check=True
-    )
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "collection.py")], check=True)
 
 
 if __name__ == "__main__":

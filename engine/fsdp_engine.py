@@ -15,9 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from pytest_fsdp_turbo.vocab import SyncPolicy, members
+from pytest_fsdp_turbo.vocab import SyncPolicy
 
-SYNC_POLICIES = members(SyncPolicy)
+SYNC_POLICIES = tuple(SyncPolicy)
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:

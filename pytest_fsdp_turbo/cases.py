@@ -16,7 +16,7 @@ from pytest_fsdp_turbo_fixtures import DATA_DIR
 
 from pytest_fsdp_turbo.devices import KINDS
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.vocab import SyncPolicy, TwinKind, members
+from pytest_fsdp_turbo.vocab import SyncPolicy, TwinKind
 
 FIXTURES_DIR = DATA_DIR
 TINY_PREFIX = "tiny-"
@@ -27,11 +27,11 @@ BACKEND_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 # Ids become test ids and folder names (goldens, artifacts): no separators, no "..", no spaces.
 CASE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 ENGINE_ENTRY_POINTS = "pytest_fsdp_turbo.engines"
-SYNC_POLICIES = members(SyncPolicy)
+SYNC_POLICIES = tuple(SyncPolicy)
 DTYPES = ("auto", "fp32", "bf16")
 ROLLOUTS = ("hf", "vllm")
 GOLDEN_TIERS = ("exact", "relative", "none")
-TWINS = members(TwinKind)
+TWINS = tuple(TwinKind)
 TURBO_DEVICES = ("cuda", "npu")
 
 

@@ -15,9 +15,9 @@ from typing import Any
 from pytest_fsdp_turbo.checkout_request import CheckoutRequest, validate_ref, validate_repo
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.options import DEFAULT_REPO, OPTIONS, option_dest
-from pytest_fsdp_turbo.vocab import Launcher, members
+from pytest_fsdp_turbo.vocab import Launcher
 
-LAUNCHERS = members(Launcher)
+LAUNCHERS = tuple(Launcher)
 
 
 _TRUE = ("1", "true", "yes", "on")

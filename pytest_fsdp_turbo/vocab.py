@@ -6,7 +6,7 @@ never imports this module at start-up: what it reads on every start lives in opt
 
 from __future__ import annotations
 
-from enum import Enum, StrEnum
+from enum import StrEnum
 
 # the pytest-facing names live with the options (pytest reads them on every start)
 from pytest_fsdp_turbo.options import KIND_BY_MARKER, MARKER_BY_KIND, SUMMARY_PROPERTY  # noqa: F401
@@ -105,12 +105,5 @@ def timing_key(phase: str) -> str:
     return f"timing_s/{phase}"
 
 
-def members(names: type) -> tuple[str, ...]:
-    """A vocabulary's values in declaration order: a StrEnum's members or a class's constants."""
-    if issubclass(names, Enum):
-        return tuple(names)
-    return tuple(v for k, v in vars(names).items() if k.isupper())
-
-
 def metric_keys() -> list[str]:
-    return list(members(Metric))
+    return [v for k, v in vars(Metric).items() if k.isupper()]

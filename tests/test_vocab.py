@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from pytest_fsdp_turbo.vocab import DeviceKind, Env, Metric, SyncPolicy, members, metric_keys
+from pytest_fsdp_turbo.vocab import DeviceKind, Env, Metric, SyncPolicy, metric_keys
 
 
 def test_metric_keys_are_unique_and_named_as_the_training_world_names_them():
@@ -19,8 +19,8 @@ def test_the_names_the_plugin_checks_are_the_names_the_rank_writes():
     from pytest_fsdp_turbo import cases, devices, settings
     from pytest_fsdp_turbo.launch import LAUNCHED_AT_VAR
 
-    assert cases.SYNC_POLICIES == members(SyncPolicy) == ("deferred", "every_micro_batch")
-    assert devices.KINDS == members(DeviceKind) == ("cpu", "cuda", "npu")
+    assert cases.SYNC_POLICIES == tuple(SyncPolicy) == ("deferred", "every_micro_batch")
+    assert devices.KINDS == tuple(DeviceKind) == ("cpu", "cuda", "npu")
     assert LAUNCHED_AT_VAR == Env.LAUNCHED_AT
     assert settings.LAUNCHERS == ("local", "spawn", "ray")
 
