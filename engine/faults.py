@@ -1,43 +1,31 @@
 """Fault injection for the harness's own reliability tests; inert unless the variable is set.
 
-PYTEST_FSDP_TURBO_FAULT=KIND:RANK[:PHASE], KIND one of crash | hang | nan | stall, e.g.
-"crash:1:rollout"; stall sleeps PYTEST_FSDP_TURBO_FAULT_STALL_S seconds, then carries on.
+The spec (kinds, phases, validation) is pytest_fsdp_turbo.faults, checked in the pytest process
+before launch; this module acts on it inside the rank.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
-from dataclasses import dataclass
 
-from pytest_fsdp_turbo.vocab import Env
+from pytest_fsdp_turbo.faults import FAULT_VAR, FaultSpec, parse_fault
 
-FAULT_VAR = Env.FAULT
-KINDS = ("crash", "hang", "nan", "stall")
 STALL_SECONDS_VAR = "PYTEST_FSDP_TURBO_FAULT_STALL_S"  # how long "stall" sleeps (default 5)
+WARM_PARENT_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
 
 
 class InjectedFault(RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    rank: int
-    phase: str | None = None
-
+class Fault(FaultSpec):
     @classmethod
     def from_env(cls) -> Fault | None:
-        value = os.environ.get(FAULT_VAR, "").strip()
-        if not value:
-            return None
-        parts = value.split(":")
-        if len(parts) not in (2, 3) or parts[0] not in KINDS or not parts[1].isdigit():
-            raise ValueError(
-                f"{FAULT_VAR}: expected KIND:RANK[:PHASE] with KIND in {KINDS}; got {value!r}"
-            )
-        return cls(parts[0], int(parts[1]), parts[2] if len(parts) == 3 else None)
+        spec = parse_fault(os.environ.get(FAULT_VAR, ""))
+        return None if spec is None else cls(spec.kind, spec.rank, spec.phase)
 
     def at_phase(self, rank: int, phase: str) -> None:
         """Called at the start of every phase; acts only for the named rank and phase."""
@@ -47,6 +35,26 @@ class Fault:
             raise InjectedFault(f"injected crash in rank {rank} at phase {phase}")
         if self.kind == "stall":  # slow, not stuck: the phase resumes after a while
             time.sleep(float(os.environ.get(STALL_SECONDS_VAR, "5")))
+        if self.kind == "exit":  # gone without a word: no error file, exit code 0
+            sys.stdout.flush()
+            os._exit(0)
+        if self.kind == "kill_parent":
+            _kill_warm_parent()
         if self.kind == "hang":
             while True:  # the other ranks block in their next collective
                 time.sleep(1)
+
+
+def _kill_warm_parent() -> None:
+    """Only a warm parent: a spawned rank's parent is the pytest process itself."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as cmdline:
+            is_warm = WARM_PARENT_MODULE.encode() in cmdline.read()
+    except OSError:
+        is_warm = False
+    if not is_warm:
+        raise InjectedFault("kill_parent needs a rank forked by the warm parent (launcher local)")
+    os.kill(parent, signal.SIGKILL)
+    while True:  # the parent's death signal ends this rank too
+        time.sleep(1)

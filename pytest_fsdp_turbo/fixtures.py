@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the heavier modules load on first use, so installing the pl
     from pytest_fsdp_turbo.environ import CollectiveEnv
     from pytest_fsdp_turbo.leases import DeviceLease, LeaseBook
     from pytest_fsdp_turbo.ppo_run import PPORun
+    from pytest_fsdp_turbo.ray_driver import RayDriver
 
 
 ENV_GUARD_INI = "fsdp_turbo_env_guard"
@@ -157,30 +158,29 @@ def tiny_model() -> Callable[[str], Path]:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(pytestconfig: pytest.Config) -> Iterator[dict]:
-    """Joins --fsdp-turbo-ray-address, or starts a local Ray instance and stops it at the end.
+def ray_cluster(
+    pytestconfig: pytest.Config, fsdp_turbo_lease_book: LeaseBook
+) -> Iterator[RayDriver]:
+    """The session's Ray driver process: it joins --fsdp-turbo-ray-address (bounded by
+    --fsdp-turbo-ray-connect-timeout) or starts a local Ray instance, stopped at the end.
 
-    ray.init() exports a few variables into the driver's environment; they are put back at once
-    so the pytest process (and the env guard) see the environment they started with.
+    The driver is a subprocess: Ray ends a driver whose cluster dies, and that is never pytest.
     """
-    from pytest_fsdp_turbo.environ import restored_environ
+    import importlib.util
 
-    try:
-        import ray
-    except ImportError:
+    if importlib.util.find_spec("ray") is None:
         pytest.skip("the ray launcher needs ray: pip install 'pytest-fsdp-turbo[ray]'")
-    from pytest_fsdp_turbo.ray_launch import init_ray
+    from pytest_fsdp_turbo.ray_driver import ray_driver, stop_ray_driver
 
     settings = settings_of(pytestconfig)
-    if ray.is_initialized():
-        yield {"address": "already initialised", "started": False}
-        return
-    info = init_ray(settings.ray_address)
     try:
-        yield {"address": info.address_info.get("address"), "started": not settings.ray_address}
-    finally:
-        with restored_environ():
-            ray.shutdown()
+        driver = ray_driver(
+            settings.ray_address, settings.ray_connect_timeout_s, fsdp_turbo_lease_book.state_dir
+        )
+    except ConfigError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield driver
+    stop_ray_driver()
 
 
 @pytest.fixture
@@ -218,10 +218,13 @@ def ppo_run(
 
 @pytest.fixture
 def no_leaked_processes() -> Iterator[None]:
-    """Fails the test if a process it started is still alive shortly after it ends."""
+    """Fails the test if a process it started is still alive shortly after it ends (and kills it).
+
+    Processes the session owns by design (the warm parent, the Ray driver and the cluster it
+    started) are never counted, even when this test started them."""
     import psutil
 
-    from pytest_fsdp_turbo.warm import warm_parent_pids
+    from pytest_fsdp_turbo.session_processes import belongs_to_session
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
@@ -229,11 +232,12 @@ def no_leaked_processes() -> Iterator[None]:
     deadline = time.monotonic() + 5.0
     leaked: list[psutil.Process] = []
     while time.monotonic() < deadline:
-        kept = warm_parent_pids()  # lives for the whole session by design; its ranks do not
+        # the warm parent, the Ray driver and its cluster live for the session by design,
+        # whichever test started them; a case's ranks and actors do not
         leaked = [
             p
             for p in me.children(recursive=True)
-            if p.pid not in before and p.pid not in kept and _alive(p)
+            if p.pid not in before and _alive(p) and not belongs_to_session(p)
         ]
         if not leaked:
             return

@@ -61,6 +61,24 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
     twin: RunResult | None = None  # the replay twin's run, when the case has one
     twin_kind: str = ""  # single | every_micro_batch
+    failure: str = ""  # why the group as a whole failed (its launcher died), when it did
+
+    @classmethod
+    def launcher_failed(
+        cls, case_id: str, world_size: int, artifacts_dir: Path, why: str, duration_s: float = 0.0
+    ) -> RunResult:
+        """A run whose ranks never reported: the launcher (warm parent, Ray driver) is gone."""
+        ranks = [
+            RankResult(
+                rank,
+                None,
+                duration_s,
+                artifacts_dir / f"rank{rank}.log",
+                error=_read_json(artifacts_dir / f"rank{rank}.error.json"),
+            )
+            for rank in range(world_size)
+        ]
+        return cls(case_id, world_size, ranks, artifacts_dir, duration_s, failure=why)
 
     @property
     def ok(self) -> bool:
@@ -74,17 +92,23 @@ class RunResult:
     def failure_text(self) -> str:
         if self.ok:
             return ""
-        head = (
-            f"case {self.case_id}: timed out after {self.timeout_s:g}s; Python stacks of every rank "
-            "are in the log tails below"
-            if self.timed_out
-            else f"case {self.case_id}: rank {self.first_failure} failed first"
-        )
+        if self.failure:
+            head = f"case {self.case_id}: {self.failure}"
+        elif self.timed_out:
+            head = (
+                f"case {self.case_id}: timed out after {self.timeout_s:g}s; Python stacks of "
+                "every rank are in the log tails below"
+            )
+        else:
+            head = f"case {self.case_id}: rank {self.first_failure} failed first"
+
         parts = [head, f"artifacts: {self.artifacts_dir}"]
         for rank in self.ranks:
             if rank.exit_code == 0 and rank.metrics and not self.timed_out:
                 continue
             parts.append(f"--- rank {rank.rank}: exit {rank.exit_code}, log {rank.log_path}")
+            if rank.exit_code == 0 and not rank.metrics:
+                parts.append("exited with code 0 without writing its results (did it call exit?)")
             if rank.error:
                 parts.append(
                     f"phase {rank.error.get('phase')}: {rank.error.get('type')}: "
@@ -225,10 +249,13 @@ def supervise(
     timeout_s: float,
     poll_s: float = 0.05,
     watch: Callable[[float], None] | None = None,
+    completed: Callable[[RankHandle], bool] | None = None,
 ):
     """Wait for every rank; on the first failure or at the timeout, dump the stacks of the ranks
     still alive (which rank waited where) and stop them. `watch(elapsed)` is called about every
-    WATCH_EVERY_S while the ranks run (live progress). Returns (timed_out, first_failure, ends)."""
+    WATCH_EVERY_S while the ranks run (live progress). A rank that exits 0 without `completed`
+    (its results) is a failure too, so its peers do not wait for it until a timeout.
+    Returns (timed_out, first_failure, ends)."""
     start = time.monotonic()
     ends: dict[int, float] = {}
     timed_out, first_failure = False, None
@@ -241,7 +268,8 @@ def supervise(
             for handle in handles:
                 if handle.rank not in ends and (code := handle.poll()) is not None:
                     ends[handle.rank] = time.monotonic()
-                    if code != 0 and first_failure is None:
+                    failed = code != 0 or (completed is not None and not completed(handle))
+                    if failed and first_failure is None:
                         first_failure = handle.rank
             stop = first_failure is not None and len(ends) < len(handles)
             timed_out = not stop and time.monotonic() - start >= timeout_s
@@ -297,6 +325,11 @@ def collect_result(
     )
 
 
+def wrote_results(artifacts_dir: Path) -> Callable[[RankHandle], bool]:
+    """The engine worker's success marker: a rank's metrics file (written before it exits 0)."""
+    return lambda handle: (artifacts_dir / f"rank{handle.rank}.metrics.json").is_file()
+
+
 def worker_command(artifacts_dir: Path, python: str = sys.executable) -> list[str]:
     return [python, "-m", WORKER_MODULE, str(artifacts_dir / "spec.json")]
 
@@ -316,6 +349,7 @@ def launch_local(
     """Run `command` (default: the engine worker on artifacts_dir/spec.json) as world_size ranks:
     forked from `warm_parent` when one is given, otherwise fresh interpreters."""
     artifacts_dir.mkdir(parents=True, exist_ok=True)
+    completed = None if command else wrote_results(artifacts_dir)
     command = list(command or worker_command(artifacts_dir))
     handles: list[RankHandle] = []
     start = time.monotonic()
@@ -328,9 +362,25 @@ def launch_local(
                 handles.append(ForkedRank(warm_parent, rank, rank_vars, spec, log_path))
             else:
                 handles.append(LocalRank(rank, command, rank_vars, log_path))
-    except BaseException:
+    except BaseException as exc:
         for handle in handles:
             handle.kill()
-        raise
-    outcome = supervise(handles, timeout_s, poll_s, watch)
-    return collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)
+        if warm_parent is None or warm_parent.alive:
+            raise
+        return RunResult.launcher_failed(
+            case_id, world_size, artifacts_dir, _warm_parent_died(warm_parent, exc)
+        )
+    outcome = supervise(handles, timeout_s, poll_s, watch, completed)
+    result = collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)
+    if warm_parent is not None and not warm_parent.alive:
+        result.failure = _warm_parent_died(warm_parent)
+    return result
+
+
+def _warm_parent_died(parent, exc: BaseException | None = None) -> str:
+    how = f" ({type(exc).__name__}: {exc})" if exc else ""
+    return (
+        f"the warm parent (pid {parent.proc.pid}) died while the case ran, exit code "
+        f"{parent.proc.poll()}{how}; its ranks died with it, and the next case starts a new one; "
+        f"its log: {parent.log_path}"
+    )

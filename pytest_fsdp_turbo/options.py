@@ -73,6 +73,11 @@ OPTIONS = (
     Option(
         "--fsdp-turbo-ray-address", "RAY_ADDRESS", "join this Ray cluster instead of a local one"
     ),
+    Option(
+        "--fsdp-turbo-ray-connect-timeout",
+        "PYTEST_FSDP_TURBO_RAY_CONNECT_TIMEOUT_S",
+        "seconds to wait for the Ray cluster to answer (default 30)",
+    ),
 )
 
 

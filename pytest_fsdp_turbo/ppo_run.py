@@ -44,12 +44,18 @@ class PPORun:
     def __call__(self, case: Case | CaseParam | str, **options: object) -> RunResult:
         from pytest_fsdp_turbo.run_path import Unavailable
 
+        unavailable = refused = ""
         try:
             result = self.runner.run(case, self.artifact_name(), **options)
         except Unavailable as why:
-            skip_or_fail(self.runner.settings.strict, str(why))
+            unavailable = str(why)
         except (ConfigError, LeaseTimeout) as exc:
-            pytest.fail(str(exc), pytrace=False)
+            refused = str(exc)
+        # outside the except blocks, so the one line is not printed again as a chained exception
+        if unavailable:
+            skip_or_fail(self.runner.settings.strict, unavailable)
+        if refused:
+            pytest.fail(refused, pytrace=False)
         self.record(result)
         return result
 

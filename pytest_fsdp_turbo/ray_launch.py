@@ -1,5 +1,7 @@
-"""Ray launcher: the local launcher's contract (result, logs, timeouts, failure text, cleanup) with one
-Ray actor per rank in a placement group. Imported only when --fsdp-turbo-launcher=ray.
+"""Ray launcher, the driver side: the local launcher's contract (logs, timeouts, cleanup) with one
+Ray actor per rank in a placement group. Runs only inside the Ray driver process
+(`python -m pytest_fsdp_turbo.ray_launch [ADDRESS]`, started by pytest_fsdp_turbo.ray_driver), never
+in pytest: Ray ends a driver whose cluster dies.
 
 Each actor starts its rank as a subprocess on its node, so faulthandler stack dumps, per-rank logs and
 process-tree kills work exactly as locally. Artifacts are written to the same path on every node: a
@@ -9,9 +11,12 @@ multi-node cluster needs that folder on a shared filesystem.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
+import sys
 import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,11 +29,11 @@ from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.launch import (
     LocalRank,
-    RunResult,
-    collect_result,
+    die_with_parent,
     rank_env,
     supervise,
     worker_command,
+    wrote_results,
 )
 
 RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
@@ -41,7 +46,7 @@ KILLED = -9
 def init_ray(address: str | None):
     """Join `address`, or start a local instance with at least 4 CPU slots (a 4-rank CPU case
     fits a 2-core box). ray.init() exports variables into the driver's environment; they are put
-    back at once, so the caller sees the environment it started with."""
+    back at once, so the ranks see the environment pytest gave the driver."""
     from pytest_fsdp_turbo.environ import restored_environ
 
     with restored_environ():
@@ -125,10 +130,12 @@ def launch_ray(
     world_size: int,
     kind: str,
     env_overrides: Mapping[str, str],
-    artifacts_dir: Path,
+    artifacts_dir: str,
     timeout_s: float,
-    watch=None,
-) -> RunResult:
+) -> dict:
+    """Place, start and supervise one group; the outcome as JSON for the pytest side, which reads
+    the artifacts itself (collect_result)."""
+    out = Path(artifacts_dir)
     bundle = {"CPU": 1.0, **({RAY_RESOURCE[kind]: 1.0} if kind in RAY_RESOURCE else {})}
     group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
     actors = []
@@ -159,21 +166,69 @@ def launch_ray(
         start = time.monotonic()
         ray.get(
             [
-                actor.start.remote(rank, world_size, overrides, kind, str(artifacts_dir))
+                actor.start.remote(rank, world_size, overrides, kind, str(out))
                 for rank, actor in enumerate(actors)
             ],
             timeout=CALL_TIMEOUT_S,
         )
         handles = [
-            RayRank(rank, actor, artifacts_dir / f"rank{rank}.log")
-            for rank, actor in enumerate(actors)
+            RayRank(rank, actor, out / f"rank{rank}.log") for rank, actor in enumerate(actors)
         ]
         actors = []  # owned by the handles now: supervise() kills them
-        outcome = supervise(handles, timeout_s, POLL_S, watch)
-        result = collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)
-        result.notes.append(f"ranks ran as Ray actors; rendezvous at {address}:{port}")
-        return result
+        timed_out, first_failure, ends = supervise(
+            handles, timeout_s, POLL_S, completed=wrote_results(out)
+        )
+        return {
+            "start": start,
+            "timed_out": timed_out,
+            "first_failure": first_failure,
+            "ends": ends,
+            "codes": {handle.rank: handle.poll() for handle in handles},
+            "notes": [f"ranks ran as Ray actors; rendezvous at {address}:{port}"],
+        }
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
         remove_placement_group(group)
+
+
+def _serve(request: dict) -> dict:
+    if request["op"] == "launch":
+        return launch_ray(**request["args"])
+    if request["op"] == "resources":
+        return {"available": ray.available_resources(), "total": ray.cluster_resources()}
+    raise ConfigError(f"unknown request {request['op']!r}")
+
+
+def main(argv: list[str]) -> int:
+    """The Ray driver process (pytest_fsdp_turbo.ray_driver starts it): one JSON request per line
+    on stdin, one reply per line on the protocol stream. Ray ends a driver whose cluster dies;
+    running here, that takes this process, never pytest."""
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever Ray prints goes to the log, not into the protocol
+
+    def send(message: dict) -> None:
+        protocol.write(json.dumps(message, default=str) + "\n")
+
+    die_with_parent()
+    address = argv[0] if argv else ""
+    try:
+        info = init_ray(address or None)
+    except Exception as exc:  # noqa: BLE001 - reported as one line by the pytest side
+        send({"error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    send({"ready": True, "address": info.address_info.get("address"), "started": not address})
+    for line in sys.stdin:
+        try:
+            send(_serve(json.loads(line)))
+        except ConfigError as exc:
+            send({"error": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - the case fails with it, the driver goes on
+            send({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -11,6 +11,7 @@ import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pytest_fsdp_turbo.cases import Case, CaseBook, CaseParam, load_cases, with_overrides
 from pytest_fsdp_turbo.checkout import Checkout
@@ -20,6 +21,9 @@ from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.runs import RunRequest, run_case, run_case_on_ray, run_with_twin
 from pytest_fsdp_turbo.settings import Settings
 from pytest_fsdp_turbo.vocab import Launcher
+
+if TYPE_CHECKING:
+    from pytest_fsdp_turbo.ray_driver import RayDriver
 
 DEFAULT_CASES = Path("e2e") / "cases.toml"
 INI_FILES = ("pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
@@ -38,7 +42,7 @@ class CaseRunner:
     artifacts_root: Path
     ini_engine_modules: Sequence[str] = ()
     checkout: Callable[[], Checkout] = field(default=lambda: None)  # resolved only when needed
-    start_ray: Callable[[], None] = field(default=lambda: None)
+    start_ray: Callable[[], RayDriver] = field(default=lambda: None)
     progress: Callable | None = None  # (case_id, world_size, timeout_s, artifacts) -> Progress
 
     def resolve(self, case: Case | CaseParam | str, modules: list[str], overrides: dict) -> Case:
@@ -76,8 +80,8 @@ class CaseRunner:
 
     def launch(self, request: RunRequest) -> RunResult:
         if request.launcher == Launcher.RAY:
-            self.start_ray()
-            return run_with_twin(request, run_case_on_ray)
+            driver = self.start_ray()
+            return run_with_twin(request, lambda r: run_case_on_ray(r, driver))
         return run_with_twin(request, lambda r: run_case(r, self.book))
 
     def run(
@@ -169,7 +173,7 @@ def standalone_runner(
         artifacts_root=artifacts,
         ini_engine_modules=_lines(ini.get("fsdp_turbo_engine_modules")),
         checkout=lambda: resolve_checkout(settings.checkout),
-        start_ray=lambda: _start_ray(settings),
+        start_ray=lambda: _start_ray(settings, artifacts),
         progress=_stderr_progress,
     )
 
@@ -192,14 +196,7 @@ def _stderr_progress(case_id: str, world_size: int, timeout_s: float, out: Path)
     )
 
 
-def _start_ray(settings: Settings) -> None:
-    import atexit
+def _start_ray(settings: Settings, log_dir: Path) -> RayDriver:
+    from pytest_fsdp_turbo.ray_driver import ray_driver
 
-    import ray
-
-    from pytest_fsdp_turbo.ray_launch import init_ray
-
-    if ray.is_initialized():
-        return
-    init_ray(settings.ray_address)
-    atexit.register(ray.shutdown)
+    return ray_driver(settings.ray_address, settings.ray_connect_timeout_s, log_dir)

@@ -9,16 +9,21 @@ import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pytest_fsdp_turbo.cases import Case
 from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
+from pytest_fsdp_turbo.faults import FAULT_VAR, parse_fault
 from pytest_fsdp_turbo.launch import RunResult, launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
 from pytest_fsdp_turbo.progress import Progress
 from pytest_fsdp_turbo.vocab import Env
+
+if TYPE_CHECKING:
+    from pytest_fsdp_turbo.ray_driver import RayDriver
 
 CHECKOUT_VAR = Env.CHECKOUT
 PORT_ATTEMPTS = 3
@@ -135,10 +140,8 @@ def _finish(progress: Progress | None, result: RunResult) -> RunResult:
     return result
 
 
-def run_case_on_ray(request: RunRequest) -> RunResult:
+def run_case_on_ray(request: RunRequest, driver: RayDriver) -> RunResult:
     """Ray places the ranks and assigns their devices; rank 0's node gives the rendezvous."""
-    from pytest_fsdp_turbo.ray_launch import launch_ray
-
     case, kind = request.case, request.accelerator.kind
     out = _prepare(request)
     overrides = _env_overrides(request, (), 0, hccl_port_ranges(0) if kind == "npu" else None)
@@ -146,7 +149,7 @@ def run_case_on_ray(request: RunRequest) -> RunResult:
         overrides.pop(name)
     (out / "env.json").write_text(json.dumps(mask_secrets(overrides), indent=1, sort_keys=True))
     progress = _progress(request, out)
-    result = launch_ray(
+    result = driver.launch(
         case_id=case.id,
         world_size=case.world_size,
         kind=kind,
@@ -255,6 +258,8 @@ def with_turbo_config(request: RunRequest) -> RunRequest:
 
 def run_with_twin(request: RunRequest, launch: Callable[[RunRequest], RunResult]) -> RunResult:
     """The case, then (if it declares one and completed) its twin replaying the saved batch."""
+    fault = request.extra_env.get(FAULT_VAR, os.environ.get(FAULT_VAR, ""))
+    parse_fault(fault, request.case.world_size)  # a spec the ranks would ignore is refused here
     request = with_turbo_config(request)
     result = launch(request)
     twin = twin_case(request.case)

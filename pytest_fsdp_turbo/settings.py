@@ -35,6 +35,7 @@ class Settings:
     goldens: Path | None = None
     launcher: str = "local"
     ray_address: str | None = None
+    ray_connect_timeout_s: float = 30.0
 
 
 def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
@@ -64,6 +65,10 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
         raise ConfigError(
             f"{origin['fsdp_turbo_launcher']}: expected one of {', '.join(LAUNCHERS)}; got {launcher!r}"
         )
+    connect = raw["fsdp_turbo_ray_connect_timeout"]
+    connect_s = (
+        _positive_seconds(connect, origin["fsdp_turbo_ray_connect_timeout"]) if connect else 30.0
+    )
     repo = raw["fsdp_turbo_repo"] or DEFAULT_REPO
     validate_repo(repo, origin["fsdp_turbo_repo"])
     ref = validate_ref(raw["fsdp_turbo_ref"], origin["fsdp_turbo_ref"])
@@ -78,4 +83,15 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
         goldens=Path(raw["fsdp_turbo_goldens"]) if raw["fsdp_turbo_goldens"] else None,
         launcher=launcher,
         ray_address=raw["fsdp_turbo_ray_address"],
+        ray_connect_timeout_s=connect_s,
     )
+
+
+def _positive_seconds(value: str, origin: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ConfigError(f"{origin}: expected a positive number of seconds; got {value!r}")
+    return seconds

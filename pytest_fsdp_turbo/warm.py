@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pytest_fsdp_turbo.launch import die_with_parent
+from pytest_fsdp_turbo.session_processes import own
 from pytest_fsdp_turbo.vocab import Env
 
 WARM_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
@@ -53,6 +54,7 @@ def fork_unavailable_reason() -> str | None:
 class WarmParent:
     def __init__(self, log_path: Path):
         env = {**os.environ, **{k: os.environ.get(k, v) for k, v in IMPORT_TIME_ENV.items()}}
+        self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the parent
         self.proc = subprocess.Popen(
             [sys.executable, "-m", WARM_MODULE],
@@ -128,14 +130,10 @@ def warm_parent(log_dir: Path) -> tuple[WarmParent | None, str | None]:
         else:
             if parent.fork_safe:
                 _parents[me] = parent
+                own(parent.proc.pid, "warm parent")  # its forked ranks stay the test's
                 atexit.register(parent.close)
                 return parent, None
             reason = f"fork is unsafe in the warm parent: {parent.reason}"
             parent.close()
     _refusals[me] = reason
     return None, reason
-
-
-def warm_parent_pids() -> set[int]:
-    """Warm parents this process started (they outlive tests by design)."""
-    return {parent.proc.pid for parent in _parents.values()}

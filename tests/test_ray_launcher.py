@@ -48,8 +48,6 @@ def test_two_rank_case_through_ray_matches_the_local_launcher(
 
 
 def test_rank_crash_under_ray_fails_fast_and_leaves_nothing(ray_cluster, ppo_run):
-    import ray
-
     start = time.monotonic()
     result = ppo_run(
         "tiny-qwen3-single-rank",
@@ -67,13 +65,15 @@ def test_rank_crash_under_ray_fails_fast_and_leaves_nothing(ray_cluster, ppo_run
     while time.monotonic() < deadline and _live(mine):
         time.sleep(0.2)
     assert not _live(mine), "rank processes outlived the case"
+
     # The rank actors lived in the case's placement group: all CPUs back means group and actors are gone.
-    while (
-        time.monotonic() < deadline
-        and ray.available_resources().get("CPU") != ray.cluster_resources()["CPU"]
-    ):
+    def cpus() -> tuple[float, float]:
+        resources = ray_cluster.resources()
+        return resources["available"].get("CPU"), resources["total"]["CPU"]
+
+    while time.monotonic() < deadline and cpus()[0] != cpus()[1]:
         time.sleep(0.2)
-    assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
+    assert cpus()[0] == cpus()[1]
 
 
 def test_launcher_option_selects_ray(pytester):
