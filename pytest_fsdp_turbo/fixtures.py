@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, LeaseTimeout
+from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, LeaseTimeout, fail_line
 from pytest_fsdp_turbo.session import accelerator_of, artifacts_root, cases_of, settings_of
 
 if TYPE_CHECKING:  # the heavier modules load on first use, so installing the plugin costs nothing
@@ -93,7 +93,7 @@ def device_lease(
                 accelerator.kind, accelerator.ids, n, timeout_s=timeout_s
             )
         except LeaseTimeout as exc:
-            pytest.fail(f"device_lease({n}): {exc}", pytrace=False)
+            fail_line(f"device_lease({n}): {exc}")
         held.append(taken)
         return taken
 
@@ -124,7 +124,7 @@ def collective_env(
             accelerator.kind, lease.ids, free_port, world_size=world_size, port_ranges=ranges
         )
     except ConfigError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        fail_line(str(exc))
     yield env
     if slot is not None:
         fsdp_turbo_lease_book.release_port_ranges(slot)
@@ -134,7 +134,7 @@ def collective_env(
 def fsdp_turbo_checkout(pytestconfig: pytest.Config) -> Checkout:
     """Skips (fails under --fsdp-turbo-strict) with the source and git's last error."""
     from pytest_fsdp_turbo.checkout import resolve_checkout
-    from pytest_fsdp_turbo.ppo_run import skip_or_fail
+    from pytest_fsdp_turbo.errors import skip_or_fail
 
     settings = settings_of(pytestconfig)
     try:
@@ -152,7 +152,7 @@ def tiny_model() -> Callable[[str], Path]:
         try:
             return build_tiny_model(name)
         except ModelUnavailable as exc:
-            pytest.fail(str(exc), pytrace=False)
+            fail_line(str(exc))
 
     return build
 
@@ -178,7 +178,7 @@ def ray_cluster(
             settings.ray_address, settings.ray_connect_timeout_s, fsdp_turbo_lease_book.state_dir
         )
     except ConfigError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        fail_line(str(exc))
     yield driver
     stop_ray_driver()
 
@@ -245,7 +245,7 @@ def no_leaked_processes() -> Iterator[None]:
     described = ", ".join(f"pid {p.pid} ({_cmd(p)})" for p in leaked)
     for proc in leaked:
         proc.kill()
-    pytest.fail(f"processes outlived the test: {described}", pytrace=False)
+    fail_line(f"processes outlived the test: {described}")
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo.errors import ConfigError, fail_line
 
 # The public fixtures live in fixtures.py; imported here, pytest registers them as this plugin's
 # own (one module to scan instead of registering a second plugin on every start).
@@ -238,7 +238,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     message = item.config.stash.get(_STRICT_BLOCK, None)
     if message and _HARDWARE_SKIP in item.stash:
-        pytest.fail(message, pytrace=False)
+        fail_line(message)
 
 
 CASE_FIXTURE = "fsdp_turbo_case"
@@ -251,7 +251,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     try:
         book = cases_of(metafunc.config)
     except ConfigError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        fail_line(str(exc))
     params = [
         pytest.param(
             param,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_fsdp_turbo.errors import ConfigError, LeaseTimeout
+from pytest_fsdp_turbo.errors import ConfigError, LeaseTimeout, fail_line, skip_or_fail
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.cases import Case, CaseParam
@@ -44,18 +44,12 @@ class PPORun:
     def __call__(self, case: Case | CaseParam | str, **options: object) -> RunResult:
         from pytest_fsdp_turbo.run_path import Unavailable
 
-        unavailable = refused = ""
         try:
             result = self.runner.run(case, self.artifact_name(), **options)
         except Unavailable as why:
-            unavailable = str(why)
+            skip_or_fail(self.runner.settings.strict, str(why))
         except (ConfigError, LeaseTimeout) as exc:
-            refused = str(exc)
-        # outside the except blocks, so the one line is not printed again as a chained exception
-        if unavailable:
-            skip_or_fail(self.runner.settings.strict, unavailable)
-        if refused:
-            pytest.fail(refused, pytrace=False)
+            fail_line(str(exc))
         self.record(result)
         return result
 
@@ -89,9 +83,3 @@ def terminal_progress(config: pytest.Config):
         return Progress(case_id, world_size, timeout_s, out, interactive, line, stall_share=share)
 
     return make
-
-
-def skip_or_fail(strict: bool, message: str) -> None:
-    if strict:
-        pytest.fail(f"--fsdp-turbo-strict: {message}", pytrace=False)
-    pytest.skip(message)

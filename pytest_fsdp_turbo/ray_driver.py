@@ -89,8 +89,9 @@ class RayDriver:
         bound = connect_timeout_s if address else max(connect_timeout_s, LOCAL_START_TIMEOUT_S)
         ready = self._wait(bound)
         if ready is None or "error" in ready:
-            self.close()
-            raise ConfigError(self._refusal(ready, bound))
+            refusal = self._refusal(ready, bound)
+            self.close(grace_s=0)
+            raise ConfigError(refusal)
         self.started = bool(ready["started"])
         self.cluster_address = ready.get("address") or address
         self._core = self._core_processes()
@@ -211,7 +212,7 @@ class RayDriver:
                 if watch is not None:
                     watch(time.monotonic() - start)
                 if time.monotonic() > deadline:
-                    self.close()
+                    self.close(grace_s=0)
                     return failed(
                         f"the Ray driver gave no outcome within {timeout_s + LAUNCH_GRACE_S:g}s "
                         f"(case timeout + {LAUNCH_GRACE_S:g}s) and was stopped; {self._log_tail()}"
@@ -232,14 +233,14 @@ class RayDriver:
         result.notes.extend(reply["notes"])
         return result
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 20.0) -> None:
         """Stops the driver (which stops a cluster it started) and whatever it left."""
         import psutil
 
         with contextlib.suppress(OSError):
             self.proc.stdin.close()
         try:
-            self.proc.wait(timeout=20)
+            self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             kill_pid_tree(self.proc.pid)
             self.proc.wait()
