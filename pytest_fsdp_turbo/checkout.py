@@ -24,6 +24,7 @@ from pytest_fsdp_turbo.checkout_request import (  # noqa: F401 - part of this mo
     validate_repo,
 )
 from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError
+from pytest_fsdp_turbo.private_dirs import private_dir
 
 PACKAGE = "fsdp_turbo"
 COMPLETE_MARKER = ".pytest-fsdp-turbo-complete"
@@ -140,8 +141,9 @@ def clone_cached(request: CheckoutRequest, clone: bool = True) -> Checkout:
 
     repo = validate_repo(request.repo)
     ref = validate_ref(request.ref)
-    cache = request.cache_dir or default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = private_dir(
+        request.cache_dir or default_cache_dir(), "FSDPTurbo checkout cache", "XDG_CACHE_HOME"
+    )
     key = cache_key(repo, ref)
     final = cache / key
     source = f"{repo}@{ref or 'HEAD'}"

@@ -71,7 +71,10 @@ def accelerator(pytestconfig: pytest.Config) -> Accelerator:
 def fsdp_turbo_lease_book() -> LeaseBook:
     from pytest_fsdp_turbo.leases import LeaseBook
 
-    return LeaseBook()
+    try:
+        return LeaseBook()
+    except ConfigError as exc:  # a state folder another user controls
+        fail_line(str(exc))
 
 
 @pytest.fixture
@@ -151,7 +154,7 @@ def tiny_model() -> Callable[[str], Path]:
     def build(name: str) -> Path:
         try:
             return build_tiny_model(name)
-        except ModelUnavailable as exc:
+        except (ModelUnavailable, ConfigError) as exc:
             fail_line(str(exc))
 
     return build

@@ -311,7 +311,8 @@ def collect_result(
         for h in handles
     ]
     reported = [r for r in ranks if r.error and isinstance(r.error.get("time"), int | float)]
-    if reported:  # the rank that raised first, not the peer that noticed its exit first
+    silent = first_failure is not None and not ranks[first_failure].error
+    if reported and not silent:  # the rank that raised first, not the peer that noticed it
         first_failure = min(reported, key=lambda r: r.error["time"]).rank
     return RunResult(
         case_id=case_id,

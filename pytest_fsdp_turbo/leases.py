@@ -19,6 +19,7 @@ import psutil
 from filelock import FileLock
 
 from pytest_fsdp_turbo.errors import LeaseTimeout
+from pytest_fsdp_turbo.private_dirs import private_dir, write_private
 from pytest_fsdp_turbo.vocab import Env
 
 STATE_DIR_VAR = Env.STATE_DIR
@@ -70,8 +71,11 @@ class LeaseBook:
     """All leases of one machine (or one state dir); every method is safe across processes."""
 
     def __init__(self, state_dir: Path | str | None = None, owner_pid: int | None = None):
-        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir = private_dir(
+            Path(state_dir) if state_dir else default_state_dir(),
+            "lease state folder",
+            STATE_DIR_VAR,
+        )
         self._lock = FileLock(str(self.state_dir / "leases.lock"))
         self._state_file = self.state_dir / "leases.json"
         self.owner_pid = owner_pid or os.getpid()
@@ -87,9 +91,7 @@ class LeaseBook:
         }
 
     def _write(self, state: dict) -> None:
-        tmp = self._state_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(state, sort_keys=True))
-        os.replace(tmp, self._state_file)
+        write_private(self._state_file, json.dumps(state, sort_keys=True))
 
     def holders(self) -> dict[str, dict[str, int]]:
         with self._lock:

@@ -16,6 +16,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from pytest_fsdp_turbo.cases import FIXTURES_DIR, TINY_PREFIX
+from pytest_fsdp_turbo.private_dirs import private_dir
 
 BUILDER_MODULE = "pytest_fsdp_turbo_engine.tiny_models"
 BUILD_TIMEOUT_S = 300
@@ -58,8 +59,7 @@ def build_tiny_model(
     if not spec_path.is_file():
         known = sorted(p.stem for p in (fixtures_dir / "models").glob("*.json"))
         raise ModelUnavailable(f"tiny model spec {spec_path} does not exist; known: {known}")
-    cache = cache_dir or default_model_cache()
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = private_dir(cache_dir or default_model_cache(), "tiny model cache", "XDG_CACHE_HOME")
     final = cache / tiny_model_key(name, fixtures_dir)
     with FileLock(str(final) + ".lock"):
         if (final / "config.json").is_file():

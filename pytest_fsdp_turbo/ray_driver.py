@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -42,7 +43,8 @@ LAUNCH_GRACE_S = 240.0
 # Ray processes titled ray::<name> that are the cluster's own: its agents and its pooled workers
 # that host nothing (yet); an actor's worker is titled after its class (ray::RankActor)
 CLUSTER_TITLES = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
-LOG_TAIL_LINES = 8
+LOG_TAIL_LINES = 3
+ERROR_LINE = re.compile(r"^\[\S+ \S+ [EF] \d+|Error|terminate")  # Ray's glog E/F lines, Python errors
 
 
 @dataclass
@@ -76,7 +78,7 @@ class RayDriver:
     def __init__(self, address: str | None, connect_timeout_s: float, log_path: Path):
         self.address = address or None
         self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the driver
+        self._log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the driver
         self.proc = subprocess.Popen(
             [sys.executable, "-m", DRIVER_MODULE, *([address] if address else [])],
             stdin=subprocess.PIPE,
@@ -148,8 +150,9 @@ class RayDriver:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
-        tail = " | ".join(line.strip() for line in lines[-LOG_TAIL_LINES:] if line.strip())
-        return f"last driver log lines: {tail or '(empty)'}; log {self.log_path}"
+        errors = [line.strip() for line in lines if ERROR_LINE.search(line)]
+        tail = " | ".join((errors or lines)[-LOG_TAIL_LINES:])
+        return f"driver log: {tail or '(empty)'}; whole log {self.log_path}"
 
     def gone(self) -> str:
         return (

@@ -62,7 +62,7 @@ def summary_row(result: RunResult) -> str:
     m = result.metrics
     row = {
         "case": result.case_id,
-        "device": m.get(Metric.CASE_DEVICE, "?"),
+        "device": m.get(Metric.CASE_DEVICE) or _spec_device(result),
         "ranks": result.world_size,
         "grad_norm": m.get(Metric.ACTOR_GRAD_NORM),
         "loss": m.get(Metric.ACTOR_PG_LOSS),
@@ -75,6 +75,14 @@ def summary_row(result: RunResult) -> str:
         "not_applicable": _not_applicable(result),
     }
     return json.dumps(row)
+
+
+def _spec_device(result: RunResult) -> str:
+    """A run that failed before its metrics still has the spec it was launched with."""
+    try:
+        return json.loads((result.artifacts_dir / "spec.json").read_text())["device_kind"]
+    except (OSError, ValueError, KeyError):
+        return "?"
 
 
 def _not_applicable(result: RunResult) -> list[str]:

@@ -1,0 +1,202 @@
+"""The harness never takes down its own session: real faults in one pytest session (Ray started
+lazily inside a guarded test, a leaked actor, a killed warm parent, a rank that exits, a Ray cluster
+that dies), and every test still reaches a verdict, the summary and the junit file."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+
+from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo.faults import parse_fault
+from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.private_dirs import private_dir, write_private
+
+REPO = Path(__file__).resolve().parent.parent
+
+SESSION = '''
+import os, subprocess, sys
+
+import psutil
+
+from pytest_fsdp_turbo import checks
+
+LEAK = """
+import sys, ray
+ray.init(address=sys.argv[1])
+@ray.remote(num_cpus=0)
+class Leaker:
+    def ping(self):
+        return os.getpid()
+actor = Leaker.options(name="leaker", lifetime="detached").remote()
+ray.get(actor.ping.remote())
+""".replace("os.getpid()", "__import__('os').getpid()")
+FAULT = "PYTEST_FSDP_TURBO_FAULT"
+
+
+def test_a_first_ray_case_starts_ray_under_the_guard(ppo_run, no_leaked_processes):
+    checks.check_completed(ppo_run("tiny-qwen3-single-rank", launcher="ray"))
+
+
+def test_b_second_ray_case_uses_the_same_cluster(ppo_run, no_leaked_processes):
+    checks.check_completed(ppo_run("tiny-qwen3-single-rank", launcher="ray"))
+
+
+def test_c_a_leaked_actor_is_red(ray_cluster, no_leaked_processes):
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}  # the token of the cluster ray.init() made
+    subprocess.run([sys.executable, "-c", LEAK, ray_cluster.cluster_address], check=True, env=env)
+
+
+def test_d_killed_warm_parent(ppo_run):
+    killed = ppo_run("tiny-qwen3-single-rank", extra_env={FAULT: "kill_parent:0:rollout"})
+    assert not killed.ok and "the warm parent (pid" in killed.failure_text()
+    checks.check_completed(ppo_run("tiny-qwen3-single-rank"))  # a new warm parent
+
+
+def test_e_rank_that_exits(ppo_run):
+    result = ppo_run("tiny-qwen3-single-rank", world_size=2, extra_env={FAULT: "exit:1:rollout"})
+    assert not result.ok and not result.timed_out and result.first_failure == 1
+    assert "exited with code 0 without writing its results" in result.failure_text()
+
+
+def test_f_the_ray_cluster_dies(ray_cluster):
+    daemons = psutil.Process(ray_cluster.proc.pid).children(recursive=True)
+    for proc in daemons:
+        if "gcs_server" in " ".join(proc.cmdline()) or "raylet/raylet" in " ".join(proc.cmdline()):
+            proc.kill()
+
+
+def test_g_ray_case_after_the_cluster_died(ppo_run):
+    checks.check_completed(ppo_run("tiny-qwen3-single-rank", launcher="ray"))
+'''
+
+
+def test_faults_end_tests_never_the_session(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if (
+        importlib.util.find_spec("ray") is None
+    ):  # never imported here: the pytest process stays light
+        pytest.skip("needs ray: pip install 'pytest-fsdp-turbo[ray]'")
+    pytester.makepyfile(test_faults=SESSION)
+    pytester.makeini("[pytest]\n")
+    junit = pytester.path / "junit.xml"
+    monkeypatch.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "5")  # a dead GCS ends it soon
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--fsdp-turbo-device=cpu",
+        f"--fsdp-turbo-cases={REPO / 'e2e' / 'cases.toml'}",
+        f"--junitxml={junit}",
+        timeout=400,
+    )
+    text = result.stdout.str()
+    result.assert_outcomes(passed=6, failed=1, errors=1)  # c passes, then errors at teardown
+    # the leaked actor, by pid and title; the session's own Ray processes are not named
+    result.stdout.re_match_lines([r".*processes outlived the test: pid \d+ \(ray::Leaker.*"])
+    assert "gcs_server" not in text and "raylet" not in text.split("short test summary")[0]
+    # the case after the cluster died says why
+    result.stdout.re_match_lines([r"E?\s*.*(Ray launcher|the Ray driver \(pid \d+\) ended).*"])
+    assert "fsdp-turbo e2e runs" in text  # the summary table
+    cases = ElementTree.parse(junit).getroot().iter("testcase")
+    assert len(list(cases)) == 7
+
+
+def test_fault_spec_is_validated_before_launch() -> None:
+    assert parse_fault("") is None
+    assert parse_fault("crash:1", world_size=2).phase == "init"
+    with pytest.raises(ConfigError, match=r"PYTEST_FSDP_TURBO_FAULT: expected KIND:RANK\[:PHASE\]"):
+        parse_fault("explode:9")
+    with pytest.raises(ConfigError, match="rank 9 is outside the case's 2 ranks"):
+        parse_fault("crash:9:rollout", world_size=2)
+    with pytest.raises(ConfigError, match="unknown phase 'nowhere'"):
+        parse_fault("crash:1:nowhere")
+
+
+def test_unknown_fault_fails_the_test_in_one_line(ppo_run, monkeypatch) -> None:
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_FAULT", "explode:9")
+    with pytest.raises(pytest.fail.Exception, match="PYTEST_FSDP_TURBO_FAULT: expected") as info:
+        ppo_run("tiny-qwen3-single-rank")
+    assert info.value.__suppress_context__
+
+
+def _foreign(folder: Path) -> Path:
+    """A folder owned by another user (nobody), as on a shared CI box."""
+    folder.mkdir()
+    try:
+        os.chown(folder, 65534, 65534)
+    except PermissionError:
+        pytest.skip("chown to another user needs root (CI runs as root)")
+    return folder
+
+
+def test_state_folder_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    foreign = _foreign(tmp_path / "state")
+    with pytest.raises(ConfigError) as info:
+        LeaseBook(foreign)
+    message = str(info.value)
+    assert f"lease state folder {foreign} is owned by uid 65534" in message
+    assert "PYTEST_FSDP_TURBO_STATE_DIR" in message
+    assert not (foreign / "leases.json").exists() and not (foreign / "leases.lock").exists()
+
+
+def test_state_folder_others_may_write_is_refused_and_new_ones_are_private(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match=r"is writable by other users \(mode 777\)"):
+        LeaseBook(shared)
+    book = LeaseBook(tmp_path / "fresh")
+    assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o700
+    book.release_port(book.port())
+    assert (tmp_path / "fresh" / "leases.json").stat().st_mode & 0o777 == 0o600
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "fresh")
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        private_dir(link, "lease state folder", "PYTEST_FSDP_TURBO_STATE_DIR")
+
+
+def test_state_file_is_never_written_through_a_planted_symlink(tmp_path: Path) -> None:
+    target = tmp_path / "victim"
+    target.write_text("keep")
+    state = private_dir(tmp_path / "state", "lease state folder", "X")
+    (state / f".leases.json.{os.getpid()}.tmp").symlink_to(target)  # planted temporary name
+    write_private(state / "leases.json", "{}")
+    assert target.read_text() == "keep"
+    assert (state / "leases.json").read_text() == "{}"
+
+
+def test_a_foreign_state_folder_fails_the_fixture_in_one_line(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    foreign = _foreign(pytester.path / "state")
+    pytester.makepyfile("def test_port(free_port):\n    pass\n")
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_STATE_DIR", str(foreign))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"*lease state folder {foreign} is owned by uid 65534*"])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_the_session_owned_registry_keeps_only_what_the_owner_says() -> None:
+    """The warm parent is the session's; its forked ranks are not (no keeps rule)."""
+    import psutil
+
+    from pytest_fsdp_turbo.session_processes import belongs_to_session, disown, own
+
+    me = psutil.Process()
+    child = psutil.Popen(["sleep", "30"])
+    try:
+        assert not belongs_to_session(child)
+        own(me.pid, "test", keeps=None)
+        assert belongs_to_session(me) and not belongs_to_session(child)
+        own(me.pid, "test", keeps=lambda proc: proc.pid == child.pid)
+        assert belongs_to_session(child)
+    finally:
+        disown(me.pid)
+        child.kill()
+        child.wait()
