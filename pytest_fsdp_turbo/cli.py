@@ -149,8 +149,11 @@ def config(args: argparse.Namespace) -> int:
     try:
         checkout = resolve_checkout(settings.checkout, clone=False).path
     except CheckoutUnavailable as exc:
+        if settings.checkout.path:  # the checkout the user named is not one
+            print(f"pytest-fsdp-turbo config: {exc}", file=sys.stderr)
+            return 2
         checkout = None
-        print(f"note: {exc}; newest layout, not validated", file=sys.stderr)
+        print(f"note: {exc}; newest layout, checked against its published schema", file=sys.stderr)
     try:
         print(json.dumps(turbo_config_for(case, kind, model, checkout), indent=1, sort_keys=True))
     except TurboConfigProblems as exc:

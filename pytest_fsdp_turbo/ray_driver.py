@@ -44,7 +44,9 @@ LAUNCH_GRACE_S = 240.0
 # that host nothing (yet); an actor's worker is titled after its class (ray::RankActor)
 CLUSTER_TITLES = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
 LOG_TAIL_LINES = 3
-ERROR_LINE = re.compile(r"^\[\S+ \S+ [EF] \d+|Error|terminate")  # Ray's glog E/F lines, Python errors
+ERROR_LINE = re.compile(
+    r"^\[\S+ \S+ [EF] \d+|Error|terminate"
+)  # Ray's glog E/F lines, Python errors
 
 
 @dataclass

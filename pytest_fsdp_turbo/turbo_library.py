@@ -64,13 +64,16 @@ def inspect(model_dir: Path | None, checkout: Path | None) -> Inspection:
 
 def turbo_config_for(case, kind: str, model_dir: Path | None, checkout: Path | None) -> dict:
     """The exact turbo_config a rank hands the library; raises TurboConfigProblems when the
-    checkout's schema would drop a key or misses a required field."""
+    checkout's schema (without a checkout: the layout's published schema) would drop a key or
+    misses a required field."""
+    from pytest_fsdp_turbo.turbo_schema import published_schema
+
     found = inspect(model_dir, checkout)
-    config = build_turbo_config(case, kind, found.layout or NEWEST, found.modules)
-    if found.schema is not None:
-        problems = schema_problems(found.schema, config)
-        if problems:
-            raise TurboConfigProblems(case.id, problems)
+    layout = found.layout or NEWEST
+    config = build_turbo_config(case, kind, layout, found.modules)
+    problems = schema_problems(found.schema or published_schema(layout), config)
+    if problems:
+        raise TurboConfigProblems(case.id, problems)
     return config
 
 

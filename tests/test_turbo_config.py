@@ -286,3 +286,66 @@ def test_torch_outside_the_library_range_is_one_line(tmp_path):
         f"fsdp_turbo supports torch >=2.9,<2.12; installed torch {metadata.version('torch')} "
         "(from the checkout)"
     )
+
+
+TYPO_CASE = """
+[[case]]
+id = "tiny-turbo-typo"
+model = "tiny-qwen3_5"
+backend = "fsdp_turbo"
+world_size = 2
+fsdp_size = 2
+devices = ["npu"]
+
+[case.turbo_config.distributed.fsdp_plan]
+not_a_field = 1
+"""
+
+
+def test_config_verb_checks_without_a_checkout_and_refuses_a_path_that_is_not_one(
+    tmp_path, monkeypatch, capsys
+):
+    """No checkout: the published schema of the layout it emits names every unknown key (exit 1);
+    a checkout path that is not one is an error (exit 2), never a quiet fallback."""
+    from pytest_fsdp_turbo.cli import main
+
+    cases = tmp_path / "cases.toml"
+    cases.write_text(TYPO_CASE)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no cached clone either
+    monkeypatch.delenv("FSDP_TURBO_PATH", raising=False)
+    argv = ["config", "tiny-turbo-typo", "--cases", str(cases), "--device", "npu"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "turbo_config.distributed.fsdp_plan.not_a_field: not in the library's schema" in err
+    monkeypatch.setenv("FSDP_TURBO_PATH", str(tmp_path / "nonexistent"))
+    assert main(argv) == 2
+    assert f"--fsdp-turbo-path {tmp_path / 'nonexistent'}: no fsdp_turbo/__init__.py" in (
+        capsys.readouterr().err
+    )
+
+
+def test_published_schema_names_unknown_keys_per_layout():
+    from pytest_fsdp_turbo.turbo_schema import published_schema
+
+    config = {"distributed": {"fsdp_plan": {"apply_modules": {"x": {}}, "not_a_field": 1}}}
+    problems = schema_problems(published_schema(FUNCTION_PATCHES), config)
+    assert problems == [
+        "turbo_config.distributed.fsdp_plan.not_a_field: not in the library's schema (known: "
+        + ", ".join(
+            sorted(
+                published_schema(FUNCTION_PATCHES)["distributed"]["fields"]["fsdp_plan"]["fields"]
+            )
+        )
+        + "); its loader would drop it"
+    ]
+    middle = {
+        "distributed": {
+            "fsdp_plan": {"apply_modules": {}},
+            "cp_plan": {"ulysses_function_patches": []},
+        }
+    }
+    assert any(
+        "cp_plan.ulysses_function_patches: not in" in p
+        for p in schema_problems(published_schema(CORE_ATTENTION), middle)
+    )
+    assert not schema_problems(published_schema(FUNCTION_PATCHES), middle)
