@@ -51,14 +51,68 @@ def shard_group_size(model: torch.nn.Module) -> int:
     return 1
 
 
-def reduce_scatter_starts(events) -> list[float]:
-    """Start times of the c10d reduce-scatter ops in a CPU profiler's events (backend-independent
-    op names)."""
-    return [
-        e.time_range.start
-        for e in events
-        if e.name.startswith("c10d::") and "reduce_scatter" in e.name
-    ]
+# The torch.distributed functions FSDP2 issues its collectives through, looked up on the module at
+# call time (`dist.<name>(...)` in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
+# torch >= 2.12 calls reduce_scatter_single / all_gather_single from its Default*/ProcessGroupAlloc*
+# comm classes; earlier FSDP2 called reduce_scatter_tensor / all_gather_into_tensor directly.
+# These are backend-independent Python entry points: gloo, NCCL and HCCL alike dispatch from them
+# to the group's backend (torch_npu registers ProcessGroupHCCL as the "hccl" c10d backend through
+# torch.distributed.Backend.register_backend in torch_npu/distributed/__init__.py, and FSDP2 on NPU
+# runs this same torch code), so counting calls here counts what FSDP2 issues on every kind.
+REDUCE_SCATTER_FUNCTIONS = ("reduce_scatter_single", "reduce_scatter_tensor")
+ALL_GATHER_FUNCTIONS = ("all_gather_single", "all_gather_into_tensor")
+
+
+class CollectiveCounter:
+    """Counts the reduce-scatters and all-gathers issued while installed, per micro-batch.
+
+    Installed by the harness around the train phase (never inside an engine method): each hooked
+    torch.distributed function is wrapped for the duration and restored after. `next_micro_batch()`
+    is called as each micro-batch's loss is computed, so reduce-scatters (issued by backward, after
+    the loss) land on the micro-batch whose backward issued them. All-gathers run in forward too,
+    before the loss is known, so they are counted as one total. Costs one Python call per
+    collective, nothing per op.
+    """
+
+    def __init__(self) -> None:
+        self.reduce_scatters: list[int] = []
+        self.all_gathers_total = 0
+        self._saved: dict[str, object] = {}
+
+    def next_micro_batch(self) -> None:
+        self.reduce_scatters.append(0)
+
+    def _count(self, name: str) -> None:
+        if name in ALL_GATHER_FUNCTIONS:
+            self.all_gathers_total += 1
+        elif self.reduce_scatters:  # none is due before the first micro-batch's loss
+            self.reduce_scatters[-1] += 1
+
+    def _wrap(self, name: str) -> None:
+        original = getattr(dist, name)
+
+        def counted(*args, **kwargs):
+            self._count(name)
+            return original(*args, **kwargs)
+
+        self._saved[name] = original
+        setattr(dist, name, counted)
+
+    def __enter__(self) -> CollectiveCounter:
+        hooked = [n for n in (*REDUCE_SCATTER_FUNCTIONS, *ALL_GATHER_FUNCTIONS) if hasattr(dist, n)]
+        if not any(n in hooked for n in REDUCE_SCATTER_FUNCTIONS):
+            raise FSDPInternalsChanged(
+                f"torch {torch.__version__}: torch.distributed has none of "
+                f"{REDUCE_SCATTER_FUNCTIONS}; update pytest_fsdp_turbo_engine.fsdp_probe"
+            )
+        for name in hooked:
+            self._wrap(name)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved.clear()
 
 
 def _param_group(unit: FSDPModule):

@@ -10,7 +10,6 @@ Every measurement a check depends on is taken here, never inside an engine metho
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import os
@@ -235,6 +234,7 @@ class Trained:
     parts: dict[str, float]  # this rank's sums over its micro-batches
     first_micro_batch: dict[str, float]
     reduce_scatters_by_micro_batch: list[int]
+    all_gathers: int  # forward and backward, all micro-batches
     retained_grad_bytes: int  # peak unsharded gradient bytes held between micro-batches
     fsdp_units: int
     shard_group_size: int
@@ -244,15 +244,19 @@ class MicroBatchProbe:
     """Harness code an engine's micro-batch loop calls as each micro-batch's loss is computed
     (ours calls it, verl's calls it through the loss function the harness hands it).
 
-    It marks the moment in the profiler trace, so reduce-scatters can be attributed to the
-    micro-batch whose backward issued them; measures the unsharded gradients the previous backward
-    left behind; and computes the PPO loss parts itself from the engine's log-probabilities.
+    It moves the collective counter on to the next micro-batch, so reduce-scatters are attributed
+    to the micro-batch whose backward issued them; measures the unsharded gradients the previous
+    backward left behind; and computes the PPO loss parts itself from the engine's log-probabilities.
     """
 
-    MARKER = "pytest_fsdp_turbo::micro_batch"
-
-    def __init__(self, module: torch.nn.Module, tokens: float, cfg: PPOConfig):
-        self.module, self.tokens, self.cfg = module, tokens, cfg
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        tokens: float,
+        cfg: PPOConfig,
+        counter: fsdp_probe.CollectiveCounter,
+    ):
+        self.module, self.tokens, self.cfg, self.counter = module, tokens, cfg, counter
         self.count = 0
         self.retained = 0
         self.parts: dict[str, float] = {}
@@ -261,8 +265,7 @@ class MicroBatchProbe:
     def loss_computed(self, logprobs, entropy, mb: TrainBatch) -> None:
         if self.count:  # the previous micro-batch's backward is done; this one's has not started
             self.retained = max(self.retained, fsdp_probe.unsharded_grad_bytes(self.module))
-        with torch.profiler.record_function(self.MARKER):
-            pass
+        self.counter.next_micro_batch()
         with torch.no_grad():
             ent = entropy.detach() if entropy is not None else None
             _, values = ppo_loss(logprobs.detach(), ent, mb, self.tokens, self.cfg)
@@ -271,15 +274,6 @@ class MicroBatchProbe:
         if not self.count:
             self.first = {key: float(value) for key, value in values.items()}
         self.count += 1
-
-    def reduce_scatters_by_micro_batch(self, profile) -> list[int]:
-        """Reduce-scatters counted between one micro-batch's mark and the next."""
-        events = profile.events()
-        marks = sorted(e.time_range.start for e in events if e.name == self.MARKER)
-        counts = [0] * len(marks)
-        for start in fsdp_probe.reduce_scatter_starts(events):
-            counts[max(0, bisect.bisect_right(marks, start) - 1)] += 1
-        return counts
 
 
 def harness_micro_batches(ctx: Rank, batch: TrainBatch, tokens: float, probe: MicroBatchProbe):
@@ -302,8 +296,8 @@ def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
     own loop (verl's) get the probe through their loss function; the rest run the harness's loop."""
     ctx.phase.enter("train")
     engine, module = ctx.engine, ctx.engine.module
-    probe = MicroBatchProbe(module, tokens, ctx.cfg)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with fsdp_probe.CollectiveCounter() as counter:
+        probe = MicroBatchProbe(module, tokens, ctx.cfg, counter)
         if getattr(engine, "drives_micro_batches", False):
             engine.forward_backward(batch, tokens, ctx.cfg, probe)
         else:
@@ -314,7 +308,8 @@ def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
     return Trained(
         probe.parts,
         probe.first,
-        probe.reduce_scatters_by_micro_batch(prof),
+        counter.reduce_scatters,
+        counter.all_gathers_total,
         probe.retained,
         fsdp_probe.fsdp_units(module),
         fsdp_probe.shard_group_size(module),
@@ -510,6 +505,7 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
         {
             Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH: trained.reduce_scatters_by_micro_batch,
             Metric.COMM_REDUCE_SCATTER_CALLS: sum(trained.reduce_scatters_by_micro_batch),
+            Metric.COMM_ALL_GATHER_CALLS: trained.all_gathers,
             Metric.COMM_FSDP_UNITS: trained.fsdp_units,
             Metric.COMM_SHARD_GROUP_SIZE: trained.shard_group_size,
             Metric.SYNC_RETAINED_GRAD_BYTES: trained.retained_grad_bytes,

@@ -114,8 +114,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return
+
+    def line(text: str) -> None:
+        # xdist writes its progress dots without telling the reporter a line is open, so
+        # write_line's own ensure_newline cannot see them: ask the terminal writer itself
+        writer = getattr(reporter, "_tw", None)
+        if writer is not None and writer.width_of_current_line:
+            writer.line()
+        reporter.write_line(text)
+
     watcher = ArtifactWatcher(
-        artifacts_root(config), reporter.write_line, float(config.getini("fsdp_turbo_stall_share"))
+        artifacts_root(config), line, float(config.getini("fsdp_turbo_stall_share"))
     )
     watcher.start()
     config.stash[_WATCHER] = watcher

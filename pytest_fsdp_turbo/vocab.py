@@ -79,6 +79,7 @@ class Metric:
     CASE_REPLICAS = "case/replicas"
     CASE_SYNC_POLICY = "case/sync_policy"
     CASE_WORLD_SIZE = "case/world_size"
+    COMM_ALL_GATHER_CALLS = "comm/all_gather_calls"
     COMM_FSDP_UNITS = "comm/fsdp_units"
     COMM_REDUCE_SCATTER_CALLS = "comm/reduce_scatter_calls"
     COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH = "comm/reduce_scatter_calls_by_micro_batch"
