@@ -40,8 +40,9 @@ RANK_SCRIPT = textwrap.dedent(
         out[policy] = counter.reduce_scatters
         out[policy + "_all_gathers"] = counter.all_gathers_total
     if dist.get_rank() == 0:
-        print(json.dumps(out))
+        print(json.dumps(out), flush=True)
     dist.destroy_process_group()
+    os._exit(0)  # as the harness's ranks do: no interpreter teardown with gloo threads about
     """
 )
 

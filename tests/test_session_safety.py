@@ -213,3 +213,24 @@ def test_the_session_owned_registry_keeps_only_what_the_owner_says() -> None:
         disown(me.pid)
         child.kill()
         child.wait()
+
+
+def test_a_ray_address_where_nothing_answers_is_one_line_within_the_bound(tmp_path: Path) -> None:
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("needs ray: pip install 'pytest-fsdp-turbo[ray]'")
+    from pytest_fsdp_turbo.ray_driver import RayDriver
+
+    with pytest.raises(ConfigError) as info:
+        RayDriver("127.0.0.1:9", connect_timeout_s=3, log_path=tmp_path / "driver.log")
+    message = str(info.value)
+    assert message.startswith("Ray cluster at 127.0.0.1:9 (--fsdp-turbo-ray-address / RAY_ADDRESS)")
+    assert "did not answer within 3s" in message and "--fsdp-turbo-ray-connect-timeout" in message
+
+
+def test_ray_connect_timeout_is_validated() -> None:
+    from pytest_fsdp_turbo.settings import resolve
+
+    assert resolve({"fsdp_turbo_ray_connect_timeout": "7.5"}, env={}).ray_connect_timeout_s == 7.5
+    assert resolve({}, env={}).ray_connect_timeout_s == 30.0
+    with pytest.raises(ConfigError, match="PYTEST_FSDP_TURBO_RAY_CONNECT_TIMEOUT_S: expected a"):
+        resolve({}, env={"PYTEST_FSDP_TURBO_RAY_CONNECT_TIMEOUT_S": "soon"})
