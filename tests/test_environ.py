@@ -95,3 +95,15 @@ def test_restored_environ_undoes_changes():
         os.environ["PYTEST_FSDP_TURBO_PROBE"] = "1"
         os.environ.pop("PATH")
     assert dict(os.environ) == before
+
+
+def test_rank_threads_share_the_cores_with_the_other_xdist_workers():
+    import os
+
+    cores = os.cpu_count() or 1
+    alone = build_collective_env("cpu", (0,), 29555, world_size=1, user_env={})
+    assert alone.env["OMP_NUM_THREADS"] == str(cores)
+    shared = build_collective_env(
+        "cpu", (0,), 29555, world_size=1, user_env={"PYTEST_XDIST_WORKER_COUNT": "2"}
+    )
+    assert shared.env["OMP_NUM_THREADS"] == str(max(1, cores // 2))
