@@ -311,8 +311,11 @@ def collect_result(
         for h in handles
     ]
     reported = [r for r in ranks if r.error and isinstance(r.error.get("time"), int | float)]
-    silent = first_failure is not None and not ranks[first_failure].error
-    if reported and not silent:  # the rank that raised first, not the peer that noticed it
+    # a rank that exited 0 without its results left without a word: its peers' errors follow it
+    vanished = [r for r in ranks if r.exit_code == 0 and not r.metrics and not r.error]
+    if vanished:
+        first_failure = min(vanished, key=lambda r: r.duration_s).rank
+    elif reported:  # the rank that raised first, not the peer that noticed it
         first_failure = min(reported, key=lambda r: r.error["time"]).rank
     return RunResult(
         case_id=case_id,

@@ -40,8 +40,8 @@ FAULT = "PYTEST_FSDP_TURBO_FAULT"
 
 def test_a_first_ray_case_starts_ray_under_the_guard(ppo_run, no_leaked_processes):
     result = ppo_run(  # slowed, so live progress must follow the Ray ranks and warn of the stall
-        "tiny-qwen3-single-rank", timeout=60.0, collective_timeout=40.0,
-        extra_env={FAULT: "stall:0:rollout", "PYTEST_FSDP_TURBO_FAULT_STALL_S": "8"},
+        "tiny-qwen3-single-rank", timeout=30.0, collective_timeout=20.0,
+        extra_env={FAULT: "stall:0:rollout", "PYTEST_FSDP_TURBO_FAULT_STALL_S": "5"},
     )
     checks.check_completed(result)
     assert any("ranks ran as Ray actors" in note for note in result.notes), result.notes
