@@ -6,7 +6,10 @@ torch / torch_npu are inside the range the library supports.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -44,8 +47,48 @@ class TurboConfigProblems(ConfigError):
         )
 
 
+def _inspection_key(model_dir: Path | None, checkout: Path | None) -> str:
+    """Everything an inspection depends on: the model's config, the checkout's package source,
+    the inspecting code and the torch / transformers that run it."""
+    digest = hashlib.sha256()
+    inspector = importlib.util.find_spec(INSPECT_MODULE)
+    parts = [Path(inspector.origin)] if inspector and inspector.origin else []
+    if model_dir is not None:
+        parts.append(model_dir / "config.json")
+    if checkout is not None:
+        parts += sorted((checkout / "fsdp_turbo").rglob("*.py"))
+    for part in parts:
+        digest.update(str(part).encode())
+        with contextlib.suppress(OSError):
+            digest.update(part.read_bytes())
+    for dist in ("torch", "transformers"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            digest.update(f"{dist}=={metadata.version(dist)}".encode())
+    return digest.hexdigest()[:24]
+
+
 @functools.lru_cache(maxsize=32)
 def inspect(model_dir: Path | None, checkout: Path | None) -> Inspection:
+    """Read in a subprocess (it imports torch and transformers) once per model config, checkout
+    source and library versions; the answer is kept on disk, so the next pytest process, CLI call
+    or xdist worker asking the same does not pay the imports again."""
+    from pytest_fsdp_turbo.models import default_model_cache
+    from pytest_fsdp_turbo.private_dirs import private_dir, write_private
+
+    cache = private_dir(
+        default_model_cache().parent / "inspections", "inspection cache", "XDG_CACHE_HOME"
+    )
+    cached = cache / f"{_inspection_key(model_dir, checkout)}.json"
+    try:
+        data = json.loads(cached.read_text())
+    except (OSError, json.JSONDecodeError):
+        data = _inspect_now(model_dir, checkout)
+        write_private(cached, json.dumps(data))
+    modules = ModulePlan.from_json(data["modules"]) if data["modules"] else None
+    return Inspection(data["layout"], data["schema"], modules)
+
+
+def _inspect_now(model_dir: Path | None, checkout: Path | None) -> dict:
     argv = [sys.executable, "-m", INSPECT_MODULE]
     if model_dir is not None:
         argv += ["--model", str(model_dir)]
@@ -57,9 +100,7 @@ def inspect(model_dir: Path | None, checkout: Path | None) -> Inspection:
         raise ConfigError(
             f"reading the FSDPTurbo schema (checkout {checkout}) and model {model_dir} failed: {tail}"
         )
-    data = json.loads(done.stdout.strip().splitlines()[-1])
-    modules = ModulePlan.from_json(data["modules"]) if data["modules"] else None
-    return Inspection(data["layout"], data["schema"], modules)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def turbo_config_for(case, kind: str, model_dir: Path | None, checkout: Path | None) -> dict:

@@ -349,3 +349,28 @@ def test_published_schema_names_unknown_keys_per_layout():
         for p in schema_problems(published_schema(CORE_ATTENTION), middle)
     )
     assert not schema_problems(published_schema(FUNCTION_PATCHES), middle)
+
+
+def test_an_inspection_is_paid_once_per_model_checkout_and_versions(tmp_path, monkeypatch):
+    """The subprocess that imports torch runs once; the next process asking reads the answer."""
+    import pytest_fsdp_turbo.turbo_library as library
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    checkout = STANDIN / FUNCTION_PATCHES
+    library.inspect.cache_clear()
+    first = library.inspect(None, checkout)
+    assert first.layout == FUNCTION_PATCHES
+    stored = list((tmp_path / "cache" / "pytest-fsdp-turbo" / "inspections").glob("*.json"))
+    assert len(stored) == 1
+
+    def no_subprocess(*args):
+        raise AssertionError("inspected again although the answer was cached")
+
+    monkeypatch.setattr(library, "_inspect_now", no_subprocess)
+    library.inspect.cache_clear()  # as a new process would start
+    assert library.inspect(None, checkout) == first
+    other = drifted_checkout(tmp_path / "drifted")  # other source: another key, inspected anew
+    library.inspect.cache_clear()
+    with pytest.raises(AssertionError, match="inspected again"):
+        library.inspect(None, other)
+    library.inspect.cache_clear()
