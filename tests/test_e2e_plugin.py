@@ -58,12 +58,11 @@ def test_record_golden_then_check_and_junit_properties(tmp_path):
     assert props["fsdp_turbo/golden"].startswith("recorded ")
     assert "fsdp-turbo e2e runs" in first.stdout and "one" in first.stdout
     assert (tmp_path / "art" / "test_ppo_one_step-one-cpu" / "rank0.log").is_file()
-    second = pytest_run(*common, cwd=tmp_path)
-    assert second.returncode == 0, second.stdout[-2000:]
+    # a matching golden passes in every e2e case of the main suite; here: a tampered one fails
     golden.write_text(golden.read_text().replace('"actor/grad_norm": ', '"actor/grad_norm": 1'))
-    third = pytest_run(*common, cwd=tmp_path)
-    assert third.returncode == 1
-    assert "check g: metric actor/grad_norm" in third.stdout
+    tampered = pytest_run(*common, cwd=tmp_path)
+    assert tampered.returncode == 1
+    assert "check g: metric actor/grad_norm" in tampered.stdout
 
 
 def test_summary_has_one_row_per_run_with_the_worst_outcome(pytester):
