@@ -71,6 +71,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="0.5",
     )
     parser.addini(
+        "fsdp_turbo_quiet_s",
+        "seconds a case runs before its live status line shows (a quicker case prints none)",
+        default="10",
+    )
+    parser.addini(
         "fsdp_turbo_env_guard",
         "fail a test that leaves os.environ or the working directory changed",
         type="bool",
@@ -124,7 +129,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         reporter.write_line(text)
 
     watcher = ArtifactWatcher(
-        artifacts_root(config), line, float(config.getini("fsdp_turbo_stall_share"))
+        artifacts_root(config),
+        line,
+        float(config.getini("fsdp_turbo_stall_share")),
+        float(config.getini("fsdp_turbo_quiet_s")),
     )
     watcher.start()
     config.stash[_WATCHER] = watcher

@@ -63,6 +63,7 @@ def terminal_progress(config: pytest.Config):
     from pytest_fsdp_turbo.progress import Progress
 
     share = float(config.getini("fsdp_turbo_stall_share"))
+    quiet = float(config.getini("fsdp_turbo_quiet_s"))
     capture = config.pluginmanager.getplugin("capturemanager")
 
     def uncaptured():  # as pytest's live logging does: past the test's output capture
@@ -80,6 +81,8 @@ def terminal_progress(config: pytest.Config):
 
     def make(case_id: str, world_size: int, timeout_s: float, out: Path) -> Progress:
         interactive = live if getattr(reporter, "isatty", False) else None
-        return Progress(case_id, world_size, timeout_s, out, interactive, line, stall_share=share)
+        return Progress(
+            case_id, world_size, timeout_s, out, interactive, line, stall_share=share, quiet_s=quiet
+        )
 
     return make

@@ -125,10 +125,16 @@ class ArtifactWatcher:
     so it follows the artifact folders instead (every run writes rankN.phases.jsonl there while it
     runs, and timeline.json when it ends) and prints plain status and stall lines."""
 
-    def __init__(self, root: Path, line: Callable[[str], None], stall_share: float = 0.5):
+    def __init__(
+        self,
+        root: Path,
+        line: Callable[[str], None],
+        stall_share: float = 0.5,
+        quiet_s: float = 10.0,
+    ):
         import threading
 
-        self.root, self.line, self.stall_share = root, line, stall_share
+        self.root, self.line, self.stall_share, self.quiet_s = root, line, stall_share, quiet_s
         self.since = time.time()  # runs of earlier sessions are not followed
         self.running: dict[Path, Progress] = {}
         self._stop = threading.Event()
@@ -176,6 +182,7 @@ class ArtifactWatcher:
             None,
             self.line,
             stall_share=self.stall_share,
+            quiet_s=self.quiet_s,
         )
         self.running[folder] = progress
         return progress

@@ -56,14 +56,14 @@ def test_quick_case_prints_nothing_and_a_stall_warns_once(tmp_path):
 
 def test_a_slowed_case_shows_its_phases_and_a_stall_warning_then_a_timeline(pytester, tmp_path):
     pytester.makeini(
-        f"[pytest]\nfsdp_turbo_cases = {REPO / 'e2e' / 'cases.toml'}\nfsdp_turbo_stall_share = 0.1\n"
+        f"[pytest]\nfsdp_turbo_cases = {REPO / 'e2e' / 'cases.toml'}\nfsdp_turbo_stall_share = 0.1\nfsdp_turbo_quiet_s = 2\n"
     )
     pytester.makepyfile(
         "from pytest_fsdp_turbo import checks\n"
         "def test_slow(ppo_run):\n"
-        "    r = ppo_run('tiny-qwen3_5-fsdp2-deferred', timeout=60.0, collective_timeout=40.0,\n"
+        "    r = ppo_run('tiny-qwen3_5-fsdp2-deferred', timeout=30.0, collective_timeout=20.0,\n"
         "                extra_env={'PYTEST_FSDP_TURBO_FAULT': 'stall:1:rollout',\n"
-        "                           'PYTEST_FSDP_TURBO_FAULT_STALL_S': '14'})\n"
+        "                           'PYTEST_FSDP_TURBO_FAULT_STALL_S': '5'})\n"
         "    checks.check_completed(r)\n"
         "def test_quick(ppo_run):\n"
         "    checks.check_completed(ppo_run('tiny-qwen3-single-rank'))\n"
@@ -82,23 +82,23 @@ def test_a_slowed_case_shows_its_phases_and_a_stall_warning_then_a_timeline(pyte
     ]
     rows = json.loads((tmp_path / "art" / "test_slow" / "timeline.json").read_text())
     stalled = [r for r in rows if r["rank"] == 1 and r["phase"] == "rollout"]
-    assert stalled and stalled[0]["end"] - stalled[0]["start"] >= 14
+    assert stalled and stalled[0]["end"] - stalled[0]["start"] >= 5
 
 
 def test_under_xdist_the_controller_reports_its_workers_runs(pytester, tmp_path):
     pytester.makeini(
-        f"[pytest]\nfsdp_turbo_cases = {REPO / 'e2e' / 'cases.toml'}\nfsdp_turbo_stall_share = 0.1\n"
+        f"[pytest]\nfsdp_turbo_cases = {REPO / 'e2e' / 'cases.toml'}\nfsdp_turbo_stall_share = 0.1\nfsdp_turbo_quiet_s = 2\n"
     )
     pytester.makepyfile(
         "from pytest_fsdp_turbo import checks\n"
         "def test_slow(ppo_run):\n"
-        "    r = ppo_run('tiny-qwen3-single-rank', timeout=60.0, collective_timeout=40.0,\n"
+        "    r = ppo_run('tiny-qwen3-single-rank', timeout=30.0, collective_timeout=20.0,\n"
         "                extra_env={'PYTEST_FSDP_TURBO_FAULT': 'stall:0:rollout',\n"
-        "                           'PYTEST_FSDP_TURBO_FAULT_STALL_S': '13'})\n"
+        "                           'PYTEST_FSDP_TURBO_FAULT_STALL_S': '5'})\n"
         "    checks.check_completed(r)\n"
     )
     result = pytester.runpytest_subprocess("-n", "1", f"--fsdp-turbo-artifacts={tmp_path / 'art'}")
     result.assert_outcomes(passed=1)
     out = result.stdout.str()
     assert "fsdp-turbo: stall: case tiny-qwen3-single-rank rank 0 has been in phase rollout" in out
-    assert "fsdp-turbo: tiny-qwen3-single-rank 1" in out and " r0 rollout" in out
+    assert "fsdp-turbo: tiny-qwen3-single-rank " in out and " r0 rollout" in out
