@@ -77,6 +77,10 @@ def _cmdline(proc) -> str:
 
 
 class RayDriver:
+    """One driver subprocess and its protocol (a JSON request per line, a JSON reply per line).
+
+    Raises ConfigError, in one line, when the cluster does not answer within the bound."""
+
     def __init__(self, address: str | None, connect_timeout_s: float, log_path: Path):
         self.address = address or None
         self.log_path = log_path
