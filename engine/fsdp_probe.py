@@ -56,9 +56,11 @@ def shard_group_size(model: torch.nn.Module) -> int:
 # torch >= 2.12 calls reduce_scatter_single / all_gather_single from its Default*/ProcessGroupAlloc*
 # comm classes; earlier FSDP2 called reduce_scatter_tensor / all_gather_into_tensor directly.
 # These are backend-independent Python entry points: gloo, NCCL and HCCL alike dispatch from them
-# to the group's backend (torch_npu registers ProcessGroupHCCL as the "hccl" c10d backend through
-# torch.distributed.Backend.register_backend in torch_npu/distributed/__init__.py, and FSDP2 on NPU
-# runs this same torch code), so counting calls here counts what FSDP2 issues on every kind.
+# to the group's backend. torch_npu/__init__.py registers ProcessGroupHCCL as the "hccl" c10d
+# backend (torch.distributed.Backend.register_backend("hccl", ..., devices=["npu"])) and FSDP2 on
+# NPU runs this same torch code; where torch_npu's import-time distributed patches replace one of
+# these functions, the counter wraps the replacement as it finds it at the train phase. So counting
+# calls here counts what FSDP2 issues on gloo, NCCL and HCCL alike (not run on an NPU here).
 REDUCE_SCATTER_FUNCTIONS = ("reduce_scatter_single", "reduce_scatter_tensor")
 ALL_GATHER_FUNCTIONS = ("all_gather_single", "all_gather_into_tensor")
 
