@@ -101,7 +101,6 @@ class RunResult:
             )
         else:
             head = f"case {self.case_id}: rank {self.first_failure} failed first"
-
         parts = [head, f"artifacts: {self.artifacts_dir}"]
         for rank in self.ranks:
             if rank.exit_code == 0 and rank.metrics and not self.timed_out:

@@ -33,10 +33,9 @@ from pytest_fsdp_turbo.launch import (
     die_with_parent,
     kill_pid_tree,
 )
-from pytest_fsdp_turbo.session_processes import own
+from pytest_fsdp_turbo.session_processes import disown, own
 
 DRIVER_MODULE = "pytest_fsdp_turbo.ray_launch"
-DEFAULT_CONNECT_TIMEOUT_S = 30.0
 LOCAL_START_TIMEOUT_S = 120.0  # starting a local instance on a busy 2-core box
 # beyond the case's own timeout: placement (ray_launch.PLACEMENT_TIMEOUT_S), actor calls, kills
 LAUNCH_GRACE_S = 240.0
@@ -246,6 +245,7 @@ class RayDriver:
         """Stops the driver (which stops a cluster it started) and whatever it left."""
         import psutil
 
+        disown(self.proc.pid)
         with contextlib.suppress(OSError):
             self.proc.stdin.close()
         try:

@@ -18,6 +18,7 @@ from pytest_fsdp_turbo.options import DEFAULT_REPO, OPTIONS, option_dest
 from pytest_fsdp_turbo.vocab import Launcher
 
 LAUNCHERS = tuple(Launcher)
+DEFAULT_RAY_CONNECT_TIMEOUT_S = 30.0
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -35,7 +36,7 @@ class Settings:
     goldens: Path | None = None
     launcher: str = "local"
     ray_address: str | None = None
-    ray_connect_timeout_s: float = 30.0
+    ray_connect_timeout_s: float = DEFAULT_RAY_CONNECT_TIMEOUT_S
 
 
 def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
@@ -67,7 +68,9 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
         )
     connect = raw["fsdp_turbo_ray_connect_timeout"]
     connect_s = (
-        _positive_seconds(connect, origin["fsdp_turbo_ray_connect_timeout"]) if connect else 30.0
+        _positive_seconds(connect, origin["fsdp_turbo_ray_connect_timeout"])
+        if connect
+        else DEFAULT_RAY_CONNECT_TIMEOUT_S
     )
     repo = raw["fsdp_turbo_repo"] or DEFAULT_REPO
     validate_repo(repo, origin["fsdp_turbo_repo"])

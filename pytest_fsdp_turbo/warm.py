@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pytest_fsdp_turbo.launch import die_with_parent
-from pytest_fsdp_turbo.session_processes import own
+from pytest_fsdp_turbo.session_processes import disown, own
 from pytest_fsdp_turbo.vocab import Env
 
 WARM_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
@@ -102,6 +102,7 @@ class WarmParent:
             return self._reply(FORK_TIMEOUT_S, f"fork rank {rank}")["pid"]
 
     def close(self) -> None:
+        disown(self.proc.pid)  # a pid the system may hand to another process from now on
         with contextlib.suppress(OSError):
             self.proc.kill()
         self.proc.wait()
@@ -118,8 +119,10 @@ def warm_parent(log_dir: Path) -> tuple[WarmParent | None, str | None]:
     if me in _refusals:
         return None, _refusals[me]
     parent = _parents.get(me)
-    if parent is not None and parent.alive:
-        return parent, None
+    if parent is not None:
+        if parent.alive:
+            return parent, None
+        parent.close()  # died (a case reported it); a new one takes its place
     reason = fork_unavailable_reason()
     if reason is None:
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -62,6 +62,10 @@ def test_d_killed_warm_parent(ppo_run):
     )
     assert not killed.ok and "the warm parent (pid" in killed.failure_text()
     checks.check_completed(ppo_run("tiny-qwen3-single-rank", launcher="local"))  # a new parent
+    from pytest_fsdp_turbo.session_processes import owned
+
+    parents = [p for p in owned().values() if p.what == "warm parent"]
+    assert len(parents) == 1 and psutil.pid_exists(parents[0].pid), parents  # the dead one let go
 
 
 def test_e_rank_that_exits(ppo_run):
