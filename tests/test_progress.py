@@ -91,6 +91,8 @@ def test_under_xdist_the_controller_reports_its_workers_runs(pytester, tmp_path)
     )
     pytester.makepyfile(
         "from pytest_fsdp_turbo import checks\n"
+        "def test_first():\n"  # its progress dot is on the line when the status lines come
+        "    pass\n"
         "def test_slow(ppo_run):\n"
         "    r = ppo_run('tiny-qwen3-single-rank', timeout=30.0, collective_timeout=20.0,\n"
         "                extra_env={'PYTEST_FSDP_TURBO_FAULT': 'stall:0:rollout',\n"
@@ -98,7 +100,10 @@ def test_under_xdist_the_controller_reports_its_workers_runs(pytester, tmp_path)
         "    checks.check_completed(r)\n"
     )
     result = pytester.runpytest_subprocess("-n", "1", f"--fsdp-turbo-artifacts={tmp_path / 'art'}")
-    result.assert_outcomes(passed=1)
-    out = result.stdout.str()
-    assert "fsdp-turbo: stall: case tiny-qwen3-single-rank rank 0 has been in phase rollout" in out
-    assert "fsdp-turbo: tiny-qwen3-single-rank " in out and " r0 rollout" in out
+    result.assert_outcomes(passed=2)
+    lines = result.stdout.str().splitlines()
+    stall = "fsdp-turbo: stall: case tiny-qwen3-single-rank rank 0 has been in phase rollout"
+    assert any(line.startswith(stall) for line in lines), lines  # each on a line of its own
+    status = [line for line in lines if line.startswith("fsdp-turbo: tiny-qwen3-single-rank ")]
+    assert any(" r0 rollout" in line for line in status), lines
+    assert not [line for line in lines if "fsdp-turbo:" in line and not line.startswith("fsdp")]
