@@ -1,12 +1,13 @@
 """Real git against repositories made here: bare repos served over file:// URLs."""
 
+import contextlib
 import multiprocessing
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pytest_fsdp_turbo.checkout import (
@@ -165,14 +166,19 @@ def test_clone_killed_half_way_is_not_used_later(upstream, tmp_path):
         and not list(cache.glob("*.partial-*/.git"))
     ):
         time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
+    # the whole clone dies at once, its git included: a git left running would keep writing into
+    # the partial folder after the next run has cleared it
+    clone = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for started in clone:
+        with contextlib.suppress(psutil.NoSuchProcess):  # a git helper that just finished
+            started.kill()
+    psutil.wait_procs(clone, timeout=10)
     proc.join(10)
     assert list(cache.glob("*.partial-*")), "the clone should have been caught half-way"
     assert not (cache / cache_key(upstream["url"], "main")).exists()
     got = clone_cached(request(upstream["url"], "main", cache))
     assert got.commit == upstream["second"] and (got.path / COMPLETE_MARKER).is_file()
     assert not list(cache.glob("*.partial-*"))
-    subprocess.run(["pkill", "-f", str(hook_dir)], check=False)
 
 
 def _real_git():
