@@ -6,9 +6,15 @@ fresh rank processes on request, so a case costs its compute rather than its imp
 It never runs a case itself, creates no device context and starts no threads, so every forked rank
 begins from the same clean state: no process group, no model, no RNG draws, no module a previous
 case imported. Protocol, one JSON object per line: the launcher writes {"rank", "env", "spec",
-"log"} on stdin and reads {"pid"} back; the parent reports {"exit": pid, "code": c} when a rank ends
-(as subprocess does: negative for a signal). The first line it writes is {"ready", "fork_safe",
-"reason", "import_s"}. It dies with the process that started it, and its ranks die with it.
+"log", "cwd"} on stdin and reads {"pid"} back; the parent reports {"exit": pid, "code": c} when a rank
+ends (as subprocess does: negative for a signal). The first line it writes is {"ready", "fork_safe",
+"reason", "import_s", "socket"}. It dies with the process that started it, and its ranks die with it.
+
+With --listen PATH it also serves the same conversation on a unix socket, so the launcher's
+descendants (an inner pytest session, a `pytest-fsdp-turbo run`) fork from it instead of paying the
+imports again. Each socket client is greeted with the ready line (plus the interpreter and import
+environment, so it can tell whether the imports fit it), hears only of its own ranks' exits, and
+takes them down with it when it disconnects.
 """
 
 from __future__ import annotations
@@ -18,12 +24,22 @@ import json
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
 
 PR_SET_PDEATHSIG = 1
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# Read once at import by transformers / huggingface_hub, so they must be set before the parent
+# imports them (a rank would set them too late, after the fork); the launcher supplies defaults.
+IMPORT_TIME_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def _die_with_parent() -> None:
@@ -67,8 +83,12 @@ def fork_unsafe_reason() -> str | None:
     return None
 
 
-def _child(request: dict) -> None:
-    """In the forked rank: its own session, log, environment and thread count, then the worker."""
+def _child(request: dict, inherited: list[int]) -> None:
+    """In the forked rank: its own session, log, environment, folder and thread count, then the
+    worker. The parent's sockets are closed first, so a client sees EOF when the parent dies."""
+    for fd in inherited:
+        with contextlib.suppress(OSError):
+            os.close(fd)
     os.setsid()
     _die_with_parent()
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -79,6 +99,8 @@ def _child(request: dict) -> None:
     env = request["env"]
     os.environ.clear()
     os.environ.update(env)
+    if request.get("cwd"):
+        os.chdir(request["cwd"])
     for entry in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
@@ -98,52 +120,142 @@ def _child(request: dict) -> None:
         os._exit(code)
 
 
-def _send(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+def _line(message: dict) -> bytes:
+    return (json.dumps(message) + "\n").encode()
 
 
-def _reap() -> None:
-    while True:
+class Server:
+    """The conversations: the launcher on stdin/stdout (key None) and socket clients (their fd)."""
+
+    def __init__(self, ready: dict, listener: socket.socket | None):
+        self.ready, self.listener = ready, listener
+        self.clients: dict[int, socket.socket] = {}
+        self.pending: dict[int | None, bytes] = {None: b""}
+        self.owner: dict[int, int | None] = {}  # rank pid -> who asked for it
+
+    def send(self, to: int | None, message: dict) -> None:
+        if to is None:
+            os.write(sys.stdout.fileno(), _line(message))
+        elif to in self.clients:
+            try:
+                self.clients[to].sendall(_line(message))
+            except OSError:
+                self.drop(to)
+
+    def accept(self) -> None:
+        conn, _ = self.listener.accept()
+        conn.setblocking(True)
+        self.clients[conn.fileno()] = conn
+        self.pending[conn.fileno()] = b""
+        hello = {
+            **self.ready,
+            "pid": os.getpid(),
+            "executable": sys.executable,
+            "import_env": {k: os.environ.get(k) for k in IMPORT_TIME_ENV},
+        }
+        self.send(conn.fileno(), hello)
+
+    def drop(self, fd: int) -> None:
+        """A client went away: its ranks go with it, as they would with their own parent."""
+        conn = self.clients.pop(fd, None)
+        self.pending.pop(fd, None)
+        if conn is not None:
+            conn.close()
+        for pid, owner in list(self.owner.items()):
+            if owner == fd:
+                del self.owner[pid]
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid in self.owner:
+                self.send(
+                    self.owner.pop(pid), {"exit": pid, "code": os.waitstatus_to_exitcode(status)}
+                )
+
+    def receive(self, source: int | None, chunk: bytes) -> None:
+        self.pending[source] += chunk
+        while b"\n" in self.pending.get(source, b""):
+            line, self.pending[source] = self.pending[source].split(b"\n", 1)
+            request = json.loads(line)
+            inherited = [c.fileno() for c in self.clients.values()]
+            if self.listener is not None:
+                inherited.append(self.listener.fileno())
+            pid = os.fork()
+            if pid == 0:
+                _child(request, inherited)
+            self.owner[pid] = source
+            self.send(source, {"pid": pid, "rank": request["rank"]})
+
+    def serve(self) -> int:
+        stdin = sys.stdin.fileno()
+        while True:
+            watched = [stdin, *self.clients, *([self.listener] if self.listener else [])]
+            ready, _, _ = select.select(watched, [], [], 0.05)
+            self.reap()
+            for item in ready:
+                if item is self.listener:
+                    self.accept()
+                    continue
+                fd = item
+                chunk = os.read(fd, 1 << 16) if fd == stdin else self._recv(fd)
+                if not chunk:
+                    if fd == stdin:  # the launcher went away
+                        return 0
+                    self.drop(fd)
+                    continue
+                self.receive(None if fd == stdin else fd, chunk)
+
+    def _recv(self, fd: int) -> bytes:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        _send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            return self.clients[fd].recv(1 << 16)
+        except OSError:
+            return b""
 
 
-def main() -> int:
+def _listen(path: str) -> socket.socket | None:
+    """A socket only this user can reach (it lives in the launcher's private state folder); None
+    when it cannot be made (a path too long for AF_UNIX): descendants then start their own."""
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        os.chmod(path, 0o600)
+        listener.listen(16)
+        return listener
+    except OSError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
     start = time.monotonic()
     _warm_up()
     reason = fork_unsafe_reason()
-    _send(
-        {
-            "ready": True,
-            "fork_safe": reason is None,
-            "reason": reason,
-            "import_s": time.monotonic() - start,
-        }
-    )
-    fd, pending = sys.stdin.fileno(), b""
-    while True:
-        ready, _, _ = select.select([fd], [], [], 0.05)
-        _reap()
-        if not ready:
-            continue
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:  # the launcher went away
-            return 0
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            request = json.loads(line)
-            pid = os.fork()
-            if pid == 0:
-                _child(request)
-            _send({"pid": pid, "rank": request["rank"]})
+    listener = _listen(argv[1]) if argv[:1] == ["--listen"] and reason is None else None
+    ready = {
+        "ready": True,
+        "fork_safe": reason is None,
+        "reason": reason,
+        "import_s": time.monotonic() - start,
+    }
+    server = Server(ready, listener)
+    server.send(None, {**ready, "socket": argv[1] if listener else None})
+    try:
+        return server.serve()
+    finally:
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(argv[1])
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_fsdp_turbo.checkout_request import (  # noqa: F401 - part of this module's API
+    _SCP_LIKE,
     CI_PATH,
     DEFAULT_REPO,
     CheckoutRequest,
@@ -95,6 +96,15 @@ def cache_key(repo: str, ref: str | None) -> str:
     return hashlib.sha256(f"{repo}\n{ref or 'HEAD'}".encode()).hexdigest()[:16]
 
 
+def _local_repo_path(repo: str) -> Path | None:
+    """The folder a file:// URL or a plain path names; None for a remote URL."""
+    if repo.startswith("file://"):
+        return Path(repo.removeprefix("file://"))
+    if "://" in repo or re.match(_SCP_LIKE, repo):
+        return None
+    return Path(repo)
+
+
 def _clone_once(repo: str, ref: str | None, scratch: Path, timeout_s: float) -> str:
     _git(["clone", "--quiet", "--no-checkout", "--", repo, str(scratch)], None, timeout_s)
     if ref is None:
@@ -156,6 +166,11 @@ def clone_cached(request: CheckoutRequest, clone: bool = True) -> Checkout:
         shutil.rmtree(final, ignore_errors=True)
         for stale in cache.glob(f"{key}.partial-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        local = _local_repo_path(repo)
+        if local is not None and not local.exists():  # no retry can make it appear
+            raise CheckoutUnavailable(
+                f"FSDPTurbo from {source}: git clone failed: {local} does not exist"
+            )
         last_error, tries = "", 0
         for attempt in range(request.attempts):
             tries = attempt + 1

@@ -12,6 +12,7 @@ import pytest
 
 from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, LeaseTimeout, fail_line
 from pytest_fsdp_turbo.session import accelerator_of, artifacts_root, cases_of, settings_of
+from pytest_fsdp_turbo.vocab import Env
 
 if TYPE_CHECKING:  # the heavier modules load on first use, so installing the plugin costs nothing
     import psutil
@@ -25,7 +26,8 @@ if TYPE_CHECKING:  # the heavier modules load on first use, so installing the pl
 
 
 ENV_GUARD_INI = "fsdp_turbo_env_guard"
-_PYTEST_OWN = ("PYTEST_CURRENT_TEST",)
+# pytest's own, and the warm parent's socket, advertised once (by whichever test started it)
+_PYTEST_OWN = ("PYTEST_CURRENT_TEST", Env.WARM_SOCKET)
 
 
 @pytest.fixture

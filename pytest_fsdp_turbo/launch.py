@@ -383,7 +383,7 @@ def launch_local(
 def _warm_parent_died(parent, exc: BaseException | None = None) -> str:
     how = f" ({type(exc).__name__}: {exc})" if exc else ""
     return (
-        f"the warm parent (pid {parent.proc.pid}) died while the case ran, exit code "
-        f"{parent.proc.poll()}{how}; its ranks died with it, and the next case starts a new one; "
+        f"the warm parent (pid {parent.pid}) died while the case ran, exit code "
+        f"{parent.exit_code}{how}; its ranks died with it, and the next case starts a new one; "
         f"its log: {parent.log_path}"
     )

@@ -1,6 +1,8 @@
 """The launcher's side of warm ranks: one warm parent per pytest process (so one per xdist worker),
 started on first use, that forks each case's rank processes (engine/warm_parent.py). Every case still
-gets fresh processes and a fresh process group; only the imports are shared.
+gets fresh processes and a fresh process group; only the imports are shared. A process started
+inside a pytest session (an inner pytest, `pytest-fsdp-turbo run`) forks from its ancestor's warm
+parent through the socket advertised in PYTEST_FSDP_TURBO_WARM_SOCKET, when the imports fit it.
 
 Where forking is unsafe (torch_npu installed, which torch imports with itself; a CUDA context; a
 thread in the parent) or turned off (PYTEST_FSDP_TURBO_NO_FORK=1), ranks are spawned as fresh
@@ -15,11 +17,14 @@ import importlib.util
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+
+from pytest_fsdp_turbo_engine.warm_parent import IMPORT_TIME_ENV  # light: no torch at import
 
 from pytest_fsdp_turbo.launch import die_with_parent
 from pytest_fsdp_turbo.session_processes import disown, own
@@ -27,17 +32,15 @@ from pytest_fsdp_turbo.vocab import Env
 
 WARM_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
 NO_FORK_VAR = Env.NO_FORK
+SOCKET_VAR = Env.WARM_SOCKET
 READY_TIMEOUT_S = 300.0
 FORK_TIMEOUT_S = 60.0
-# Read once at import by transformers / huggingface_hub, so they must be set before the parent
-# imports them (the rank would set them too late, after the fork).
-IMPORT_TIME_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+CONNECT_TIMEOUT_S = 5.0
+
+
+def import_env() -> dict[str, str]:
+    """The values the parent imports under: the user's where set, the harness's defaults else."""
+    return {k: os.environ.get(k, v) for k, v in IMPORT_TIME_ENV.items()}
 
 
 def fork_unavailable_reason() -> str | None:
@@ -51,35 +54,32 @@ def fork_unavailable_reason() -> str | None:
     return None
 
 
-class WarmParent:
-    def __init__(self, log_path: Path):
-        env = {**os.environ, **{k: os.environ.get(k, v) for k, v in IMPORT_TIME_ENV.items()}}
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the parent
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", WARM_MODULE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=env,
-            preexec_fn=die_with_parent,
-        )
+class _Conversation:
+    """JSON lines with a warm parent: fork requests out; replies and rank exits in."""
+
+    pid: int
+    log_path: Path
+
+    def _start_reading(self, lines, first: str) -> dict:
         self.exits: dict[int, int] = {}
         self._replies: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        threading.Thread(target=self._read, daemon=True, name="fsdp-turbo-warm-parent").start()
-        ready = self._reply(READY_TIMEOUT_S, "start")
-        self.fork_safe, self.reason = ready["fork_safe"], ready["reason"]
-        self.import_s = ready["import_s"]
+        self._ended = threading.Event()
+        threading.Thread(
+            target=self._read, args=(lines,), daemon=True, name="fsdp-turbo-warm-parent"
+        ).start()
+        return self._reply(READY_TIMEOUT_S, first)
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            message = json.loads(line)
-            if "exit" in message:
-                self.exits[message["exit"]] = message["code"]
-            else:
-                self._replies.put(message)
-        self._replies.put(None)  # the parent ended
+    def _read(self, lines) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for line in lines:
+                message = json.loads(line)
+                if "exit" in message:
+                    self.exits[message["exit"]] = message["code"]
+                else:
+                    self._replies.put(message)
+        self._ended.set()
+        self._replies.put(None)  # the parent ended, or the connection to it did
 
     def _reply(self, timeout_s: float, what: str) -> dict:
         try:
@@ -87,19 +87,60 @@ class WarmParent:
         except queue.Empty:
             message = None
         if message is None:
-            raise RuntimeError(f"warm parent did not answer ({what}); see {self._log.name}")
+            raise RuntimeError(f"warm parent did not answer ({what}); see {self.log_path}")
         return message
+
+    def _write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def fork(self, rank: int, env: Mapping[str, str], spec: Path, log: Path) -> int:
+        request = {"rank": rank, "env": dict(env), "spec": str(spec), "log": str(log)}
+        request["cwd"] = os.getcwd()
+        with self._lock:
+            self._write((json.dumps(request) + "\n").encode())
+            return self._reply(FORK_TIMEOUT_S, f"fork rank {rank}")["pid"]
+
+    @property
+    def alive(self) -> bool:
+        return not self._ended.is_set()
+
+    @property
+    def exit_code(self) -> int | None:
+        return None
+
+
+class WarmParent(_Conversation):
+    """A warm parent this process started; it also listens on `socket_path` for descendants."""
+
+    def __init__(self, log_path: Path, socket_path: Path | None = None):
+        env = {**os.environ, **import_env()}
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the parent
+        listen = ["--listen", str(socket_path)] if socket_path else []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", WARM_MODULE, *listen],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            preexec_fn=die_with_parent,
+        )
+        self.pid = self.proc.pid
+        ready = self._start_reading(self.proc.stdout, "start")
+        self.fork_safe, self.reason = ready["fork_safe"], ready["reason"]
+        self.import_s, self.socket = ready["import_s"], ready.get("socket")
+
+    def _write(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
 
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def fork(self, rank: int, env: Mapping[str, str], spec: Path, log: Path) -> int:
-        request = {"rank": rank, "env": dict(env), "spec": str(spec), "log": str(log)}
-        with self._lock:
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
-            return self._reply(FORK_TIMEOUT_S, f"fork rank {rank}")["pid"]
+    @property
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
 
     def close(self) -> None:
         disown(self.proc.pid)  # a pid the system may hand to another process from now on
@@ -109,12 +150,57 @@ class WarmParent:
         self._log.close()
 
 
-_parents: dict[int, WarmParent] = {}  # by pid: a forked or xdist-spawned process starts its own
+class SharedWarmParent(_Conversation):
+    """The warm parent of an ancestor process (an outer pytest session), reached through the
+    socket it names in PYTEST_FSDP_TURBO_WARM_SOCKET. Its imports are already paid; the ranks it
+    forks for this process are killed when this process disconnects or dies."""
+
+    def __init__(self, socket_path: str):
+        self.log_path = Path(socket_path).with_suffix(".log")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            self._sock.connect(socket_path)
+        except OSError:
+            self._sock.close()
+            raise
+        self._sock.settimeout(None)
+        hello = self._start_reading(self._sock.makefile("rb"), "connect")
+        self.pid, self.fork_safe, self.reason = hello["pid"], hello["fork_safe"], hello["reason"]
+        self.import_s = 0.0
+        self.fits = hello["executable"] == sys.executable and hello["import_env"] == import_env()
+
+    def _write(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+def _shared_parent() -> SharedWarmParent | None:
+    """An ancestor's warm parent this process may fork from, if one is advertised and fits."""
+    path = os.environ.get(SOCKET_VAR)
+    if not path:
+        return None
+    try:
+        parent = SharedWarmParent(path)
+    except (OSError, RuntimeError, KeyError, ValueError):
+        return None  # gone (a stale path) or not answering: this process starts its own
+    if parent.fits and parent.fork_safe:
+        return parent
+    parent.close()
+    return None
+
+
+_parents: dict[int, _Conversation] = {}  # by pid: a forked or xdist-spawned process has its own
 _refusals: dict[int, str] = {}
 
 
-def warm_parent(log_dir: Path) -> tuple[WarmParent | None, str | None]:
-    """This process's warm parent (started on first use), or (None, why ranks must be spawned)."""
+def warm_parent(log_dir: Path) -> tuple[_Conversation | None, str | None]:
+    """This process's warm parent (an ancestor's, or one started on first use), or (None, why ranks
+    must be spawned). One this process starts is advertised to its descendants."""
     me = os.getpid()
     if me in _refusals:
         return None, _refusals[me]
@@ -124,10 +210,16 @@ def warm_parent(log_dir: Path) -> tuple[WarmParent | None, str | None]:
             return parent, None
         parent.close()  # died (a case reported it); a new one takes its place
     reason = fork_unavailable_reason()
+    if reason is None and (shared := _shared_parent()) is not None:
+        _parents[me] = shared
+        atexit.register(shared.close)
+        return shared, None
     if reason is None:
         log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            parent = WarmParent(log_dir / f"warm-parent-{me}.log")
+            parent = WarmParent(
+                log_dir / f"warm-parent-{me}.log", log_dir / f"warm-parent-{me}.sock"
+            )
         except (OSError, RuntimeError) as exc:
             reason = f"warm parent failed to start: {exc}"
         else:
@@ -135,6 +227,8 @@ def warm_parent(log_dir: Path) -> tuple[WarmParent | None, str | None]:
                 _parents[me] = parent
                 own(parent.proc.pid, "warm parent")  # its forked ranks stay the test's
                 atexit.register(parent.close)
+                if parent.socket:
+                    os.environ[SOCKET_VAR] = parent.socket
                 return parent, None
             reason = f"fork is unsafe in the warm parent: {parent.reason}"
             parent.close()

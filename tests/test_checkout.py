@@ -90,8 +90,14 @@ def test_missing_ref_fails_with_git_reason(upstream, tmp_path):
         clone_cached(request(upstream["url"], "nope", tmp_path / "cache"))
 
 
-def test_unreachable_url_retries_then_reports(tmp_path):
+def test_missing_local_repository_fails_at_once(tmp_path):
     url = f"file://{tmp_path}/absent.git"
+    with pytest.raises(CheckoutUnavailable, match=r"absent.git does not exist$"):
+        clone_cached(request(url, "main", tmp_path / "cache", attempts=3, git_timeout_s=30))
+
+
+def test_unreachable_url_retries_then_reports(tmp_path):
+    url = "git://127.0.0.1:1/absent.git"  # connection refused: a transient failure, retried
     start = time.monotonic()
     with pytest.raises(CheckoutUnavailable) as info:
         clone_cached(request(url, "main", tmp_path / "cache", attempts=3))

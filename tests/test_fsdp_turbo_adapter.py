@@ -154,7 +154,6 @@ def test_turbo_backend_is_registered_everywhere_and_the_library_decides():
 
 
 def test_turbo_case_skips_without_checkout_and_fails_under_strict(pytester, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     pytester.makefile(
         ".toml",
         cases='[[case]]\nid = "turbo"\nmodel = "tiny-qwen3"\nbackend = "fsdp_turbo"\n'

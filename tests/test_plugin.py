@@ -272,7 +272,6 @@ def test_collective_env_fixture_uses_the_lease(pytester, no_gpu_path, tmp_path, 
 
 
 def test_checkout_fixture_skips_with_source_and_fails_under_strict(pytester, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     pytester.makepyfile("def test_needs(fsdp_turbo_checkout):\n    pass\n")
     url = f"file://{tmp_path}/missing.git"
     result = pytester.runpytest("-rs", f"--fsdp-turbo-repo={url}", "--fsdp-turbo-ref=main")

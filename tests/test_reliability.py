@@ -88,7 +88,17 @@ def test_port_taken_between_lease_and_bind_is_retried(tiny_model, tmp_path, no_l
     assert "EADDRINUSE" in (kept / "rank0.error.json").read_text()
 
 
-def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_path):
+def _forked_ranks(parent: psutil.Process, before: set[int]) -> list[psutil.Process]:
+    return [p for p in parent.children() if p.pid not in before]
+
+
+@pytest.mark.parametrize("warm", ["own", "shared"])
+def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_path, warm):
+    """own: the worker starts its warm parent, which dies with it; shared: the worker forks from
+    this (outer) process's warm parent, which outlives it, and the worker's ranks still die."""
+    from pytest_fsdp_turbo.vocab import Env
+    from pytest_fsdp_turbo.warm import warm_parent
+
     state = tmp_path / "state"
     (tmp_path / "test_inner.py").write_text(
         textwrap.dedent(
@@ -99,7 +109,15 @@ def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_pa
         """
         )
     )
+    shared = None
+    if warm == "shared":
+        outer, why = warm_parent(tmp_path / "outer")
+        assert outer is not None and Env.WARM_SOCKET in os.environ, why
+        shared = psutil.Process(outer.pid)
     env = {**os.environ, "PYTEST_FSDP_TURBO_STATE_DIR": str(state)}
+    if shared is None:
+        env.pop(Env.WARM_SOCKET, None)
+    before = {p.pid for p in shared.children()} if shared else set()
     inner = subprocess.Popen(
         [
             sys.executable,
@@ -123,32 +141,33 @@ def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_pa
     try:
         deadline = time.monotonic() + 120
         ranks: list[psutil.Process] = []
-        parent = None
+        parent = shared
         while time.monotonic() < deadline and len(ranks) < 2:
-            warm = [
-                p
-                for p in psutil.Process(inner.pid).children(recursive=True)
-                if "pytest_fsdp_turbo_engine.warm_parent" in " ".join(p.cmdline())
-            ]
-            parent = next(
-                (
-                    p
-                    for p in warm
-                    if p.parent() and "warm_parent" not in " ".join(p.parent().cmdline())
-                ),
-                None,
-            )
-            ranks = parent.children() if parent else []
+            if shared is None:
+                parent = next(
+                    (
+                        p
+                        for p in psutil.Process(inner.pid).children(recursive=True)
+                        if "pytest_fsdp_turbo_engine.warm_parent" in " ".join(p.cmdline())
+                    ),
+                    None,
+                )
+            ranks = _forked_ranks(parent, before) if parent else []
             time.sleep(0.2)
         assert len(ranks) == 2, "the ranks were never forked from the warm parent"
-        worker = parent.parent()  # the xdist worker that started the warm parent
-        assert "python" in worker.name()
-        ranks.append(parent)
+        worker = next(  # the xdist worker: the inner pytest process's child
+            p for p in psutil.Process(inner.pid).children() if "python" in p.name()
+        )
+        if shared is None:
+            assert parent.parent().pid == worker.pid  # the worker started its own
+            ranks.append(parent)
         book = LeaseBook(state)
         assert book.holders()["devices"], "the worker should hold its devices now"
         worker.send_signal(signal.SIGKILL)  # the xdist worker dies mid-case
         gone, alive = psutil.wait_procs(ranks, timeout=10)
         assert not alive, f"warm parent or ranks outlived their worker: {[p.pid for p in alive]}"
+        if shared is not None:
+            assert shared.is_running(), "the outer session's warm parent must outlive the worker"
         lease = book.devices("cpu", [0, 1], 2, timeout_s=5)  # reclaimed, not stuck behind the dead
         assert lease.ids == (0, 1)
     finally:

@@ -9,6 +9,7 @@ from pytest_fsdp_turbo import checks
 FAULT = "PYTEST_FSDP_TURBO_FAULT"
 PROBES = str(Path(__file__).parent / "warm_probes")
 CASE = "tiny-qwen3_5-fsdp2-deferred"
+REPO_CASES = Path(__file__).parents[1] / "e2e" / "cases.toml"
 
 pytestmark = pytest.mark.devices(2)
 
@@ -61,3 +62,41 @@ def test_a_case_after_a_failed_polluting_case_is_unaffected(ppo_run):
     assert (
         "no engine for model_type='qwen3_5_text', backend='fsdp_polluted'" in orphan.failure_text()
     )
+
+
+def test_an_inner_session_forks_from_the_outer_sessions_warm_parent(pytester, tmp_path):
+    """Imports are paid once per process tree: a pytest started inside this one (here, or a
+    `pytest-fsdp-turbo run`) forks its ranks from this process's warm parent, in its own folder."""
+    from pytest_fsdp_turbo.warm import warm_parent
+
+    outer, why = warm_parent(tmp_path / "state")
+    assert outer is not None, why
+    pytester.makeini(f"[pytest]\nfsdp_turbo_cases = {REPO_CASES}\n")
+    pytester.makepyfile(
+        "import os\n"
+        "from pathlib import Path\n"
+        "from pytest_fsdp_turbo import checks\n"
+        "from pytest_fsdp_turbo.warm import warm_parent\n"
+        "def test_inner(ppo_run):\n"
+        f"    checks.check_all(ppo_run({CASE!r}, launcher='local'))\n"
+        "    parent, _ = warm_parent(Path('unused'))\n"
+        "    print('forked-by', parent.pid, 'in', os.getcwd())\n"
+    )
+    result = pytester.runpytest_subprocess("-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"*forked-by {outer.pid} in {pytester.path}"])
+
+
+def test_a_stale_or_unfit_advertised_parent_is_not_used(tmp_path, monkeypatch):
+    from pytest_fsdp_turbo import warm
+
+    monkeypatch.setenv(warm.SOCKET_VAR, str(tmp_path / "gone.sock"))
+    assert warm._shared_parent() is None  # nothing listens: this process starts its own
+    outer, why = warm.warm_parent(tmp_path / "state")
+    assert outer is not None, why
+    monkeypatch.setenv(warm.SOCKET_VAR, outer.socket or str(tmp_path / "no-socket"))
+    shared = warm._shared_parent()
+    assert shared is not None and shared.pid == outer.pid
+    shared.close()
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "debug")  # the parent imported under "error"
+    assert warm._shared_parent() is None
