@@ -12,7 +12,6 @@ import pytest
 
 from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, LeaseTimeout, fail_line
 from pytest_fsdp_turbo.session import accelerator_of, artifacts_root, cases_of, settings_of
-from pytest_fsdp_turbo.vocab import Env
 
 if TYPE_CHECKING:  # the heavier modules load on first use, so installing the plugin costs nothing
     import psutil
@@ -26,8 +25,9 @@ if TYPE_CHECKING:  # the heavier modules load on first use, so installing the pl
 
 
 ENV_GUARD_INI = "fsdp_turbo_env_guard"
-# pytest's own, and the warm parent's socket, advertised once (by whichever test started it)
-_PYTEST_OWN = ("PYTEST_CURRENT_TEST", Env.WARM_SOCKET)
+# pytest's own, and the warm parent's socket (Env.WARM_SOCKET), advertised once by whichever test
+# started it; spelled out here so a suite that never uses the harness does not load the vocabulary
+_PYTEST_OWN = ("PYTEST_CURRENT_TEST", "PYTEST_FSDP_TURBO_WARM_SOCKET")
 
 
 @pytest.fixture
