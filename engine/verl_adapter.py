@@ -22,6 +22,25 @@ MODEL_TYPE = "language_model"  # verl's registry key for causal LMs with an LM h
 FP32_MIXED_PRECISION = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
+def preload(kind: str) -> None:
+    """What the warm parent's verl zygote imports for the ranks of one device kind: the platform
+    shims first (verl resolves its platform while importing), then the modules a rank uses."""
+    import importlib
+
+    from pytest_fsdp_turbo_engine.verl_cpu_platform import prepare
+
+    prepare(kind)
+    for module in (
+        "verl.trainer.config.config",
+        "verl.workers.config",
+        "verl.workers.engine",
+        "verl.utils.tensordict_utils",
+        "verl.workers.utils.padding",
+        "verl.workers.utils.losses",
+    ):
+        importlib.import_module(module)
+
+
 class _InitialPolicy:
     """The reference policy of a 1-step run is the initial policy: before the step its log-probs
     are the policy's own, so no second verl engine is built for it."""

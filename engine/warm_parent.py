@@ -20,6 +20,7 @@ takes them down with it when it disconnects.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -124,6 +125,102 @@ def _line(message: dict) -> bytes:
     return (json.dumps(message) + "\n").encode()
 
 
+# Stacks a rank would import itself, which depend on the device kind at import time (verl resolves
+# and caches its platform while importing). A zygote per (stack, kind) imports one, then forks the
+# ranks that need it. CPU only: importing verl elsewhere probes CUDA/NPU, and a process that did
+# must not fork.
+PRELOADS = {"verl": "pytest_fsdp_turbo_engine.verl_adapter:preload"}
+PRELOAD_KINDS = ("cpu",)
+
+
+def _zygote_main(conn: socket.socket, preload: str) -> None:
+    """In the zygote: import the stack, say whether forking stays safe, then fork ranks on request
+    and report their exits, exactly like the parent does."""
+    _die_with_parent()
+    os.dup2(
+        2, 1
+    )  # stdout is the launcher's conversation: anything an import prints goes to the log
+    name, kind = preload.split(":")
+    reason = None
+    try:
+        module, function = PRELOADS[name].split(":")
+        getattr(importlib.import_module(module), function)(kind)
+        reason = fork_unsafe_reason()
+    except BaseException as exc:  # noqa: BLE001 - any failure means: fork from the parent instead
+        reason = f"{type(exc).__name__}: {exc}"
+    conn.sendall(_line({"ready": reason is None, "reason": reason}))
+    if reason is not None:
+        os._exit(1)
+    pending, children = b"", set()
+    while True:
+        ready, _, _ = select.select([conn], [], [], 0.05)
+        for pid, code in _reaped():
+            children.discard(pid)
+            conn.sendall(_line({"exit": pid, "code": code}))
+        if not ready:
+            continue
+        chunk = conn.recv(1 << 16)
+        if not chunk:  # the parent went away (its ranks go with it: parent-death signal)
+            os._exit(0)
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _child(request, [conn.fileno()])
+            children.add(pid)
+            conn.sendall(_line({"pid": pid}))
+
+
+def _reaped() -> list[tuple[int, int]]:
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return ended
+        if pid == 0:
+            return ended
+        ended.append((pid, os.waitstatus_to_exitcode(status)))
+
+
+class Zygote:
+    """The parent's side of one zygote: a socket pair and a line buffer."""
+
+    def __init__(self, preload: str, inherited: list[int]):
+        ours, theirs = socket.socketpair()
+        self.pid = os.fork()
+        if self.pid == 0:
+            for fd in [*inherited, ours.fileno()]:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            _zygote_main(theirs, preload)
+        theirs.close()
+        self.conn, self.pending = ours, b""
+        ready = self.next_message()
+        self.reason = None if ready and ready.get("ready") else (ready or {}).get("reason", "died")
+        self.exits: list[dict] = []  # read while waiting for a reply; the server routes them
+
+    def next_message(self) -> dict | None:
+        while b"\n" not in self.pending:
+            chunk = self.conn.recv(1 << 16)
+            if not chunk:
+                return None
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def fork(self, request: dict) -> int | None:
+        self.conn.sendall(_line(request))
+        while (message := self.next_message()) is not None:
+            if "exit" in message:
+                self.exits.append(message)
+            else:
+                return message["pid"]
+        return None
+
+
 class Server:
     """The conversations: the launcher on stdin/stdout (key None) and socket clients (their fd)."""
 
@@ -132,6 +229,8 @@ class Server:
         self.clients: dict[int, socket.socket] = {}
         self.pending: dict[int | None, bytes] = {None: b""}
         self.owner: dict[int, int | None] = {}  # rank pid -> who asked for it
+        self.zygotes: dict[str, Zygote | None] = {}  # None: that preload failed, fork here
+        self.via: dict[int, Zygote] = {}  # rank pid -> the zygote that forked it
 
     def send(self, to: int | None, message: dict) -> None:
         if to is None:
@@ -185,24 +284,64 @@ class Server:
         while b"\n" in self.pending.get(source, b""):
             line, self.pending[source] = self.pending[source].split(b"\n", 1)
             request = json.loads(line)
-            inherited = [c.fileno() for c in self.clients.values()]
-            if self.listener is not None:
-                inherited.append(self.listener.fileno())
-            pid = os.fork()
-            if pid == 0:
-                _child(request, inherited)
+            pid = self.fork_in_zygote(request)
+            if pid is None:
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, self.inherited())
             self.owner[pid] = source
             self.send(source, {"pid": pid, "rank": request["rank"]})
+
+    def inherited(self) -> list[int]:
+        """Descriptors a forked process must close: every conversation's but its own."""
+        fds = [c.fileno() for c in self.clients.values()]
+        fds += [z.conn.fileno() for z in self.zygotes.values() if z is not None]
+        return fds + ([self.listener.fileno()] if self.listener is not None else [])
+
+    def fork_in_zygote(self, request: dict) -> int | None:
+        preload = request.get("preload")
+        if not preload or preload.split(":")[-1] not in PRELOAD_KINDS:
+            return None
+        if preload not in self.zygotes:
+            zygote = Zygote(preload, self.inherited())
+            if zygote.reason is not None:
+                sys.stderr.write(f"warm parent: no zygote for {preload}: {zygote.reason}\n")
+                zygote.conn.close()
+                zygote = None
+            self.zygotes[preload] = zygote
+            if zygote is not None:  # a process of the session: the launcher registers it
+                self.send(None, {"zygote": zygote.pid, "preload": preload})
+        zygote = self.zygotes[preload]
+        pid = zygote.fork(request) if zygote is not None else None
+        if zygote is not None:
+            self.route_exits(zygote)
+            if pid is None:  # it died: later requests fork here
+                self.zygotes[preload] = None
+            else:
+                self.via[pid] = zygote
+        return pid
+
+    def route_exits(self, zygote: Zygote) -> None:
+        for message in zygote.exits:
+            self.via.pop(message["exit"], None)
+            if message["exit"] in self.owner:
+                self.send(self.owner.pop(message["exit"]), message)
+        zygote.exits.clear()
 
     def serve(self) -> int:
         stdin = sys.stdin.fileno()
         while True:
-            watched = [stdin, *self.clients, *([self.listener] if self.listener else [])]
+            zygotes = {z.conn.fileno(): z for z in self.zygotes.values() if z is not None}
+            watched = [stdin, *self.clients, *zygotes]
+            watched += [self.listener] if self.listener else []
             ready, _, _ = select.select(watched, [], [], 0.05)
             self.reap()
             for item in ready:
                 if item is self.listener:
                     self.accept()
+                    continue
+                if item in zygotes:
+                    self.hear_zygote(zygotes[item])
                     continue
                 fd = item
                 chunk = os.read(fd, 1 << 16) if fd == stdin else self._recv(fd)
@@ -212,6 +351,28 @@ class Server:
                     self.drop(fd)
                     continue
                 self.receive(None if fd == stdin else fd, chunk)
+
+    def hear_zygote(self, zygote: Zygote) -> None:
+        chunk = b""
+        with contextlib.suppress(OSError):
+            chunk = zygote.conn.recv(1 << 16)
+        if not chunk:  # it died; its ranks died with it and their clients see them gone
+            for key, known in list(self.zygotes.items()):
+                if known is zygote:
+                    self.zygotes[key] = None
+            zygote.conn.close()
+            for pid in [pid for pid, via in self.via.items() if via is zygote]:
+                del self.via[pid]
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)  # their parent-death signal, made sure of
+                if pid in self.owner:
+                    self.send(self.owner.pop(pid), {"exit": pid, "code": -signal.SIGKILL})
+            return
+        zygote.pending += chunk
+        while b"\n" in zygote.pending:
+            line, zygote.pending = zygote.pending.split(b"\n", 1)
+            zygote.exits.append(json.loads(line))
+        self.route_exits(zygote)
 
     def _recv(self, fd: int) -> bytes:
         try:

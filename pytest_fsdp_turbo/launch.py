@@ -220,9 +220,17 @@ class LocalRank:
 class ForkedRank:
     """A rank forked by this process's warm parent; the parent reaps it and reports its exit."""
 
-    def __init__(self, parent, rank: int, env: Mapping[str, str], spec: Path, log_path: Path):
+    def __init__(
+        self,
+        parent,
+        rank: int,
+        env: Mapping[str, str],
+        spec: Path,
+        log_path: Path,
+        preload: str | None = None,
+    ):
         self.parent, self.rank, self.log_path = parent, rank, log_path
-        self.pid = parent.fork(rank, env, spec, log_path)
+        self.pid = parent.fork(rank, env, spec, log_path, preload)
 
     def poll(self) -> int | None:
         code = self.parent.exits.get(self.pid)
@@ -347,6 +355,7 @@ def launch_local(
     command: Sequence[str] | None = None,
     poll_s: float = 0.05,
     warm_parent=None,
+    preload: str | None = None,
     watch: Callable[[float], None] | None = None,
 ) -> RunResult:
     """Run `command` (default: the engine worker on artifacts_dir/spec.json) as world_size ranks:
@@ -362,7 +371,7 @@ def launch_local(
             rank_vars = {**rank_env(env, rank, world_size), LAUNCHED_AT_VAR: f"{time.time():.6f}"}
             if warm_parent is not None:
                 spec = artifacts_dir / "spec.json"
-                handles.append(ForkedRank(warm_parent, rank, rank_vars, spec, log_path))
+                handles.append(ForkedRank(warm_parent, rank, rank_vars, spec, log_path, preload))
             else:
                 handles.append(LocalRank(rank, command, rank_vars, log_path))
     except BaseException as exc:

@@ -200,6 +200,7 @@ def run_case(
                     artifacts_dir=out,
                     timeout_s=case.timeout,
                     warm_parent=parent,
+                    preload=f"verl:{accel.kind}" if case.is_verl else None,
                     watch=progress.tick if progress else None,
                 )
             finally:

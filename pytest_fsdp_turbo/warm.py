@@ -62,6 +62,7 @@ class _Conversation:
 
     def _start_reading(self, lines, first: str) -> dict:
         self.exits: dict[int, int] = {}
+        self.zygotes: list[int] = []
         self._replies: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._ended = threading.Event()
@@ -76,6 +77,9 @@ class _Conversation:
                 message = json.loads(line)
                 if "exit" in message:
                     self.exits[message["exit"]] = message["code"]
+                elif "zygote" in message:  # lives as long as the parent, like the parent
+                    self.zygotes.append(message["zygote"])
+                    own(message["zygote"], f"warm parent's zygote for {message['preload']}")
                 else:
                     self._replies.put(message)
         self._ended.set()
@@ -93,9 +97,12 @@ class _Conversation:
     def _write(self, data: bytes) -> None:
         raise NotImplementedError
 
-    def fork(self, rank: int, env: Mapping[str, str], spec: Path, log: Path) -> int:
+    def fork(
+        self, rank: int, env: Mapping[str, str], spec: Path, log: Path, preload: str | None = None
+    ) -> int:
+        """A rank's pid; `preload` ("verl:cpu") forks it from a zygote that imported that stack."""
         request = {"rank": rank, "env": dict(env), "spec": str(spec), "log": str(log)}
-        request["cwd"] = os.getcwd()
+        request.update(cwd=os.getcwd(), preload=preload)
         with self._lock:
             self._write((json.dumps(request) + "\n").encode())
             return self._reply(FORK_TIMEOUT_S, f"fork rank {rank}")["pid"]
@@ -143,7 +150,8 @@ class WarmParent(_Conversation):
         return self.proc.poll()
 
     def close(self) -> None:
-        disown(self.proc.pid)  # a pid the system may hand to another process from now on
+        for pid in [self.proc.pid, *self.zygotes]:
+            disown(pid)  # a pid the system may hand to another process from now on
         with contextlib.suppress(OSError):
             self.proc.kill()
         self.proc.wait()

@@ -1,7 +1,9 @@
 """Warm ranks: forked from a warm parent per pytest process, fresh for every case."""
 
+import importlib.util
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pytest_fsdp_turbo import checks
@@ -100,3 +102,30 @@ def test_a_stale_or_unfit_advertised_parent_is_not_used(tmp_path, monkeypatch):
     shared.close()
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "debug")  # the parent imported under "error"
     assert warm._shared_parent() is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="needs verl")
+def test_verl_ranks_fork_from_a_zygote_that_imported_verl_once(ppo_run):
+    """verl resolves its platform while importing, so the parent cannot import it for every kind;
+    a zygote per (verl, kind) does, and the ranks of every later verl case skip the import."""
+    from pytest_fsdp_turbo.session_processes import owned
+
+    first = ppo_run("tiny-qwen3-verl-fsdp2-deferred")
+    checks.check_all(first)
+    zygotes = [p for p in owned().values() if p.what == "warm parent's zygote for verl:cpu"]
+    assert len(zygotes) == 1 and psutil.pid_exists(zygotes[0].pid), owned()
+    assert first.notes == []
+    # verl's own import is paid in the zygote: loading the engine is now about building it
+    assert first.metrics["timing_s/load"] < 4.0, first.metrics["timing_s/load"]
+
+
+def test_a_stack_that_fails_to_preload_leaves_forking_to_the_parent():
+    from pytest_fsdp_turbo_engine.warm_parent import Server, Zygote
+
+    broken = Zygote("no-such-stack:cpu", [])
+    assert broken.reason.startswith("KeyError"), broken.reason
+    server = Server({}, None)
+    assert server.fork_in_zygote({"rank": 0, "preload": "no-such-stack:cpu"}) is None
+    assert server.zygotes == {"no-such-stack:cpu": None}  # not tried again
+    assert server.fork_in_zygote({"rank": 0, "preload": "verl:cuda"}) is None  # cpu only
+    assert "verl:cuda" not in server.zygotes
