@@ -88,6 +88,8 @@ MUTANTS = (
     Mutant("fsdp_hoarding_memory", both(("f", "perf/peak_memory_bytes"))),
 )
 VERL_CASE = "tiny-qwen3-verl-fsdp2-deferred"
+GOLDEN_MUTANT = "fsdp_gradients_divided_twice"
+assert any(m.backend == GOLDEN_MUTANT and m.case == CASE for m in MUTANTS)
 
 
 def run_broken(ppo_run, backend: str, case: str, mode: str, module: str = "broken_engines"):
@@ -119,7 +121,7 @@ def test_healthy_engine_passes(ppo_run, mode):
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("mutant", MUTANTS, ids=str)
-def test_check_catches_broken_engine(ppo_run, mutant, mode):
+def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant, mode):
     result = run_broken(ppo_run, mutant.backend, mutant.case, mode)
     checks.check_completed(result)  # every bug here runs to the end: only the checks can tell
     failed = {o.check: o.detail for o in checks.evaluate(result).with_status(checks.FAILED)}
@@ -128,14 +130,14 @@ def test_check_catches_broken_engine(ppo_run, mutant, mode):
         assert f"check {letter}" in failed[letter] and text in failed[letter], failed[letter]
     with pytest.raises(checks.CheckFailure):
         checks.check_all(result)
+    if mutant.backend == GOLDEN_MUTANT:  # the same run proves g (goldens live outside check_all)
+        assert_golden_is_red(result, pytestconfig)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_goldens_catch_halved_gradients(ppo_run, pytestconfig, mode):
+def assert_golden_is_red(result, pytestconfig) -> None:
     """g: the case's recorded golden turns red when the gradients are silently halved."""
     from pytest_fsdp_turbo.session import cases_of
 
-    result = run_broken(ppo_run, "fsdp_gradients_divided_twice", CASE, mode)
     case = cases_of(pytestconfig).get(CASE)
     with pytest.raises(checks.CheckFailure, match=r"check g: metric actor/grad_norm = "):
         goldens.check_or_record(result, case, "cpu", None, record=False)

@@ -92,8 +92,9 @@ def _child(request: dict, inherited: list[int]) -> None:
             os.close(fd)
     os.setsid()
     _die_with_parent()
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1)
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    out = request.get("stdout")
+    os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if out else log, 1)
     os.dup2(log, 2)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -110,15 +111,40 @@ def _child(request: dict, inherited: list[int]) -> None:
     torch.set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "1"))))
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-    from pytest_fsdp_turbo_engine import worker
-
     code = 1
     try:
-        code = worker.main([request["spec"]])
+        if "module" in request:
+            code = _run_module(request["module"], request["argv"])
+        else:
+            from pytest_fsdp_turbo_engine import worker
+
+            code = worker.main([request["spec"]])
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _run_module(module: str, argv: list[str]) -> int:
+    """`python -m module argv...` in the forked child: a helper (tiny-model builder, inspection)
+    that needs torch and transformers, which this process has already imported."""
+    import runpy
+    import traceback
+
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:  # noqa: BLE001 - reported as a subprocess would: traceback, exit 1
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def interpreter() -> list[str]:
+    """Which Python this is, however it was called (venv `python` and `python3` are one)."""
+    return [os.path.realpath(sys.executable), sys.prefix]
 
 
 def _line(message: dict) -> bytes:
@@ -249,7 +275,7 @@ class Server:
         hello = {
             **self.ready,
             "pid": os.getpid(),
-            "executable": sys.executable,
+            "interpreter": interpreter(),
             "import_env": {k: os.environ.get(k) for k in IMPORT_TIME_ENV},
         }
         self.send(conn.fileno(), hello)
@@ -290,7 +316,7 @@ class Server:
                 if pid == 0:
                     _child(request, self.inherited())
             self.owner[pid] = source
-            self.send(source, {"pid": pid, "rank": request["rank"]})
+            self.send(source, {"pid": pid, "rank": request.get("rank")})
 
     def inherited(self) -> list[int]:
         """Descriptors a forked process must close: every conversation's but its own."""

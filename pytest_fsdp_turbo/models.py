@@ -8,8 +8,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from filelock import FileLock
 
 from pytest_fsdp_turbo.cases import FIXTURES_DIR, TINY_PREFIX
 from pytest_fsdp_turbo.private_dirs import private_dir
+from pytest_fsdp_turbo.warm import run_module
 
 BUILDER_MODULE = "pytest_fsdp_turbo_engine.tiny_models"
 BUILD_TIMEOUT_S = 300
@@ -66,13 +65,11 @@ def build_tiny_model(
             return final
         scratch = Path(f"{final}.partial-{os.getpid()}")
         shutil.rmtree(scratch, ignore_errors=True)
-        done = subprocess.run(
-            [sys.executable, "-m", BUILDER_MODULE, name, str(scratch)],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
-            check=False,
+        done = run_module(  # forked from a warm parent when this process tree has one
+            BUILDER_MODULE,
+            [name, str(scratch)],
+            timeout_s=BUILD_TIMEOUT_S,
+            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
         )
         if done.returncode != 0:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -11,8 +11,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import subprocess
-import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -89,12 +87,14 @@ def inspect(model_dir: Path | None, checkout: Path | None) -> Inspection:
 
 
 def _inspect_now(model_dir: Path | None, checkout: Path | None) -> dict:
-    argv = [sys.executable, "-m", INSPECT_MODULE]
+    from pytest_fsdp_turbo.warm import run_module
+
+    argv = []
     if model_dir is not None:
         argv += ["--model", str(model_dir)]
     if checkout is not None:
         argv += ["--checkout", str(checkout)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=INSPECT_TIMEOUT_S)
+    done = run_module(INSPECT_MODULE, argv, timeout_s=INSPECT_TIMEOUT_S)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise ConfigError(

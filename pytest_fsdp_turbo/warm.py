@@ -20,13 +20,18 @@ import queue
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pytest_fsdp_turbo_engine.warm_parent import IMPORT_TIME_ENV  # light: no torch at import
+from pytest_fsdp_turbo_engine.warm_parent import (  # light: no torch at import
+    IMPORT_TIME_ENV,
+    interpreter,
+)
 
-from pytest_fsdp_turbo.launch import die_with_parent
+from pytest_fsdp_turbo.launch import die_with_parent, kill_pid_tree
 from pytest_fsdp_turbo.session_processes import disown, own
 from pytest_fsdp_turbo.vocab import Env
 
@@ -102,10 +107,37 @@ class _Conversation:
     ) -> int:
         """A rank's pid; `preload` ("verl:cpu") forks it from a zygote that imported that stack."""
         request = {"rank": rank, "env": dict(env), "spec": str(spec), "log": str(log)}
+        return self._request(request, preload, f"fork rank {rank}")
+
+    def _request(self, request: dict, preload: str | None, what: str) -> int:
         request.update(cwd=os.getcwd(), preload=preload)
         with self._lock:
             self._write((json.dumps(request) + "\n").encode())
-            return self._reply(FORK_TIMEOUT_S, f"fork rank {rank}")["pid"]
+            return self._reply(FORK_TIMEOUT_S, what)["pid"]
+
+    def run_module(
+        self, module: str, argv: Sequence[str], env: Mapping[str, str], timeout_s: float
+    ) -> subprocess.CompletedProcess:
+        """`python -m module argv...` forked from this parent: its imports are already paid."""
+        with tempfile.TemporaryDirectory(prefix="fsdp-turbo-run-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"module": module, "argv": list(argv), "env": dict(env)}
+            request.update(stdout=str(out), log=str(err))
+            pid = self._request(request, None, f"run {module}")
+            deadline = time.monotonic() + timeout_s
+            while (code := self.exits.get(pid)) is None:
+                if not self.alive:
+                    raise RuntimeError(f"warm parent died while running {module}")
+                if time.monotonic() > deadline:
+                    kill_pid_tree(pid)
+                    raise subprocess.TimeoutExpired([module, *argv], timeout_s)
+                time.sleep(0.01)
+            return subprocess.CompletedProcess(
+                [module, *argv],
+                code,
+                out.read_text(errors="replace"),
+                err.read_text(errors="replace"),
+            )
 
     @property
     def alive(self) -> bool:
@@ -176,7 +208,7 @@ class SharedWarmParent(_Conversation):
         hello = self._start_reading(self._sock.makefile("rb"), "connect")
         self.pid, self.fork_safe, self.reason = hello["pid"], hello["fork_safe"], hello["reason"]
         self.import_s = 0.0
-        self.fits = hello["executable"] == sys.executable and hello["import_env"] == import_env()
+        self.fits = hello["interpreter"] == interpreter() and hello["import_env"] == import_env()
 
     def _write(self, data: bytes) -> None:
         self._sock.sendall(data)
@@ -204,6 +236,31 @@ def _shared_parent() -> SharedWarmParent | None:
 
 _parents: dict[int, _Conversation] = {}  # by pid: a forked or xdist-spawned process has its own
 _refusals: dict[int, str] = {}
+
+
+def run_module(
+    module: str, argv: Sequence[str], *, timeout_s: float, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m module argv...` (stdout and stderr captured, never raising on its exit code):
+    forked from the warm parent this process already has, its own or an ancestor's, so torch and
+    transformers are not imported again; in a fresh interpreter when there is none."""
+    env = {**os.environ, **(env or {})}
+    parent = _parents.get(os.getpid())
+    if parent is None and fork_unavailable_reason() is None:
+        parent = _shared_parent()
+        if parent is not None:
+            _parents[os.getpid()] = parent
+            atexit.register(parent.close)
+    if parent is not None and parent.alive:
+        return parent.run_module(module, argv, env, timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,
+    )
 
 
 def warm_parent(log_dir: Path) -> tuple[_Conversation | None, str | None]:

@@ -1,6 +1,10 @@
 """Warm ranks: forked from a warm parent per pytest process, fresh for every case."""
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -129,3 +133,30 @@ def test_a_stack_that_fails_to_preload_leaves_forking_to_the_parent():
     assert server.zygotes == {"no-such-stack:cpu": None}  # not tried again
     assert server.fork_in_zygote({"rank": 0, "preload": "verl:cuda"}) is None  # cpu only
     assert "verl:cuda" not in server.zygotes
+
+
+def test_helpers_run_as_forks_of_the_warm_parent_with_their_output_and_exit_code(tmp_path):
+    """Tiny-model builds and inspections (`python -m` helpers that import torch) fork from the
+    warm parent this process tree already has; without one they get a fresh interpreter."""
+    from pytest_fsdp_turbo import warm
+
+    outer, why = warm.warm_parent(tmp_path / "state")
+    assert outer is not None, why
+    argv = ["a", "b"]
+    env = {"PYTHONPATH": PROBES}
+    forked = warm.run_module("helper_probe", argv, timeout_s=60, env=env)
+    assert (forked.returncode, forked.stderr.strip()) == (3, "to stderr"), forked
+    report = json.loads(forked.stdout)
+    assert report == {"argv": argv, "parent": outer.pid, "torch_loaded": True}
+    code = f"from pytest_fsdp_turbo import warm; print(warm.run_module('helper_probe', {argv!r}, timeout_s=60, env={env!r}).stdout)"
+    inner = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(inner.stdout)["parent"] == outer.pid  # a descendant uses the same parent
+    sibling = Path(sys.executable).with_name("python3")  # console scripts' shebang says python3
+    if sibling.exists() and sibling.name != Path(sys.executable).name:
+        other = subprocess.run([sibling, "-c", code], capture_output=True, text=True, check=True)
+        assert json.loads(other.stdout)["parent"] == outer.pid
+    alone = {k: v for k, v in os.environ.items() if k != warm.SOCKET_VAR}
+    fresh = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=alone
+    )
+    assert json.loads(fresh.stdout)["torch_loaded"] is False  # no parent: a fresh interpreter
