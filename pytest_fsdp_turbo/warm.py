@@ -236,6 +236,7 @@ def _shared_parent() -> SharedWarmParent | None:
 
 _parents: dict[int, _Conversation] = {}  # by pid: a forked or xdist-spawned process has its own
 _refusals: dict[int, str] = {}
+_log_dirs: dict[int, Path] = {}  # where this process's parent keeps its log, for a replacement
 
 
 def run_module(
@@ -246,6 +247,8 @@ def run_module(
     transformers are not imported again; in a fresh interpreter when there is none."""
     env = {**os.environ, **(env or {})}
     parent = _parents.get(os.getpid())
+    if parent is not None and not parent.alive and os.getpid() in _log_dirs:
+        parent, _ = warm_parent(_log_dirs[os.getpid()])  # it died (a fault test): a new one
     if parent is None and fork_unavailable_reason() is None:
         parent = _shared_parent()
         if parent is not None:
@@ -267,6 +270,7 @@ def warm_parent(log_dir: Path) -> tuple[_Conversation | None, str | None]:
     """This process's warm parent (an ancestor's, or one started on first use), or (None, why ranks
     must be spawned). One this process starts is advertised to its descendants."""
     me = os.getpid()
+    _log_dirs[me] = log_dir
     if me in _refusals:
         return None, _refusals[me]
     parent = _parents.get(me)

@@ -99,6 +99,8 @@ def test_faults_end_tests_never_the_session(
     pytester.makeini("[pytest]\nfsdp_turbo_stall_share = 0.1\n")
     junit = pytester.path / "junit.xml"
     monkeypatch.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "5")  # a dead GCS ends it soon
+    # its own warm parent, not this session's: the kill_parent fault below is meant for that one
+    monkeypatch.delenv("PYTEST_FSDP_TURBO_WARM_SOCKET", raising=False)
     result = pytester.runpytest_subprocess(
         "-p",
         "no:cacheprovider",
