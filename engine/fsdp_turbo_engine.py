@@ -19,7 +19,7 @@ from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
 from pytest_fsdp_turbo_engine.registry import register
 from pytest_fsdp_turbo_engine.turbo_inspect import schema_of
 
-from pytest_fsdp_turbo.turbo_config import schema_problems
+from pytest_fsdp_turbo.turbo_config import entry_problems, schema_problems
 from pytest_fsdp_turbo.vocab import Env
 
 CHECKOUT_VAR = Env.CHECKOUT
@@ -80,7 +80,9 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
                 f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} but the process group has {world} "
                 "ranks; fsdp_turbo derives its gradient divide factor from WORLD_SIZE"
             )
-        problems = schema_problems(schema_of(self.turbo.FSDPTurboConfig), self.config.turbo_config)
+        turbo_config = self.config.turbo_config
+        problems = schema_problems(schema_of(self.turbo.FSDPTurboConfig), turbo_config)
+        problems += entry_problems(turbo_config)
         if problems:
             raise ValueError(
                 "turbo_config does not fit the installed fsdp_turbo: " + "; ".join(problems)

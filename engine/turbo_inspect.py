@@ -82,7 +82,13 @@ def module_plan(model) -> dict:
         for child_name, child in visual.named_children():
             if not isinstance(child, torch.nn.ModuleList) and any(True for _ in child.parameters()):
                 others.append(f"{prefix}.{child_name}")
-    return {"model_class": type(model).__name__, "layers": layers, "others": others}
+    classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
+    return {
+        "model_class": type(model).__name__,
+        "layers": layers,
+        "others": others,
+        "classes": classes,  # what a `module.Class.member` patch target can match
+    }
 
 
 def meta_model(model_dir: Path):

@@ -118,25 +118,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_case(args: argparse.Namespace, settings):
-    from pathlib import Path
-
-    from pytest_fsdp_turbo.cases import CaseBook, load_cases
-
-    path = settings.cases or Path("e2e") / "cases.toml"
-    return CaseBook(path, load_cases(path)).get(args.case_id)
-
-
 def config(args: argparse.Namespace) -> int:
     """The exact turbo_config a rank of CASE_ID would hand the library, on any box. With a
     checkout, validated against its schema: one line per problem on stderr, exit 1."""
     import json
 
     from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
-    from pytest_fsdp_turbo.turbo_library import TurboConfigProblems, turbo_config_for
+    from pytest_fsdp_turbo.run_path import standalone_cases
+    from pytest_fsdp_turbo.turbo_config import resolved_targets
+    from pytest_fsdp_turbo.turbo_library import TurboConfigProblems, inspect, turbo_config_for
 
-    settings = resolve({"fsdp_turbo_cases": args.cases})
-    case = _load_case(args, settings)
+    settings = resolve({"fsdp_turbo_cases": args.cases, "fsdp_turbo_path": args.fsdp_turbo_path})
+    case = standalone_cases(settings).get(args.case_id)
     if not case.is_turbo:
         print(f"case {case.id}: backend {case.backend} takes no turbo_config", file=sys.stderr)
         return 2
@@ -155,11 +148,15 @@ def config(args: argparse.Namespace) -> int:
         checkout = None
         print(f"note: {exc}; newest layout, checked against its published schema", file=sys.stderr)
     try:
-        print(json.dumps(turbo_config_for(case, kind, model, checkout), indent=1, sort_keys=True))
+        built = turbo_config_for(case, kind, model, checkout)
     except TurboConfigProblems as exc:
         for line in exc.problems:
             print(line, file=sys.stderr)
         return 1
+    print(json.dumps(built, indent=1, sort_keys=True))
+    modules = inspect(model, checkout).modules
+    for target in resolved_targets(built, modules) if modules else ():
+        print(f"note: patch target {target} resolves in {modules.model_class}", file=sys.stderr)
     return 0
 
 
@@ -200,7 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = verbs.add_parser("config", help="the exact turbo_config a rank hands fsdp_turbo")
     cfg.add_argument("case_id")
     cfg.add_argument("--device", choices=("cuda", "npu"), help="default: the case's first")
-    cfg.add_argument("--cases", help="case file (default e2e/cases.toml)")
+    cfg.add_argument("--cases", help="case file (default: the rootdir ini's, else e2e/cases.toml)")
+    cfg.add_argument(
+        "--fsdp-turbo-path", help="an FSDPTurbo checkout to check against (or FSDP_TURBO_PATH)"
+    )
     cfg.set_defaults(func=config)
     cmp = verbs.add_parser("compare", help="two runs' artifacts side by side")
     cmp.add_argument("a", help="artifact folder of run A (e.g. the cuda run)")

@@ -151,6 +151,18 @@ def _lines(value: object) -> list[str]:
     return [line.strip() for line in str(value or "").splitlines() if line.strip()]
 
 
+def case_file(settings: Settings, rootdir: Path, ini: dict[str, object]) -> Path:
+    """The option's case file, else the rootdir ini's fsdp_turbo_cases, else e2e/cases.toml."""
+    return settings.cases or rootdir / str(ini.get("fsdp_turbo_cases") or DEFAULT_CASES)
+
+
+def standalone_cases(settings: Settings, cwd: Path | None = None) -> CaseBook:
+    """The case book `pytest-fsdp-turbo` verbs read, found as pytest would find it."""
+    rootdir = find_rootdir((cwd or Path.cwd()).resolve())
+    path = case_file(settings, rootdir, read_ini(rootdir))
+    return CaseBook(path, load_cases(path))
+
+
 def standalone_runner(
     settings: Settings, accelerator: Accelerator, cwd: Path | None = None
 ) -> CaseRunner:
@@ -161,7 +173,7 @@ def standalone_runner(
 
     rootdir = find_rootdir((cwd or Path.cwd()).resolve())
     ini = read_ini(rootdir)
-    path = settings.cases or rootdir / str(ini.get("fsdp_turbo_cases") or DEFAULT_CASES)
+    path = case_file(settings, rootdir, ini)
     artifacts = (
         settings.artifacts if settings.artifacts.is_absolute() else Path.cwd() / settings.artifacts
     )

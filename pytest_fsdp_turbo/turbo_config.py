@@ -28,6 +28,18 @@ DTYPE_NAMES = {"bf16": "bf16", "fp32": "fp32"}
 # What the library's FSDPTurbo refuses to run without (None raises there, not in the loader).
 REQUIRED = ("distributed.fsdp_plan.apply_modules",)
 
+# The types each layout's Ulysses patch entries accept (FACTS-fsdp_turbo.md, "Config schema").
+PATCH_TYPES = {
+    "ulysses_function_patches": (
+        "full_attention",
+        "gated_delta_net",
+        "compressor_full_attention_transposed",
+    ),
+    "loss_function_patches": ("causal_lm_loss",),
+}
+CORE_ATTENTION_TYPES = ("full_attention",)  # what ulysses_attention_type "default" shards
+ATTENTION_TYPE_VALUES = ("default", "with_compressor")
+
 QWEN3_5 = "transformers.models.qwen3_5.modeling_qwen3_5"
 ULYSSES_FUNCTIONS = {  # per model family: (target, type)
     "qwen3_5": [
@@ -53,10 +65,16 @@ class ModulePlan:
     model_class: str
     layers: tuple[str, ...]  # e.g. "model.layers.{*}" or "model.language_model.layers.{*}"
     others: tuple[str, ...] = field(default=())  # embeddings, lm_head, vision blocks
+    classes: tuple[str, ...] = field(default=())  # "module.Class" of every module instance
 
     @classmethod
     def from_json(cls, data: dict) -> ModulePlan:
-        return cls(data["model_class"], tuple(data["layers"]), tuple(data["others"]))
+        return cls(
+            data["model_class"],
+            tuple(data["layers"]),
+            tuple(data["others"]),
+            tuple(data.get("classes", ())),
+        )
 
 
 def model_family(model: str) -> str | None:
@@ -91,6 +109,14 @@ def _ulysses(config: dict, cp_plan: dict, family: str, layout: str) -> None:
         _set(cp_plan, "ulysses_function_patches", entries, "distributed.cp_plan.")
         _set(cp_plan, "loss_function_patches", losses, "distributed.cp_plan.")
     elif layout == CORE_ATTENTION:
+        unsupported = sorted({k for _, k in ULYSSES_FUNCTIONS[family]} - set(CORE_ATTENTION_TYPES))
+        if unsupported:  # those layers would silently run on each rank's chunk of the sequence
+            raise ConfigError(
+                f"turbo_config: the installed fsdp_turbo has the {CORE_ATTENTION} config layout, "
+                f"which cannot shard {family} layers of type {', '.join(unsupported)} over the "
+                "sequence (ulysses_attention_type takes only "
+                f"{', '.join(CORE_ATTENTION_TYPES)}); sp_size > 1 needs the {FUNCTION_PATCHES} layout"
+            )
         attention = [t for t, kind in ULYSSES_FUNCTIONS[family] if kind == "full_attention"]
         _set(cp_plan, "ulysses_core_attention_function", attention, "distributed.cp_plan.")
     else:
@@ -158,3 +184,109 @@ def schema_problems(schema: dict, config: dict) -> list[str]:
                 f"turbo_config.{dotted}: required by the library (None raises), missing"
             )
     return problems
+
+
+def _dotted(value: object) -> bool:
+    return isinstance(value, str) and "." in value and ":" not in value and " " not in value
+
+
+def entry_problems(config: dict) -> list[str]:
+    """One line per list entry or value the library refuses when it builds or applies its config:
+    patch entries' shape, keys and types, an apply_modules that can match nothing."""
+    problems: list[str] = []
+    dist = config.get("distributed") or {}
+    plan = dist.get("fsdp_plan") or {}
+    if "apply_modules" in plan and not plan["apply_modules"]:
+        problems.append(
+            "turbo_config.distributed.fsdp_plan.apply_modules: empty; the library needs at least "
+            "one module-name pattern that matches the model"
+        )
+    patches = config.get("module_patches")
+    if patches is not None and not isinstance(patches, list):
+        problems.append("turbo_config.module_patches: expected a list of {target, replacement}")
+        patches = []
+    for i, entry in enumerate(patches or []):
+        where = f"turbo_config.module_patches[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"target", "replacement"}:
+            problems.append(f"{where}: expected exactly the keys target and replacement")
+            continue
+        for key in ("target", "replacement"):
+            if not _dotted(entry[key]):
+                problems.append(f"{where}.{key}: expected a dotted path; got {entry[key]!r}")
+    cp_plan = dist.get("cp_plan") or {}
+    for name, types in PATCH_TYPES.items():
+        entries = cp_plan.get(name)
+        if entries is None:
+            continue
+        if not isinstance(entries, list):
+            problems.append(f"turbo_config.distributed.cp_plan.{name}: expected a list")
+            continue
+        for i, entry in enumerate(entries):
+            where = f"turbo_config.distributed.cp_plan.{name}[{i}]"
+            if not isinstance(entry, dict) or set(entry) != {"target_functions", "type"}:
+                problems.append(f"{where}: expected exactly the keys target_functions and type")
+                continue
+            targets = entry["target_functions"]
+            if not isinstance(targets, list) or not targets or not all(map(_dotted, targets)):
+                problems.append(f"{where}.target_functions: expected a list of dotted paths")
+            if entry["type"] not in types:
+                problems.append(
+                    f"{where}.type: {entry['type']!r} is not one the library knows "
+                    f"({', '.join(types)})"
+                )
+    kind = cp_plan.get("ulysses_attention_type")
+    if isinstance(kind, str) and kind not in ATTENTION_TYPE_VALUES:
+        problems.append(
+            f"turbo_config.distributed.cp_plan.ulysses_attention_type: {kind!r}; the library "
+            f"takes {', '.join(ATTENTION_TYPE_VALUES)} or a callable"
+        )
+    return problems
+
+
+def patch_targets(config: dict) -> list[tuple[str, str]]:
+    """(where, dotted target) of every patch in the config: module patches and Ulysses/loss
+    function patches."""
+    found = []
+    for i, entry in enumerate(config.get("module_patches") or []):
+        if isinstance(entry, dict) and isinstance(entry.get("target"), str):
+            found.append((f"turbo_config.module_patches[{i}].target", entry["target"]))
+    cp_plan = (config.get("distributed") or {}).get("cp_plan") or {}
+    for name in PATCH_TYPES:
+        for i, entry in enumerate(cp_plan.get(name) or []):
+            targets = entry.get("target_functions") if isinstance(entry, dict) else None
+            for j, target in enumerate(targets if isinstance(targets, list) else []):
+                found.append((f"turbo_config.distributed.cp_plan.{name}[{i}][{j}]", target))
+    return found
+
+
+def class_of_target(target: str) -> str | None:
+    """`pkg.module.Class.member` -> `pkg.module.Class`; None for a module-level callable (the
+    class is told by its capital letter, as Python's naming conventions and every target seen)."""
+    parts = target.split(".")
+    return ".".join(parts[:-1]) if len(parts) > 2 and parts[-2][:1].isupper() else None
+
+
+def target_problems(config: dict, modules: ModulePlan) -> list[str]:
+    """A patch on a class member takes effect only on instances of that class in the model: the
+    library refuses a module patch that matches none ("Configured module patch did not match the
+    model"), and a function patch on a class the model never instantiates is never called."""
+    if not modules.classes:
+        return []
+    problems = []
+    for where, target in patch_targets(config):
+        owner = class_of_target(target)
+        if owner is not None and owner not in modules.classes:
+            problems.append(
+                f"{where}: {target} matches nothing in the model the engine loads "
+                f"({modules.model_class} has no {owner.rsplit('.', 1)[-1]} module)"
+            )
+    return problems
+
+
+def resolved_targets(config: dict, modules: ModulePlan) -> list[str]:
+    """The patch targets that do resolve in the loaded model (the config verb lists them)."""
+    return [
+        target
+        for _, target in patch_targets(config)
+        if (owner := class_of_target(target)) is not None and owner in modules.classes
+    ]

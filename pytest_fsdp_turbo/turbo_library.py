@@ -19,7 +19,14 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.turbo_config import NEWEST, ModulePlan, build_turbo_config, schema_problems
+from pytest_fsdp_turbo.turbo_config import (
+    NEWEST,
+    ModulePlan,
+    build_turbo_config,
+    entry_problems,
+    schema_problems,
+    target_problems,
+)
 
 INSPECT_MODULE = "pytest_fsdp_turbo_engine.turbo_inspect"
 INSPECT_TIMEOUT_S = 300
@@ -113,6 +120,9 @@ def turbo_config_for(case, kind: str, model_dir: Path | None, checkout: Path | N
     layout = found.layout or NEWEST
     config = build_turbo_config(case, kind, layout, found.modules)
     problems = schema_problems(found.schema or published_schema(layout), config)
+    problems += entry_problems(config)
+    if found.modules is not None:
+        problems += target_problems(config, found.modules)
     if problems:
         raise TurboConfigProblems(case.id, problems)
     return config

@@ -81,13 +81,16 @@ def test_npu_sp2_case_in_the_newest_layout(book):
     }
 
 
-def test_npu_sp2_case_in_the_middle_layout(book):
+def test_middle_layout_refuses_sp_on_a_model_with_gated_delta_net_layers(book):
+    """Its ulysses_attention_type has no gated-delta-net kind: 3 of 4 Qwen3.5 layers would run
+    on each rank's chunk of the sequence, silently."""
     case = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
-    config = build_turbo_config(case, "npu", CORE_ATTENTION, TEXT_MODEL)
-    assert config["distributed"]["cp_plan"] == {
-        "ulysses_core_attention_function": [f"{QWEN}.eager_attention_forward"]
-    }
-    assert config["module_patches"] == MODULE_PATCH
+    with pytest.raises(
+        ConfigError,
+        match=r"core_attention config layout, which cannot shard qwen3_5 layers of type "
+        r"gated_delta_net over the sequence",
+    ):
+        build_turbo_config(case, "npu", CORE_ATTENTION, TEXT_MODEL)
 
 
 def test_sp_on_the_legacy_layout_is_an_error(book):
@@ -122,9 +125,12 @@ def test_module_plan_follows_the_class_actually_loaded(tmp_path):
     )
     (tmp_path / "config.json").write_text(text)
     plan = inspect(tmp_path, None).modules
-    assert plan == ModulePlan(
+    assert replace(plan, classes=()) == ModulePlan(
         "Qwen3_5ForCausalLM", ("model.layers.{*}",), ("model.embed_tokens", "lm_head")
     )
+    # what the loaded model instantiates, for patch targets: the text model, not Qwen3_5Model
+    assert {f"{QWEN}.Qwen3_5TextModel", f"{QWEN}.Qwen3_5GatedDeltaNet"} <= set(plan.classes)
+    assert f"{QWEN}.Qwen3_5Model" not in plan.classes
 
 
 @pytest.mark.parametrize(
@@ -374,3 +380,87 @@ def test_an_inspection_is_paid_once_per_model_checkout_and_versions(tmp_path, mo
     with pytest.raises(AssertionError, match="inspected again"):
         library.inspect(None, other)
     library.inspect.cache_clear()
+
+
+def test_list_entries_and_values_the_library_refuses_are_named_one_per_line(book):
+    from pytest_fsdp_turbo.turbo_config import entry_problems
+
+    config = {
+        "module_patches": [
+            {"target": f"{QWEN}.Qwen3_5Model.forward", "replacement": "pkg:function"},
+            {"target": "x.y"},
+        ],
+        "distributed": {
+            "fsdp_plan": {"apply_modules": {}},
+            "cp_plan": {
+                "ulysses_function_patches": [
+                    {"target_functions": [f"{QWEN}.eager_attention_forward"], "type": "full"},
+                    {"target_functions": "not-a-list", "type": "gated_delta_net"},
+                    {"target_functions": ["a.b"], "type": "full_attention", "extra": 1},
+                ],
+                "ulysses_attention_type": "gated_delta_net",
+            },
+        },
+    }
+    assert entry_problems(config) == [
+        "turbo_config.distributed.fsdp_plan.apply_modules: empty; the library needs at least one "
+        "module-name pattern that matches the model",
+        "turbo_config.module_patches[0].replacement: expected a dotted path; got 'pkg:function'",
+        "turbo_config.module_patches[1]: expected exactly the keys target and replacement",
+        "turbo_config.distributed.cp_plan.ulysses_function_patches[0].type: 'full' is not one the "
+        "library knows (full_attention, gated_delta_net, compressor_full_attention_transposed)",
+        "turbo_config.distributed.cp_plan.ulysses_function_patches[1].target_functions: expected "
+        "a list of dotted paths",
+        "turbo_config.distributed.cp_plan.ulysses_function_patches[2]: expected exactly the keys "
+        "target_functions and type",
+        "turbo_config.distributed.cp_plan.ulysses_attention_type: 'gated_delta_net'; the library "
+        "takes default, with_compressor or a callable",
+    ]
+    case = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
+    good = build_turbo_config(case, "npu", FUNCTION_PATCHES, TEXT_MODEL)
+    assert entry_problems(good) == []  # what the adapter emits passes its own rules
+
+
+def test_patch_targets_must_match_a_module_of_the_loaded_model(book):
+    from pytest_fsdp_turbo.turbo_config import resolved_targets, target_problems
+
+    case = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
+    text = replace(
+        TEXT_MODEL,
+        classes=tuple(
+            f"{QWEN}.{c}"
+            for c in ("Qwen3_5ForCausalLM", "Qwen3_5TextModel", "Qwen3_5GatedDeltaNet")
+        ),
+    )
+    config = build_turbo_config(case, "npu", FUNCTION_PATCHES, text)
+    assert target_problems(config, text) == [
+        f"turbo_config.module_patches[0].target: {QWEN}.Qwen3_5Model.forward matches nothing in "
+        "the model the engine loads (Qwen3_5ForCausalLM has no Qwen3_5Model module)"
+    ]
+    with_vision = replace(text, classes=(*text.classes, f"{QWEN}.Qwen3_5Model"))
+    assert target_problems(config, with_vision) == []
+    assert resolved_targets(config, with_vision) == [
+        f"{QWEN}.Qwen3_5Model.forward",
+        f"{QWEN}.Qwen3_5GatedDeltaNet.forward",
+    ]
+
+
+def test_config_verb_refuses_the_npu_sp2_case_whose_module_patch_the_loaded_model_lacks(
+    tmp_path, monkeypatch, capsys
+):
+    """The engine loads AutoModelForCausalLM: a Qwen3_5ForCausalLM around a Qwen3_5TextModel, so
+    the library's Qwen3_5Model.forward patch would raise in FSDPTurbo.__init__ on the first NPU
+    run. The harness says so before launch, from the real (tiny, meta) model."""
+    from pytest_fsdp_turbo.cli import main
+    from pytest_fsdp_turbo.models import build_tiny_model
+
+    (tmp_path / "Qwen3.5-2B").symlink_to(build_tiny_model("tiny-qwen3_5"))
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_MODELS", str(tmp_path))
+    checkout = STANDIN / FUNCTION_PATCHES
+    argv = ["config", "qwen3_5-2b-fsdp_turbo-fsdp4-sp2", "--device", "npu"]
+    assert main([*argv, "--fsdp-turbo-path", str(checkout)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"turbo_config.module_patches[0].target: {QWEN}.Qwen3_5Model.forward matches nothing in "
+        "the model the engine loads (Qwen3_5ForCausalLM has no Qwen3_5Model module)"
+    ]
