@@ -59,3 +59,27 @@ def test_verl_fsdp_turbo_engine_on_the_standin_keeps_deferred_sync(ppo_run):
     units = result.metrics["comm/fsdp_units"]
     assert result.metrics["comm/reduce_scatter_calls_by_micro_batch"] == [0, units]
     assert result.metrics["sync/retained_grad_bytes"] > 0
+
+
+def test_standin_follows_the_librarys_matching_patching_and_loading_rules():
+    """Each rule as the library's source has it (FACTS-fsdp_turbo.md, "Matching rules"): the
+    stand-in refuses what the library refuses and accepts what it accepts."""
+    from pytest_fsdp_turbo.warm import run_module
+
+    probe = Path(__file__).parent / "standin_fsdp_turbo"
+    done = run_module("contract_probe", [], timeout_s=120, env={"PYTHONPATH": str(probe)})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "one_pattern_matching_is_enough": ["layers.0", "layers.1"],  # the other matches nothing
+        "none_matching_raises": "RuntimeError: [FSDP2] No module named ['not.there'] (test)",
+        "star_is_any_text": ["layers.0", "layers.0.proj", "layers.1", "layers.1.proj"],
+        "range": ["layers.1"],
+        "class_absent": 0,  # FSDPTurbo raises "Configured module patch did not match the model"
+        "class_present": 2,  # one per instance
+        "instances_patched": True,
+        "class_untouched": True,
+        "colon_refused": "ValueError: module_patches entry needs a dotted replacement; got "
+        "{'target': 'a.b', 'replacement': 'pkg:fn'}",
+        "coerced": [True, 2],
+        "bad_bool": "ValueError: cannot read 'maybe' as a bool",
+    }

@@ -7,9 +7,17 @@ wired and tested end to end on CPU:
 - a process-wide ParallelState singleton (metaclass instance store) that creates an hccl process
   group when none exists, with is_/get_<mesh>_* getters for dp/fsdp/tp, cdp/kvallgather/ulysses and
   the 2-D dp_fsdp mesh; the newest layout adds get_data_rank / get_data_group_size / get_data_group;
-- FSDPTurbo(config, model).model: the same HF model, fully_shard-ed in place by apply_modules
-  (None raises, a pattern matching nothing raises, hook_modules must match too), module_patches
-  applied (a target that resolves to nothing raises), the gradient divide factor from WORLD_SIZE;
+- FSDPTurbo(config, model).model: the same HF model, fully_shard-ed in place by apply_modules,
+  with the library's matching rules (read from its source, FACTS-fsdp_turbo.md "Matching rules"):
+  patterns take {*} (a layer index), {a-b}, * (any text) and ?, match whole names, the root
+  included; apply_modules None raises, and it raises only when NO pattern matches any module
+  (hook_modules likewise, when given);
+- module_patches: entries need a dotted target and replacement (no a:b form) when the config is
+  built; a module-level callable target is replaced in its module, `module.Class.member` on every
+  instance of Class in the model; a spec that matches nothing raises "Configured module patch did
+  not match the model";
+- the loader coerces strings to the annotated int, float or bool;
+- the gradient divide factor from WORLD_SIZE;
 - clip_grad_norm(model, max_norm, norm_type, group) returning a Python float;
 - no accelerator, no start: it refuses a CPU box unless FSDP_TURBO_STANDIN_ALLOW_CPU=1.
 
@@ -23,6 +31,7 @@ import importlib
 import logging
 import os
 import re
+import types
 import typing
 from dataclasses import dataclass
 
@@ -55,6 +64,21 @@ def _nested_dataclass(annotation):
     return next((a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)), None)
 
 
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _coerced(annotation, value):
+    """The loader turns strings into the annotated int, float or bool before validation; a string
+    that is none of them raises, as int("abc") does."""
+    if not isinstance(value, str) or annotation not in (int, float, bool):
+        return value
+    if annotation is bool:
+        if value.strip().lower() not in (*_TRUE, *_FALSE):
+            raise ValueError(f"cannot read {value!r} as a bool")
+        return value.strip().lower() in _TRUE
+    return annotation(value)
+
+
 def _dict_to_dataclass(cls, data):
     if not isinstance(data, dict):
         return data
@@ -65,9 +89,10 @@ def _dict_to_dataclass(cls, data):
             logger.warning("Ignoring unknown config key '%s' for %s", key, cls.__name__)
             continue
         nested = _nested_dataclass(hints[key])
-        kwargs[key] = (
-            _dict_to_dataclass(nested, value) if nested and isinstance(value, dict) else value
-        )
+        if nested and isinstance(value, dict):
+            kwargs[key] = _dict_to_dataclass(nested, value)
+        else:
+            kwargs[key] = _coerced(hints[key], value)
     return cls(**kwargs)
 
 
@@ -172,8 +197,16 @@ class FSDPTurboConfigBase:
     quantization: QuantizationConfig = dataclasses.field(default_factory=QuantizationConfig)
 
     def __post_init__(self):
-        """The library's config validation: a default fsdp_plan, and the gradient divide factor
-        (when unset) from the launcher's WORLD_SIZE, an unset WORLD_SIZE counting as 1."""
+        """The library's config validation: module patch entries, a default fsdp_plan, and the
+        gradient divide factor (when unset) from the launcher's WORLD_SIZE, an unset WORLD_SIZE
+        counting as 1."""
+        for entry in self.module_patches or []:
+            for key in ("target", "replacement"):
+                value = entry.get(key) if isinstance(entry, dict) else None
+                if callable(value) and key == "replacement":
+                    continue
+                if not isinstance(value, str) or "." not in value or ":" in value:
+                    raise ValueError(f"module_patches entry needs a dotted {key}; got {entry!r}")
         distributed = self.distributed
         if distributed.fsdp_plan is None:
             distributed.fsdp_plan = FSDPPlanConfig()
@@ -269,38 +302,89 @@ def make_parallel_state(data_getters: bool):
     return ParallelState, init_parallel_state, get_parallel_state
 
 
-def _pattern(name: str) -> re.Pattern:
-    return re.compile("^" + re.escape(name).replace(re.escape("{*}"), r"\d+") + "$")
+def _pattern(name: str) -> tuple[re.Pattern, list]:
+    """The library's module-name patterns: {*} a layer index, {a-b} an index in a range, * any
+    text (dots included), ? one character; the whole name must match."""
+    out, ranges = [], []
+    for piece in re.split(r"(\{[^}]*\}|\*|\?)", name):
+        if piece == "{*}":
+            out.append(r"(\d+)")
+            ranges.append(None)
+        elif piece.startswith("{") and piece.endswith("}"):
+            low, _, high = piece[1:-1].partition("-")
+            out.append(r"(\d+)")
+            ranges.append((int(low), int(high)))
+        elif piece == "*":
+            out.append(".*")
+        elif piece == "?":
+            out.append(".")
+        else:
+            out.append(re.escape(piece))
+    return re.compile("^" + "".join(out) + "$"), ranges
+
+
+def _name_matches(pattern: str, name: str) -> bool:
+    regex, ranges = _pattern(pattern)
+    found = regex.match(name)
+    if not found:
+        return False
+    return all(
+        bound is None or bound[0] <= int(index) <= bound[1]
+        for index, bound in zip(found.groups(), ranges)
+    )
 
 
 def _matching(model: torch.nn.Module, patterns, what: str) -> list[torch.nn.Module]:
-    named = list(model.named_modules())
+    """Every module (the root included, as the library walks named_modules()) a pattern matches;
+    the library raises only when no pattern matches anything."""
     found = []
-    for pattern in patterns:
-        hits = [m for n, m in named if n and _pattern(pattern).match(n)]
-        if not hits:
-            raise ValueError(
-                f"{what} pattern {pattern!r} matches no module of {type(model).__name__}"
-            )
-        found.extend(hits)
+    for name, module in model.named_modules():
+        if any(_name_matches(p, name) for p in patterns) and module not in found:
+            found.append(module)
+    if not found:
+        raise RuntimeError(f"[FSDP2] No module named {list(patterns)} ({what})")
     return found
 
 
-def _resolve(dotted: str):
-    parts = dotted.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        owner = obj
-        for part in parts[cut:]:
-            owner, obj = obj, getattr(obj, part, None)
-            if obj is None:
-                break
-        if obj is not None:
-            return owner, parts[-1], obj
-    raise ValueError(f"module_patches target {dotted!r} resolves to nothing")
+def _namespace_member(dotted: str):
+    """(module, name) for a module-level callable target, else None (then: a class member)."""
+    owner_path, _, member = dotted.rpartition(".")
+    try:
+        owner = importlib.import_module(owner_path)
+    except ImportError:
+        return None
+    return (owner, member) if callable(getattr(owner, member, None)) else None
+
+
+def _callable(dotted):
+    if callable(dotted):
+        return dotted
+    module_path, _, name = dotted.rpartition(".")
+    found = getattr(importlib.import_module(module_path), name, None)
+    if not callable(found):
+        raise TypeError(f"Resolved object {dotted!r} is not callable.")
+    return found
+
+
+def _apply_module_patch(model: torch.nn.Module, spec: dict) -> int:
+    """A module-level callable is replaced in its module; `module.Class.member` is replaced on
+    every instance of Class in the model (bound to it). Returns how many places matched."""
+    replacement = _callable(spec["replacement"])
+    namespace = _namespace_member(spec["target"])
+    if namespace is not None:
+        setattr(*namespace, replacement)
+        return 1
+    class_path, _, member = spec["target"].rpartition(".")
+    module_path, _, class_name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module_path), class_name, None)
+    if not isinstance(cls, type):
+        raise TypeError(f"Resolved class {class_path!r} is not a type.")
+    matched = 0
+    for module in model.modules():
+        if isinstance(module, cls):
+            setattr(module, member, types.MethodType(replacement, module))
+            matched += 1
+    return matched
 
 
 class FSDPTurbo(torch.nn.Module):
@@ -309,14 +393,11 @@ class FSDPTurbo(torch.nn.Module):
         from fsdp_turbo.distributed.parallel_state import init_parallel_state
 
         state = init_parallel_state(config)  # the library builds its parallel state itself
-        for patch in config.module_patches or []:
-            owner, attr, _ = _resolve(patch["target"])
-            replacement = patch["replacement"]
-            setattr(
-                owner,
-                attr,
-                _resolve(replacement)[2] if isinstance(replacement, str) else replacement,
-            )
+        for spec in config.module_patches or []:
+            if not _apply_module_patch(model, spec):
+                raise RuntimeError(
+                    f"Configured module patch did not match the model: target={spec['target']!r}."
+                )
         distributed = config.distributed
         if distributed.ulysses_parallel_size > 1:
             raise NotImplementedError(
@@ -326,7 +407,8 @@ class FSDPTurbo(torch.nn.Module):
         if plan is None or plan.apply_modules is None:
             raise ValueError("distributed.fsdp_plan.apply_modules must be set")
         units = _matching(model, plan.apply_modules, "fsdp_plan.apply_modules")
-        _matching(model, plan.hook_modules or [], "fsdp_plan.hook_modules")
+        if plan.hook_modules:
+            _matching(model, plan.hook_modules, "fsdp_plan.hook_modules")
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         hsdp = state.get_dp_group_size() > 1
