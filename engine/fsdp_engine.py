@@ -82,10 +82,16 @@ class FSDPEngineWithLMHead:
         fully_shard(model, mesh=self.mesh, mp_policy=policy)
         return model
 
+    def load_options(self) -> dict:
+        """Extra from_pretrained arguments this engine's parallel layout needs (none here)."""
+        return {}
+
     def build(self, model_path: str, *, trainable: bool = True) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, **self.load_options()
+        )
         model.to(self.device)
         wrapped = self._wrap(model)
         if trainable:

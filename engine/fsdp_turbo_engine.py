@@ -19,7 +19,11 @@ from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
 from pytest_fsdp_turbo_engine.registry import register
 from pytest_fsdp_turbo_engine.turbo_inspect import schema_of
 
-from pytest_fsdp_turbo.turbo_config import entry_problems, schema_problems
+from pytest_fsdp_turbo.turbo_config import (
+    attention_implementation,
+    entry_problems,
+    schema_problems,
+)
 from pytest_fsdp_turbo.vocab import Env
 
 CHECKOUT_VAR = Env.CHECKOUT
@@ -93,6 +97,12 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
         )
         self.parallel_state = self.turbo.parallel_state.init_parallel_state(self.turbo_config)
         return None
+
+    def load_options(self) -> dict:
+        """Eager attention when the Ulysses patch targets it (as verl does when the library's
+        Ulysses group is on); otherwise the model's default."""
+        attention = attention_implementation(self.config.turbo_config)
+        return {"attn_implementation": attention} if attention else {}
 
     def _data(self, what: str):
         for name in DATA_GETTERS[what]:

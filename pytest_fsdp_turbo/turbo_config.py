@@ -290,3 +290,21 @@ def resolved_targets(config: dict, modules: ModulePlan) -> list[str]:
         for _, target in patch_targets(config)
         if (owner := class_of_target(target)) is not None and owner in modules.classes
     ]
+
+
+EAGER_ATTENTION = "eager_attention_forward"
+
+
+def attention_implementation(config: dict) -> str | None:
+    """The attention the model must be loaded with so the Ulysses patch is the code that runs:
+    eager when a patch targets transformers' eager attention function (with sdpa it is never
+    called and attention would stay sequence-local, silently); None leaves the model's default."""
+    cp_plan = (config.get("distributed") or {}).get("cp_plan") or {}
+    targets = [t for _, t in patch_targets(config)]
+    core = cp_plan.get("ulysses_core_attention_function") or []
+    targets += [core] if isinstance(core, str) else list(core)
+    if (config.get("distributed") or {}).get("ulysses_parallel_size", 1) > 1 and any(
+        isinstance(t, str) and t.endswith(f".{EAGER_ATTENTION}") for t in targets
+    ):
+        return "eager"
+    return None

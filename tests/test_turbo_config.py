@@ -464,3 +464,19 @@ def test_config_verb_refuses_the_npu_sp2_case_whose_module_patch_the_loaded_mode
         f"turbo_config.module_patches[0].target: {QWEN}.Qwen3_5Model.forward matches nothing in "
         "the model the engine loads (Qwen3_5ForCausalLM has no Qwen3_5Model module)"
     ]
+
+
+def test_the_model_is_loaded_with_the_attention_the_ulysses_patch_targets(book):
+    from pytest_fsdp_turbo.turbo_config import attention_implementation
+
+    sp2 = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
+    assert attention_implementation(build_turbo_config(sp2, "npu", FUNCTION_PATCHES)) == "eager"
+    no_sp = replace(sp2, world_size=4, sp_size=1)
+    assert attention_implementation(build_turbo_config(no_sp, "npu", FUNCTION_PATCHES)) is None
+    middle = {
+        "distributed": {
+            "ulysses_parallel_size": 2,
+            "cp_plan": {"ulysses_core_attention_function": f"{QWEN}.eager_attention_forward"},
+        }
+    }
+    assert attention_implementation(middle) == "eager"
