@@ -128,7 +128,13 @@ def config(args: argparse.Namespace) -> int:
     from pytest_fsdp_turbo.turbo_config import resolved_targets
     from pytest_fsdp_turbo.turbo_library import TurboConfigProblems, inspect, turbo_config_for
 
-    settings = resolve({"fsdp_turbo_cases": args.cases, "fsdp_turbo_path": args.fsdp_turbo_path})
+    settings = resolve(
+        {
+            "fsdp_turbo_cases": args.cases,
+            "fsdp_turbo_path": args.fsdp_turbo_path,
+            "fsdp_turbo_models": args.fsdp_turbo_models,
+        }
+    )
     case = standalone_cases(settings).get(args.case_id)
     if not case.is_turbo:
         print(f"case {case.id}: backend {case.backend} takes no turbo_config", file=sys.stderr)
@@ -200,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--cases", help="case file (default: the rootdir ini's, else e2e/cases.toml)")
     cfg.add_argument(
         "--fsdp-turbo-path", help="an FSDPTurbo checkout to check against (or FSDP_TURBO_PATH)"
+    )
+    cfg.add_argument(
+        "--fsdp-turbo-models", help="folder of local models (or PYTEST_FSDP_TURBO_MODELS)"
     )
     cfg.set_defaults(func=config)
     cmp = verbs.add_parser("compare", help="two runs' artifacts side by side")

@@ -455,9 +455,10 @@ def test_config_verb_refuses_the_npu_sp2_case_whose_module_patch_the_loaded_mode
     from pytest_fsdp_turbo.models import build_tiny_model
 
     (tmp_path / "Qwen3.5-2B").symlink_to(build_tiny_model("tiny-qwen3_5"))
-    monkeypatch.setenv("PYTEST_FSDP_TURBO_MODELS", str(tmp_path))
+    monkeypatch.delenv("PYTEST_FSDP_TURBO_MODELS", raising=False)
     checkout = STANDIN / FUNCTION_PATCHES
     argv = ["config", "qwen3_5-2b-fsdp_turbo-fsdp4-sp2", "--device", "npu"]
+    argv += ["--fsdp-turbo-models", str(tmp_path)]
     assert main([*argv, "--fsdp-turbo-path", str(checkout)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
