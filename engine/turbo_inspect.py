@@ -88,7 +88,27 @@ def module_plan(model) -> dict:
         "layers": layers,
         "others": others,
         "classes": classes,  # what a `module.Class.member` patch target can match
+        "functions": known_functions(),
     }
+
+
+def known_functions() -> list[tuple[str, bool]]:
+    """Whether each module-level function the harness's patch sets name exists (and is callable)
+    in the installed transformers: a rename there would leave a Ulysses or loss patch unapplied."""
+    from pytest_fsdp_turbo.turbo_config import LOSS_FUNCTIONS, ULYSSES_FUNCTIONS, class_of_target
+
+    targets = {
+        t for table in (ULYSSES_FUNCTIONS, LOSS_FUNCTIONS) for v in table.values() for t, _ in v
+    }
+    found = []
+    for target in sorted(t for t in targets if class_of_target(t) is None):
+        module, _, name = target.rpartition(".")
+        try:
+            exists = callable(getattr(importlib.import_module(module), name, None))
+        except ImportError:
+            exists = False
+        found.append((target, exists))
+    return found
 
 
 def meta_model(model_dir: Path):

@@ -66,6 +66,8 @@ class ModulePlan:
     layers: tuple[str, ...]  # e.g. "model.layers.{*}" or "model.language_model.layers.{*}"
     others: tuple[str, ...] = field(default=())  # embeddings, lm_head, vision blocks
     classes: tuple[str, ...] = field(default=())  # "module.Class" of every module instance
+    # (target, exists) for the module-level functions the known patch sets name
+    functions: tuple[tuple[str, bool], ...] = field(default=())
 
     @classmethod
     def from_json(cls, data: dict) -> ModulePlan:
@@ -74,6 +76,7 @@ class ModulePlan:
             tuple(data["layers"]),
             tuple(data["others"]),
             tuple(data.get("classes", ())),
+            tuple((t, bool(e)) for t, e in data.get("functions", ())),
         )
 
 
@@ -272,6 +275,7 @@ def target_problems(config: dict, modules: ModulePlan) -> list[str]:
     model"), and a function patch on a class the model never instantiates is never called."""
     if not modules.classes:
         return []
+    functions = dict(modules.functions)
     problems = []
     for where, target in patch_targets(config):
         owner = class_of_target(target)
@@ -280,15 +284,21 @@ def target_problems(config: dict, modules: ModulePlan) -> list[str]:
                 f"{where}: {target} matches nothing in the model the engine loads "
                 f"({modules.model_class} has no {owner.rsplit('.', 1)[-1]} module)"
             )
+        elif owner is None and functions.get(target) is False:
+            problems.append(
+                f"{where}: {target} does not exist in the installed transformers; the patch "
+                "would have nothing to replace"
+            )
     return problems
 
 
 def resolved_targets(config: dict, modules: ModulePlan) -> list[str]:
     """The patch targets that do resolve in the loaded model (the config verb lists them)."""
+    functions = {t for t, exists in modules.functions if exists}
     return [
         target
         for _, target in patch_targets(config)
-        if (owner := class_of_target(target)) is not None and owner in modules.classes
+        if class_of_target(target) in modules.classes or target in functions
     ]
 
 

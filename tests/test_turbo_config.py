@@ -125,12 +125,17 @@ def test_module_plan_follows_the_class_actually_loaded(tmp_path):
     )
     (tmp_path / "config.json").write_text(text)
     plan = inspect(tmp_path, None).modules
-    assert replace(plan, classes=()) == ModulePlan(
+    assert replace(plan, classes=(), functions=()) == ModulePlan(
         "Qwen3_5ForCausalLM", ("model.layers.{*}",), ("model.embed_tokens", "lm_head")
     )
     # what the loaded model instantiates, for patch targets: the text model, not Qwen3_5Model
     assert {f"{QWEN}.Qwen3_5TextModel", f"{QWEN}.Qwen3_5GatedDeltaNet"} <= set(plan.classes)
     assert f"{QWEN}.Qwen3_5Model" not in plan.classes
+    # and the module-level functions the patch sets name exist in this transformers
+    assert dict(plan.functions) == {
+        f"{QWEN}.eager_attention_forward": True,
+        "transformers.loss.loss_utils.ForCausalLMLoss": True,
+    }
 
 
 @pytest.mark.parametrize(
@@ -443,6 +448,16 @@ def test_patch_targets_must_match_a_module_of_the_loaded_model(book):
         f"{QWEN}.Qwen3_5Model.forward",
         f"{QWEN}.Qwen3_5GatedDeltaNet.forward",
     ]
+    loss = "transformers.loss.loss_utils.ForCausalLMLoss"
+    renamed = replace(
+        with_vision, functions=((f"{QWEN}.eager_attention_forward", False), (loss, True))
+    )
+    assert target_problems(config, renamed) == [
+        "turbo_config.distributed.cp_plan.ulysses_function_patches[0][0]: "
+        f"{QWEN}.eager_attention_forward does not exist in the installed transformers; the "
+        "patch would have nothing to replace"
+    ]
+    assert loss in resolved_targets(config, renamed)
 
 
 def test_config_verb_refuses_the_npu_sp2_case_whose_module_patch_the_loaded_model_lacks(
