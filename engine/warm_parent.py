@@ -5,7 +5,8 @@ fresh rank processes on request, so a case costs its compute rather than its imp
 
 It never runs a case itself, creates no device context and starts no threads, so every forked rank
 begins from the same clean state: no process group, no model, no RNG draws, no module a previous
-case imported. Protocol, one JSON object per line: the launcher writes {"rank", "env", "spec",
+case imported. At start it runs one CPU step of each tiny model family (no process group, RNG
+state put back) so first-call set-up is paid once, here. Protocol, one JSON object per line: the launcher writes {"rank", "env", "spec",
 "log", "cwd"} on stdin and reads {"pid"} back; the parent reports {"exit": pid, "code": c} when a rank
 ends (as subprocess does: negative for a signal). The first line it writes is {"ready", "fork_safe",
 "reason", "import_s", "socket"}. It dies with the process that started it, and its ranks die with it.
@@ -69,6 +70,33 @@ def _warm_up() -> None:
         family = json.loads(spec.read_text())["model_type"].removesuffix("_text")
         with contextlib.suppress(ImportError):  # an older transformers lacks it: ranks import it
             importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+
+def _exercise() -> None:
+    """One forward, backward and AdamW step of each tiny model family, built from its spec on the
+    CPU, with no process group and no device: the lazy imports and first-call set-up of
+    transformers, autograd and the optimizer are then paid here once, not in every rank (about
+    0.2 s a rank). Nothing of it survives but warm code paths: the models are dropped and the RNG
+    state is put back, so a rank's seeded draws are what they would have been."""
+    import torch
+    from pytest_fsdp_turbo_fixtures import DATA_DIR
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rng = torch.random.get_rng_state()
+    try:
+        for spec_path in sorted((DATA_DIR / "models").glob("*.json")):
+            spec = json.loads(spec_path.read_text())
+            config = AutoConfig.for_model(spec["model_type"], vocab_size=64, **spec["config"])
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model(input_ids=torch.randint(0, 64, (2, 8))).logits.float().sum().backward()
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=False)
+            optimizer.step()
+            del model, optimizer
+    except Exception as exc:  # noqa: BLE001 - a warm-up is an optimisation, never a failure
+        sys.stderr.write(f"warm parent: warm-up step skipped: {type(exc).__name__}: {exc}\n")
+    finally:
+        torch.random.set_rng_state(rng)
 
 
 def fork_unsafe_reason() -> str | None:
@@ -427,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     start = time.monotonic()
     _warm_up()
+    _exercise()
     reason = fork_unsafe_reason()
     listener = _listen(argv[1]) if argv[:1] == ["--listen"] and reason is None else None
     ready = {
