@@ -496,3 +496,15 @@ def test_the_model_is_loaded_with_the_attention_the_ulysses_patch_targets(book):
         }
     }
     assert attention_implementation(middle) == "eager"
+
+
+def test_config_verb_reads_the_rootdir_ini_case_file_as_run_does(tmp_path, monkeypatch, capsys):
+    from pytest_fsdp_turbo.cli import main
+
+    (tmp_path / "mine.toml").write_text(TYPO_CASE)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nfsdp_turbo_cases = mine.toml\n")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")  # the rootdir is found upwards, as pytest finds it
+    monkeypatch.delenv("FSDP_TURBO_PATH", raising=False)
+    assert main(["config", "tiny-turbo-typo", "--device", "npu"]) == 1  # found, then checked
+    assert "fsdp_plan.not_a_field: not in the library's schema" in capsys.readouterr().err
