@@ -6,9 +6,11 @@ fresh rank processes on request, so a case costs its compute rather than its imp
 It never runs a case itself, creates no device context and starts no threads, so every forked rank
 begins from the same clean state: no process group, no model, no RNG draws, no module a previous
 case imported. At start it runs one CPU step of each tiny model family (no process group, RNG
-state put back) so first-call set-up is paid once, here. Protocol, one JSON object per line: the launcher writes {"rank", "env", "spec",
-"log", "cwd"} on stdin and reads {"pid"} back; the parent reports {"exit": pid, "code": c} when a rank
-ends (as subprocess does: negative for a signal). The first line it writes is {"ready", "fork_safe",
+state put back) so first-call set-up is paid once, here.
+
+Protocol, one JSON object per line: the launcher writes {"rank", "env", "spec", "log", "cwd"} on
+stdin and reads {"pid"} back; the parent reports {"exit": pid, "code": c} when a rank ends (as
+subprocess does: negative for a signal). The first line it writes is {"ready", "fork_safe",
 "reason", "import_s", "socket"}. It dies with the process that started it, and its ranks die with it.
 
 With --listen PATH it also serves the same conversation on a unix socket, so the launcher's
@@ -179,6 +181,12 @@ def _line(message: dict) -> bytes:
     return (json.dumps(message) + "\n").encode()
 
 
+def _messages(pending: bytes) -> tuple[list[dict], bytes]:
+    """The complete JSON lines in a receive buffer, and what is left of it."""
+    *lines, rest = pending.split(b"\n")
+    return [json.loads(line) for line in lines], rest
+
+
 # Stacks a rank would import itself, which depend on the device kind at import time (verl resolves
 # and caches its platform while importing). A zygote per (stack, kind) imports one, then forks the
 # ranks that need it. CPU only: importing verl elsewhere probes CUDA/NPU, and a process that did
@@ -191,9 +199,7 @@ def _zygote_main(conn: socket.socket, preload: str) -> None:
     """In the zygote: import the stack, say whether forking stays safe, then fork ranks on request
     and report their exits, exactly like the parent does."""
     _die_with_parent()
-    os.dup2(
-        2, 1
-    )  # stdout is the launcher's conversation: anything an import prints goes to the log
+    os.dup2(2, 1)  # stdout is the launcher's conversation: what an import prints goes to the log
     name, kind = preload.split(":")
     reason = None
     try:
@@ -205,25 +211,21 @@ def _zygote_main(conn: socket.socket, preload: str) -> None:
     conn.sendall(_line({"ready": reason is None, "reason": reason}))
     if reason is not None:
         os._exit(1)
-    pending, children = b"", set()
+    pending = b""
     while True:
         ready, _, _ = select.select([conn], [], [], 0.05)
         for pid, code in _reaped():
-            children.discard(pid)
             conn.sendall(_line({"exit": pid, "code": code}))
         if not ready:
             continue
         chunk = conn.recv(1 << 16)
         if not chunk:  # the parent went away (its ranks go with it: parent-death signal)
             os._exit(0)
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            request = json.loads(line)
+        requests, pending = _messages(pending + chunk)
+        for request in requests:
             pid = os.fork()
             if pid == 0:
                 _child(request, [conn.fileno()])
-            children.add(pid)
             conn.sendall(_line({"pid": pid}))
 
 
@@ -321,23 +323,15 @@ class Server:
                     os.killpg(pid, signal.SIGKILL)
 
     def reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, code in _reaped():  # a zygote's own exit is no one's: not in owner
             if pid in self.owner:
-                self.send(
-                    self.owner.pop(pid), {"exit": pid, "code": os.waitstatus_to_exitcode(status)}
-                )
+                self.send(self.owner.pop(pid), {"exit": pid, "code": code})
 
     def receive(self, source: int | None, chunk: bytes) -> None:
-        self.pending[source] += chunk
-        while b"\n" in self.pending.get(source, b""):
-            line, self.pending[source] = self.pending[source].split(b"\n", 1)
-            request = json.loads(line)
+        requests, self.pending[source] = _messages(self.pending[source] + chunk)
+        for request in requests:
+            if source is not None and source not in self.clients:
+                return  # dropped while answering an earlier request: nothing more for it
             pid = self.fork_in_zygote(request)
             if pid is None:
                 pid = os.fork()
@@ -422,10 +416,8 @@ class Server:
                 if pid in self.owner:
                     self.send(self.owner.pop(pid), {"exit": pid, "code": -signal.SIGKILL})
             return
-        zygote.pending += chunk
-        while b"\n" in zygote.pending:
-            line, zygote.pending = zygote.pending.split(b"\n", 1)
-            zygote.exits.append(json.loads(line))
+        messages, zygote.pending = _messages(zygote.pending + chunk)
+        zygote.exits += messages  # only exits come unasked
         self.route_exits(zygote)
 
     def _recv(self, fd: int) -> bytes:

@@ -269,22 +269,32 @@ def class_of_target(target: str) -> str | None:
     return ".".join(parts[:-1]) if len(parts) > 2 and parts[-2][:1].isupper() else None
 
 
+def _resolves(target: str, modules: ModulePlan) -> bool | None:
+    """Whether a patch target exists in the loaded model (a class member) or in the installed
+    transformers (a module-level function); None when the inspection did not look."""
+    owner = class_of_target(target)
+    if owner is not None:
+        return owner in modules.classes
+    return dict(modules.functions).get(target)
+
+
 def target_problems(config: dict, modules: ModulePlan) -> list[str]:
     """A patch on a class member takes effect only on instances of that class in the model: the
     library refuses a module patch that matches none ("Configured module patch did not match the
     model"), and a function patch on a class the model never instantiates is never called."""
     if not modules.classes:
         return []
-    functions = dict(modules.functions)
     problems = []
     for where, target in patch_targets(config):
+        if _resolves(target, modules) is not False:
+            continue
         owner = class_of_target(target)
-        if owner is not None and owner not in modules.classes:
+        if owner is not None:
             problems.append(
                 f"{where}: {target} matches nothing in the model the engine loads "
                 f"({modules.model_class} has no {owner.rsplit('.', 1)[-1]} module)"
             )
-        elif owner is None and functions.get(target) is False:
+        else:
             problems.append(
                 f"{where}: {target} does not exist in the installed transformers; the patch "
                 "would have nothing to replace"
@@ -294,12 +304,7 @@ def target_problems(config: dict, modules: ModulePlan) -> list[str]:
 
 def resolved_targets(config: dict, modules: ModulePlan) -> list[str]:
     """The patch targets that do resolve in the loaded model (the config verb lists them)."""
-    functions = {t for t, exists in modules.functions if exists}
-    return [
-        target
-        for _, target in patch_targets(config)
-        if class_of_target(target) in modules.classes or target in functions
-    ]
+    return [t for _, t in patch_targets(config) if _resolves(t, modules)]
 
 
 EAGER_ATTENTION = "eager_attention_forward"

@@ -234,6 +234,15 @@ def _shared_parent() -> SharedWarmParent | None:
     return None
 
 
+def _adopt_shared_parent() -> SharedWarmParent | None:
+    """The ancestor's warm parent, kept as this process's own from now on, if there is one."""
+    shared = _shared_parent() if fork_unavailable_reason() is None else None
+    if shared is not None:
+        _parents[os.getpid()] = shared
+        atexit.register(shared.close)
+    return shared
+
+
 _parents: dict[int, _Conversation] = {}  # by pid: a forked or xdist-spawned process has its own
 _refusals: dict[int, str] = {}
 _log_dirs: dict[int, Path] = {}  # where this process's parent keeps its log, for a replacement
@@ -249,11 +258,8 @@ def run_module(
     parent = _parents.get(os.getpid())
     if parent is not None and not parent.alive and os.getpid() in _log_dirs:
         parent, _ = warm_parent(_log_dirs[os.getpid()])  # it died (a fault test): a new one
-    if parent is None and fork_unavailable_reason() is None:
-        parent = _shared_parent()
-        if parent is not None:
-            _parents[os.getpid()] = parent
-            atexit.register(parent.close)
+    if parent is None:
+        parent = _adopt_shared_parent()
     if parent is not None and parent.alive:
         return parent.run_module(module, argv, env, timeout_s)
     return subprocess.run(
@@ -278,11 +284,10 @@ def warm_parent(log_dir: Path) -> tuple[_Conversation | None, str | None]:
         if parent.alive:
             return parent, None
         parent.close()  # died (a case reported it); a new one takes its place
-    reason = fork_unavailable_reason()
-    if reason is None and (shared := _shared_parent()) is not None:
-        _parents[me] = shared
-        atexit.register(shared.close)
+    shared = _adopt_shared_parent()
+    if shared is not None:
         return shared, None
+    reason = fork_unavailable_reason()
     if reason is None:
         log_dir.mkdir(parents=True, exist_ok=True)
         try:
