@@ -26,9 +26,12 @@ def _every_test_restores_env_and_cwd(fsdp_turbo_env_guard):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _warm_parent_up_front(fsdp_turbo_lease_book):
-    """Start this worker's warm parent before the first test, not at its first case: the CLI runs,
-    inner sessions and helpers of earlier tests then fork from it instead of importing torch."""
+def _warm_parent_up_front(request):
+    """Under xdist (how the whole suite runs), start each worker's warm parent before its first
+    test, not at its first case: the CLI runs, inner sessions and helpers of earlier tests then
+    fork from it instead of importing torch. A single-file run stays light (no 5 s start)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     from pytest_fsdp_turbo.warm import warm_parent
 
-    warm_parent(fsdp_turbo_lease_book.state_dir)
+    warm_parent(request.getfixturevalue("fsdp_turbo_lease_book").state_dir)
