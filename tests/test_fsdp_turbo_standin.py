@@ -75,6 +75,7 @@ def test_standin_follows_the_librarys_matching_patching_and_loading_rules():
         "star_is_any_text": ["layers.0", "layers.0.proj", "layers.1", "layers.1.proj"],
         "range": ["layers.1"],
         "class_absent": 0,  # FSDPTurbo raises "Configured module patch did not match the model"
+        "member_absent": "AttributeError: 'Block' object has no attribute 'nowhere'",
         "class_present": 2,  # one per instance
         "instances_patched": True,
         "class_untouched": True,

@@ -59,6 +59,11 @@ def main() -> None:
                 model, {"target": "torch.nn.Conv1d.forward", "replacement": f"{here}.doubled"}
             )
         ),
+        "member_absent": outcome(
+            lambda: core._apply_module_patch(
+                model, {"target": f"{here}.Block.nowhere", "replacement": f"{here}.doubled"}
+            )
+        ),
         "class_present": core._apply_module_patch(
             model, {"target": f"{here}.Block.forward", "replacement": f"{here}.doubled"}
         ),

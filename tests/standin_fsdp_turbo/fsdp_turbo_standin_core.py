@@ -382,6 +382,8 @@ def _apply_module_patch(model: torch.nn.Module, spec: dict) -> int:
     matched = 0
     for module in model.modules():
         if isinstance(module, cls):
+            if not callable(getattr(module, member)):  # a missing member raises, as there
+                raise TypeError(f"Target member {spec['target']!r} is not a callable.")
             setattr(module, member, types.MethodType(replacement, module))
             matched += 1
     return matched
