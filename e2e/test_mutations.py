@@ -2,22 +2,33 @@
 modes a case can run in (an in-rank single-process reference, or no reference and a replay twin).
 The healthy engine passes both. Engines: e2e/broken_engines.py, each named after its bug.
 
+One run serves both modes: each engine runs once with the reference and the twin, and the checks
+judge it twice, once without the twin and once without any metric the reference wrote
+(vocab.REFERENCE_METRICS). The reference runs in rank 0 after the engine's step was measured, so
+the only reading it touches is rank 0's peak memory; an engine proven by check f (memory) therefore
+runs once per mode.
+
 Not in cpu_e2e (it is the harness's own proof, not a hardware case): select it with -m mutation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from pytest_fsdp_turbo import checks, goldens
+from pytest_fsdp_turbo.launch import RunResult
+from pytest_fsdp_turbo.vocab import REFERENCE_METRICS, Metric
 
 HERE = Path(__file__).parent
 CASE = "tiny-qwen3_5-fsdp2-deferred"
 HSDP_CASE = "tiny-qwen3-hsdp-2x2-deferred"
-MODES = {
+MODES = ("reference", "twin")
+BOTH_MODES = {"reference_checks": True, "twin": "single"}
+ONE_MODE = {
     "reference": {"reference_checks": True, "twin": "none"},
     "twin": {"reference_checks": False, "twin": "single"},
 }
@@ -29,6 +40,11 @@ class Mutant:
     backend: str
     caught: dict[str, tuple[tuple[str, str], ...]]  # mode -> (check letter, text in its message)
     case: str = CASE
+
+    @property
+    def shares_run(self) -> bool:
+        """Check f reads peak memory, which the reference raises in rank 0: one run per mode."""
+        return all(letter != "f" for expected in self.caught.values() for letter, _ in expected)
 
     def __str__(self) -> str:
         return self.backend
@@ -92,14 +108,30 @@ GOLDEN_MUTANT = "fsdp_gradients_divided_twice"
 assert any(m.backend == GOLDEN_MUTANT and m.case == CASE for m in MUTANTS)
 
 
-def run_broken(ppo_run, backend: str, case: str, mode: str, module: str = "broken_engines"):
-    return ppo_run(
-        case,
-        backend=backend,
-        engine_modules=[module],
-        pythonpath=[str(HERE)],
-        **MODES[mode],
-    )
+def run_broken(
+    ppo_run, backend: str, case: str, module: str = "broken_engines", modes: dict = BOTH_MODES
+) -> RunResult:
+    return ppo_run(case, backend=backend, engine_modules=[module], pythonpath=[str(HERE)], **modes)
+
+
+def in_mode(result: RunResult, mode: str) -> RunResult:
+    """The run as the checks see it in one mode: without the twin, or without the reference."""
+    if mode == "reference":
+        return dataclasses.replace(result, twin=None, twin_kind="")
+
+    def bare(metrics: dict | None) -> dict | None:
+        if metrics is None:
+            return None
+        kept = {k: v for k, v in metrics.items() if k not in REFERENCE_METRICS}
+        return {**kept, Metric.CASE_REFERENCE: False}
+
+    ranks = [dataclasses.replace(r, metrics=bare(r.metrics)) for r in result.ranks]
+    return dataclasses.replace(result, ranks=ranks)
+
+
+def failed_checks(result: RunResult, mode: str) -> dict[str, str]:
+    verdict = checks.evaluate(in_mode(result, mode))
+    return {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
 
 
 def test_every_check_has_a_mutant_in_every_mode():
@@ -111,25 +143,35 @@ def test_every_check_has_a_mutant_in_every_mode():
 pytestmark = [pytest.mark.mutation, pytest.mark.devices(2)]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_healthy_engine_passes(ppo_run, mode):
-    result = ppo_run(CASE, **MODES[mode])
-    verdict = checks.check_all(result)
-    assert verdict.not_applicable() == ["d: no replicas"]
-    assert (result.twin is not None) == (mode == "twin")
+def test_a_mode_view_hides_what_the_mode_lacks(ppo_run):
+    """The control for every verdict below: the healthy engine passes in each mode's view, and
+    each view is what a run in that mode would hold (no twin; no reference metric)."""
+    result = ppo_run(CASE, **BOTH_MODES)
+    for mode in MODES:
+        view = in_mode(result, mode)
+        assert checks.check_all(view).not_applicable() == ["d: no replicas"], mode
+        assert (view.twin is not None) == (mode == "twin")
+        has_reference = any(k in view.metrics for k in REFERENCE_METRICS)
+        assert has_reference == (mode == "reference") == view.metrics[Metric.CASE_REFERENCE]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("mutant", MUTANTS, ids=str)
-def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant, mode):
-    result = run_broken(ppo_run, mutant.backend, mutant.case, mode)
-    checks.check_completed(result)  # every bug here runs to the end: only the checks can tell
-    failed = {o.check: o.detail for o in checks.evaluate(result).with_status(checks.FAILED)}
-    for letter, text in mutant.caught[mode]:
-        assert letter in failed, f"check {letter} missed {mutant}; failed: {failed}"
-        assert f"check {letter}" in failed[letter] and text in failed[letter], failed[letter]
-    with pytest.raises(checks.CheckFailure):
-        checks.check_all(result)
+def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant):
+    if mutant.shares_run:
+        result = run_broken(ppo_run, mutant.backend, mutant.case)
+        runs = dict.fromkeys(MODES, result)
+    else:
+        runs = {
+            m: run_broken(ppo_run, mutant.backend, mutant.case, modes=ONE_MODE[m]) for m in MODES
+        }
+    for mode, result in runs.items():
+        checks.check_completed(result)  # every bug here runs to the end: only the checks can tell
+        failed = failed_checks(result, mode)
+        for letter, text in mutant.caught[mode]:
+            assert letter in failed, f"{mode}: check {letter} missed {mutant}; failed: {failed}"
+            assert f"check {letter}" in failed[letter] and text in failed[letter], failed[letter]
+        with pytest.raises(checks.CheckFailure):
+            checks.check_all(in_mode(result, mode))
     if mutant.backend == GOLDEN_MUTANT:  # the same run proves g (goldens live outside check_all)
         assert_golden_is_red(result, pytestconfig)
 
@@ -143,23 +185,23 @@ def assert_golden_is_red(result, pytestconfig) -> None:
         goldens.check_or_record(result, case, "cpu", None, record=False)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_verl_engine_with_noop_sync_context_is_caught(ppo_run, mode):
+def test_verl_engine_with_noop_sync_context_is_caught(ppo_run):
     """A subclass of verl's own FSDP2 engine, registered in verl's registry, tested as it is."""
     result = run_broken(
-        ppo_run, "verl:fsdp2_noop_sync_context", VERL_CASE, mode, module="broken_verl_engines"
+        ppo_run, "verl:fsdp2_noop_sync_context", VERL_CASE, module="broken_verl_engines"
     )
     checks.check_completed(result)
-    failed = {o.check: o.detail for o in checks.evaluate(result).with_status(checks.FAILED)}
-    assert set(failed) == {"h"}, failed  # same gradients; only the contract can tell
-    units = result.metrics["comm/fsdp_units"]
-    assert (
-        f"expected reduce-scatters per micro-batch [0, {units}], measured [{units}, {units}]"
-        in (failed["h"])
-    )
+    units = result.metrics[Metric.COMM_FSDP_UNITS]
+    for mode in MODES:
+        failed = failed_checks(result, mode)
+        assert set(failed) == {"h"}, (mode, failed)  # same gradients; only the contract can tell
+        assert (
+            f"expected reduce-scatters per micro-batch [0, {units}], measured [{units}, {units}]"
+            in failed["h"]
+        )
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_verl_engine_as_shipped_passes(ppo_run, mode):
-    result = ppo_run(VERL_CASE, **MODES[mode])
-    assert checks.check_all(result).not_applicable() == ["d: no replicas"]
+def test_verl_engine_as_shipped_passes(ppo_run):
+    result = ppo_run(VERL_CASE, **BOTH_MODES)
+    for mode in MODES:
+        assert checks.check_all(in_mode(result, mode)).not_applicable() == ["d: no replicas"]

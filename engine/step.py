@@ -519,7 +519,7 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
         metrics[Metric.SYNC_GRAD_MAX_REL_ERR] = ref.grad_max_rel_err
         metrics[Metric.SYNC_GRAD_MAX_REL_ERR_PARAM] = ref.grad_max_rel_err_param
         metrics[Metric.SYNC_REFERENCE_GRAD_NORM] = ref.norm
-        metrics["sync/grad_rel_l2_err"] = ref.grad_rel_l2_err
+        metrics[Metric.SYNC_GRAD_REL_L2_ERR] = ref.grad_rel_l2_err
 
     stepped = optimizer(ctx)
     step_time = time.perf_counter() - step_start
@@ -539,7 +539,7 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     metrics[Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF] = after.rollout_logprob_max_abs_diff
     if after.step_max_err is not None:
         metrics[Metric.SYNC_STEP_MAX_ERR_LR] = after.step_max_err
-        metrics["sync/step_rel_l2_err"] = after.step_rel_l2_err
+        metrics[Metric.SYNC_STEP_REL_L2_ERR] = after.step_rel_l2_err
     if ctx.replaying:
         metrics.update(twin_comparison(ctx, batch, after.logprobs))
     else:

@@ -195,7 +195,7 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
             f"[sync policy {policy}]"
         )
     tol = GRAD_PARITY_L2_TOL[dtype]
-    if over := _first_above(result, "sync/grad_rel_l2_err", tol):
+    if over := _first_above(result, Metric.SYNC_GRAD_REL_L2_ERR, tol):
         raise CheckFailure(
             f"check c: rank {over[0]}: gradients differ from the single-process reference by "
             f"relative L2 error {over[1]:.3g} (sync/grad_rel_l2_err), tolerance {tol:g} "
@@ -364,7 +364,7 @@ def check_optimizer_step(result: RunResult) -> None:
         return
     dtype = _dtype(result)
     tol = STEP_L2_TOL[dtype]
-    if over := _first_above(result, "sync/step_rel_l2_err", tol):
+    if over := _first_above(result, Metric.SYNC_STEP_REL_L2_ERR, tol):
         raise CheckFailure(
             f"check i: rank {over[0]}: the update differs from the single-process reference "
             f"step's by relative L2 error {over[1]:.3g} (sync/step_rel_l2_err), tolerance {tol:g}"

@@ -94,13 +94,27 @@ class Metric:
     SYNC_GRAD_MAX_REL_ERR = "sync/grad_max_rel_err"
     SYNC_GRAD_MAX_REL_ERR_PARAM = "sync/grad_max_rel_err_param"
     SYNC_GRAD_NORM_MEASURED = "sync/grad_norm_measured"
+    SYNC_GRAD_REL_L2_ERR = "sync/grad_rel_l2_err"
     SYNC_REFERENCE_GRAD_NORM = "sync/reference_grad_norm"
     SYNC_REPLICA_MAX_ABS_DIFF = "sync/replica_max_abs_diff"
     SYNC_RETAINED_GRAD_BYTES = "sync/retained_grad_bytes"
     SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF = "sync/rollout_logprob_max_abs_diff"
     SYNC_STEP_MAX_ERR_LR = "sync/step_max_err_lr"
+    SYNC_STEP_REL_L2_ERR = "sync/step_rel_l2_err"
     TIMING_S_STARTUP = "timing_s/startup"
     TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF = "twin/post_step_logprob_max_abs_diff"
+
+
+# Written only by the in-rank single-process reference (reference_checks on): without them the checks
+# judge a run as a run without a reference, whatever else it measured.
+REFERENCE_METRICS = (
+    Metric.SYNC_GRAD_MAX_REL_ERR,
+    Metric.SYNC_GRAD_MAX_REL_ERR_PARAM,
+    Metric.SYNC_GRAD_REL_L2_ERR,
+    Metric.SYNC_REFERENCE_GRAD_NORM,
+    Metric.SYNC_STEP_MAX_ERR_LR,
+    Metric.SYNC_STEP_REL_L2_ERR,
+)
 
 
 def timing_key(phase: str) -> str:
