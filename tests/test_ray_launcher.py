@@ -11,6 +11,8 @@ if importlib.util.find_spec("ray") is None:  # never imported here: the pytest p
 
 from pytest_fsdp_turbo import checks  # noqa: E402
 
+CASE = "tiny-llama-fsdp2-deferred"  # two ranks, the quickest family: the launcher is under test
+
 
 def _live(marker: str) -> list[psutil.Process]:
     found = []
@@ -31,10 +33,10 @@ def test_two_rank_case_through_ray_matches_the_local_launcher(
 ):
     """Ray started before the leak snapshot (ray_cluster first): its daemons are the session's;
     the rank actors and everything the case started must be gone at the end."""
-    on_ray = ppo_run("tiny-qwen3_5-fsdp2-deferred", launcher="ray")
+    on_ray = ppo_run(CASE, launcher="ray")
     verdict = checks.check_all(on_ray)
     assert verdict.not_applicable() == ["d: no replicas"]
-    local = ppo_run("tiny-qwen3_5-fsdp2-deferred", launcher="local")
+    local = ppo_run(CASE, launcher="local")
     checks.check_completed(local)
     for key in (
         "actor/grad_norm",
