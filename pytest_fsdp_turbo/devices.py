@@ -57,8 +57,9 @@ class Accelerator:
 
 
 def default_cpu_slots() -> int:
-    """CPU ranks are processes, not devices: allow a 4-rank case even on a 2-core machine."""
-    return max(4, os.cpu_count() or 1)
+    """CPU ranks are processes, not devices: room for two 4-rank cases side by side even on a
+    2-core machine, so a `pytest -n 2` worker never idles waiting for the other one's slots."""
+    return max(8, os.cpu_count() or 1)
 
 
 def parse_device_override(value: str, origin: str) -> tuple[str, int | None]:
