@@ -87,11 +87,9 @@ class FSDPEngineWithLMHead:
         return {}
 
     def build(self, model_path: str, *, trainable: bool = True) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        from pytest_fsdp_turbo_engine.hf_model import load_pretrained
 
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, **self.load_options()
-        )
+        model = load_pretrained(model_path, dtype=torch.float32, **self.load_options())
         model.to(self.device)
         wrapped = self._wrap(model)
         if trainable:

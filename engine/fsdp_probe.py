@@ -31,14 +31,50 @@ def _managed_parameters(unit: torch.nn.Module) -> list[torch.nn.Parameter]:
     return owned
 
 
-def fsdp_units(model: torch.nn.Module) -> int:
-    """fully_shard units holding trainable parameters: each reduce-scatters once per synced backward."""
-    return sum(
-        1
+def _trainable_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [
+        module
         for module in model.modules()
         if isinstance(module, FSDPModule)
         and any(p.requires_grad for p in _managed_parameters(module))
-    )
+    ]
+
+
+def fsdp_units(model: torch.nn.Module) -> int:
+    """fully_shard units holding trainable parameters."""
+    return len(_trainable_units(model))
+
+
+class UnitsThatRan:
+    """The trainable fully_shard units whose forward ran while installed: each of them, and only
+    they, reduce-scatters once per synced backward. A unit that never runs (a vision tower on a
+    text-only batch) holds no gradient, so FSDP2 issues nothing for it. Installed by the harness
+    around the train phase with plain forward pre-hooks, removed after."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._units = _trainable_units(model)
+        self._ran: set[int] = set()
+        self._handles: list = []
+
+    @property
+    def count(self) -> int:
+        return len(self._ran)
+
+    def __enter__(self) -> UnitsThatRan:
+        for unit in self._units:
+            self._handles.append(unit.register_forward_pre_hook(self._seen(id(unit))))
+        return self
+
+    def _seen(self, key: int):
+        def hook(_module, _args) -> None:
+            self._ran.add(key)
+
+        return hook
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
 
 def shard_group_size(model: torch.nn.Module) -> int:
@@ -136,15 +172,18 @@ def unsharded_grad_bytes(model: torch.nn.Module) -> int:
         group = _param_group(module)
         for param in group.fsdp_params if group else ():
             if not hasattr(param, "unsharded_accumulated_grad") or not hasattr(
-                param, "_unsharded_param"
+                param, "init_unsharded_param"
             ):
                 raise FSDPInternalsChanged(
                     f"torch {torch.__version__}: FSDPParam has no unsharded_accumulated_grad / "
-                    "_unsharded_param; update pytest_fsdp_turbo_engine.fsdp_probe"
+                    "init_unsharded_param; update pytest_fsdp_turbo_engine.fsdp_probe"
                 )
             grad = param.unsharded_accumulated_grad
-            if grad is None and param._unsharded_param is not None:
-                grad = param._unsharded_param.grad
+            # `_unsharded_param` exists only after the first all-gather (torch tests it the same
+            # way): a unit that never ran forward, like a vision tower on text, holds nothing
+            unsharded = getattr(param, "_unsharded_param", None)
+            if grad is None and unsharded is not None:
+                grad = unsharded.grad
             if grad is not None:
                 total += grad.numel() * grad.element_size()
     return total

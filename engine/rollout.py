@@ -43,9 +43,9 @@ def response_mask(response_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 class HFRollout:
     def __init__(self, model_path: str, device: torch.device, eos_id: int, pad_id: int):
-        from transformers import AutoModelForCausalLM
+        from pytest_fsdp_turbo_engine.hf_model import load_pretrained
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model = load_pretrained(model_path, dtype=torch.float32)
         self.model.to(device).eval()
         self.eos_id, self.pad_id = eos_id, pad_id
 

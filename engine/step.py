@@ -236,7 +236,7 @@ class Trained:
     reduce_scatters_by_micro_batch: list[int]
     all_gathers: int  # forward and backward, all micro-batches
     retained_grad_bytes: int  # peak unsharded gradient bytes held between micro-batches
-    fsdp_units: int
+    fsdp_units: int  # trainable units whose forward ran (a vision tower on text does not)
     shard_group_size: int
 
 
@@ -296,7 +296,7 @@ def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
     own loop (verl's) get the probe through their loss function; the rest run the harness's loop."""
     ctx.phase.enter("train")
     engine, module = ctx.engine, ctx.engine.module
-    with fsdp_probe.CollectiveCounter() as counter:
+    with fsdp_probe.CollectiveCounter() as counter, fsdp_probe.UnitsThatRan(module) as ran:
         probe = MicroBatchProbe(module, tokens, ctx.cfg, counter)
         if getattr(engine, "drives_micro_batches", False):
             engine.forward_backward(batch, tokens, ctx.cfg, probe)
@@ -311,7 +311,7 @@ def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
         counter.reduce_scatters,
         counter.all_gathers_total,
         probe.retained,
-        fsdp_probe.fsdp_units(module),
+        ran.count,
         fsdp_probe.shard_group_size(module),
     )
 
@@ -330,9 +330,9 @@ def single_process_copy(ctx: Rank) -> torch.nn.Module:
     """The initial policy, unsharded: the HF rollout already holds one; otherwise load it."""
     if isinstance(ctx.rollout, HFRollout):
         return ctx.rollout.model
-    from transformers import AutoModelForCausalLM
+    from pytest_fsdp_turbo_engine.hf_model import load_pretrained
 
-    model = AutoModelForCausalLM.from_pretrained(ctx.spec["model_path"], dtype=torch.float32)
+    model = load_pretrained(ctx.spec["model_path"], dtype=torch.float32)
     return model.to(ctx.device)
 
 

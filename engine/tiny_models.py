@@ -1,4 +1,4 @@
-"""Tiny causal LMs built from specs in fixtures/models, saved in HF format and loaded like real ones.
+"""Tiny LMs (causal, or vision-language where the real checkpoints are) built from specs in fixtures/models, saved in HF format and loaded like real ones.
 
 The builder runs once per session (the plugin calls it in a subprocess under a lock); ranks load the
 result with `from_pretrained`, the same path a real checkpoint takes.
@@ -56,22 +56,30 @@ def _pin_version_sensitive_init(model) -> None:
                 param.copy_(torch.linspace(1.0, 16.0, param.numel()).log().view_as(param))
 
 
+def tiny_config(spec: dict, vocab_size: int, eos_id: int | None = None, pad_id: int | None = None):
+    """The HF config of a spec. A vision-language spec (a `text_config` inside) gets the vocabulary
+    and special tokens in its text config, where the language model reads them."""
+    from transformers import AutoConfig
+
+    tokens = {"vocab_size": vocab_size}
+    if eos_id is not None:
+        tokens.update(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=eos_id)
+    fields = dict(spec["config"])
+    if "text_config" in fields:
+        fields["text_config"] = {**fields["text_config"], **tokens}
+        return AutoConfig.for_model(spec["model_type"], **fields)
+    return AutoConfig.for_model(spec["model_type"], **tokens, **fields)
+
+
 def build_tiny_model(name: str, out_dir: Path, spec_dir: Path | None = None) -> Path:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from pytest_fsdp_turbo_engine.hf_model import from_config
 
     spec = load_spec(name, spec_dir)
     tokenizer = build_byte_tokenizer()
-    config = AutoConfig.for_model(
-        spec["model_type"],
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        **spec["config"],
-    )
+    config = tiny_config(spec, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(spec.get("seed", 0))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = from_config(config, dtype=torch.float32)
     _pin_version_sensitive_init(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -83,8 +91,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="build a tiny HF model from a fixtures spec")
     parser.add_argument("name")
     parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--spec-dir", type=Path, help=f"where NAME.json is (default {SPECS_DIR})")
     args = parser.parse_args()
-    print(build_tiny_model(args.name, args.out_dir))
+    print(build_tiny_model(args.name, args.out_dir, args.spec_dir))
 
 
 if __name__ == "__main__":

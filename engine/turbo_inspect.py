@@ -89,6 +89,7 @@ def module_plan(model) -> dict:
         "others": others,
         "classes": classes,  # what a `module.Class.member` patch target can match
         "functions": known_functions(),
+        "names": [name for name, _ in model.named_modules()],  # what module patterns can match
     }
 
 
@@ -113,11 +114,12 @@ def known_functions() -> list[tuple[str, bool]]:
 
 def meta_model(model_dir: Path):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from pytest_fsdp_turbo_engine.hf_model import from_config
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return from_config(config)
 
 
 def main(argv: list[str] | None = None) -> int:

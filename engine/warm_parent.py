@@ -66,7 +66,11 @@ def _warm_up() -> None:
     import transformers  # noqa: F401
     from pytest_fsdp_turbo_engine import step, worker  # noqa: F401
     from pytest_fsdp_turbo_fixtures import DATA_DIR
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    from transformers import (  # noqa: F401
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoTokenizer,  # noqa: F401
+    )
 
     for spec in sorted((DATA_DIR / "models").glob("*.json")):
         family = json.loads(spec.read_text())["model_type"].removesuffix("_text")
@@ -81,15 +85,15 @@ def _exercise() -> None:
     0.2 s a rank). Nothing of it survives but warm code paths: the models are dropped and the RNG
     state is put back, so a rank's seeded draws are what they would have been."""
     import torch
+    from pytest_fsdp_turbo_engine.hf_model import from_config
+    from pytest_fsdp_turbo_engine.tiny_models import tiny_config
     from pytest_fsdp_turbo_fixtures import DATA_DIR
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     rng = torch.random.get_rng_state()
     try:
         for spec_path in sorted((DATA_DIR / "models").glob("*.json")):
             spec = json.loads(spec_path.read_text())
-            config = AutoConfig.for_model(spec["model_type"], vocab_size=64, **spec["config"])
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = from_config(tiny_config(spec, vocab_size=64), dtype=torch.float32)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             model(input_ids=torch.randint(0, 64, (2, 8))).logits.float().sum().backward()
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=False)

@@ -304,8 +304,8 @@ def check_memory(result: RunResult, budget_mb: float | None) -> None:
 def expected_reduce_scatters(
     policy: str, micro_batches: int, units: int, shard_group_size: int
 ) -> list[int]:
-    """One reduce-scatter per FSDP unit per synced backward (none when a unit is sharded over one
-    rank: FSDP2 skips the collective); deferred syncs only the last micro-batch."""
+    """One reduce-scatter per FSDP unit that ran forward, per synced backward (none when a unit is
+    sharded over one rank: FSDP2 skips the collective); deferred syncs only the last micro-batch."""
     per_sync = units if shard_group_size > 1 else 0
     if policy == "deferred":
         return [0] * (micro_batches - 1) + [per_sync]
@@ -326,7 +326,7 @@ def check_sync_contract(result: RunResult) -> None:
         want = expected_reduce_scatters(policy, micro_batches, units, shards)
         if calls != want:
             raise CheckFailure(
-                f"{head} over {units} FSDP units sharded {shards} ways: expected reduce-scatters "
+                f"{head} over {units} FSDP units that ran, sharded {shards} ways: expected reduce-scatters "
                 f"per micro-batch {want}, "
                 f"measured {calls} on rank {rank} (comm/reduce_scatter_calls_by_micro_batch)"
             )

@@ -67,7 +67,7 @@ def build_tiny_model(
         shutil.rmtree(scratch, ignore_errors=True)
         done = run_module(  # forked from a warm parent when this process tree has one
             BUILDER_MODULE,
-            [name, str(scratch)],
+            [name, str(scratch), "--spec-dir", str(spec_path.parent)],
             timeout_s=BUILD_TIMEOUT_S,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
         )

@@ -17,6 +17,7 @@ and what it requires but is missing.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 
 from pytest_fsdp_turbo.errors import ConfigError
@@ -68,6 +69,7 @@ class ModulePlan:
     classes: tuple[str, ...] = field(default=())  # "module.Class" of every module instance
     # (target, exists) for the module-level functions the known patch sets name
     functions: tuple[tuple[str, bool], ...] = field(default=())
+    names: tuple[str, ...] = field(default=())  # every module name, "" for the root
 
     @classmethod
     def from_json(cls, data: dict) -> ModulePlan:
@@ -77,6 +79,7 @@ class ModulePlan:
             tuple(data["others"]),
             tuple(data.get("classes", ())),
             tuple((t, bool(e)) for t, e in data.get("functions", ())),
+            tuple(data.get("names", ())),
         )
 
 
@@ -278,13 +281,57 @@ def _resolves(target: str, modules: ModulePlan) -> bool | None:
     return dict(modules.functions).get(target)
 
 
+def pattern_regex(pattern: str) -> re.Pattern:
+    """FSDPTurbo's module-name pattern as a regex over whole names: `{*}` any layer index, `{a-b}`
+    an index from a to b (checked by `pattern_matches`), `*` any text, `?` one character."""
+    parts = re.split(r"(\{\*\}|\{\d+-\d+\}|\*|\?)", pattern)
+    wild = {"{*}": r"(\d+)", "*": ".*", "?": "."}
+    return re.compile(
+        "".join(
+            wild.get(p) or (r"(\d+)" if re.fullmatch(r"\{\d+-\d+\}", p) else re.escape(p))
+            for p in parts
+        )
+    )
+
+
+def pattern_matches(pattern: str, name: str) -> bool:
+    found = pattern_regex(pattern).fullmatch(name)
+    if found is None:
+        return False
+    bounds = [tuple(map(int, b.split("-"))) for b in re.findall(r"\{(\d+-\d+)\}", pattern)]
+    indexed = [g for g, p in zip(found.groups(), re.findall(r"\{[^}]*\}", pattern)) if p != "{*}"]
+    return all(low <= int(i) <= high for i, (low, high) in zip(indexed, bounds))
+
+
+def pattern_problems(config: dict, modules: ModulePlan) -> list[str]:
+    """An apply_modules or hook_modules pattern that matches no module of the loaded model wraps or
+    hooks nothing (the library raises only when every pattern misses, so a single typo among good
+    patterns would pass there silently)."""
+    if not modules.names:
+        return []
+    plan = ((config.get("distributed") or {}).get("fsdp_plan")) or {}
+    problems = []
+    for key in ("apply_modules", "hook_modules"):
+        given = plan.get(key)
+        for pattern in given if isinstance(given, (dict, list)) else ():
+            if isinstance(pattern, str) and not any(
+                pattern_matches(pattern, n) for n in modules.names
+            ):
+                problems.append(
+                    f"turbo_config.distributed.fsdp_plan.{key}: pattern {pattern!r} matches no "
+                    f"module of the model the engine loads ({modules.model_class})"
+                )
+    return problems
+
+
 def target_problems(config: dict, modules: ModulePlan) -> list[str]:
     """A patch on a class member takes effect only on instances of that class in the model: the
     library refuses a module patch that matches none ("Configured module patch did not match the
-    model"), and a function patch on a class the model never instantiates is never called."""
+    model"), and a function patch on a class the model never instantiates is never called. Module
+    patterns that match nothing are refused too (pattern_problems)."""
+    problems = pattern_problems(config, modules)
     if not modules.classes:
-        return []
-    problems = []
+        return problems
     for where, target in patch_targets(config):
         if _resolves(target, modules) is not False:
             continue

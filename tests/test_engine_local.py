@@ -140,22 +140,25 @@ def test_response_mask_cuts_after_first_eos():
 
 
 def test_tiny_model_builder_saves_hf_format(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from pytest_fsdp_turbo_engine.hf_model import load_pretrained
+    from transformers import AutoTokenizer
 
     out = build_tiny_model("tiny-qwen3_5", tmp_path / "m")
     assert local_model_dir("m", tmp_path) == out  # complete: config and weights
     assert (out / "tokenizer.json").is_file()
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "qwen3_5_text"
-    assert set(config["layer_types"]) == {"linear_attention", "full_attention"}
-    model = AutoModelForCausalLM.from_pretrained(out)
+    # vision-language, as the real Qwen3.5 checkpoints are: loaded as what verl loads
+    assert config["model_type"] == "qwen3_5" and config["vision_config"]["depth"] == 1
+    assert set(config["text_config"]["layer_types"]) == {"linear_attention", "full_attention"}
+    model = load_pretrained(out)
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.decode(tokenizer("héllo", add_special_tokens=False).input_ids) == "héllo"
-    again = AutoModelForCausalLM.from_pretrained(build_tiny_model("tiny-qwen3_5", tmp_path / "m2"))
+    again = load_pretrained(build_tiny_model("tiny-qwen3_5", tmp_path / "m2"))
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name  # fixed seed: the same weights every build
     # init that changed between transformers releases is pinned, so goldens hold on every version
-    a_log = model.state_dict()["model.layers.0.linear_attn.A_log"]
+    a_log = model.state_dict()["model.language_model.layers.0.linear_attn.A_log"]
     assert torch.equal(a_log, torch.linspace(1.0, 16.0, a_log.numel()).log())
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelUnavailable, match="incomplete"):

@@ -147,10 +147,10 @@ def test_missing_library_error_names_checkout_and_pythonpath(monkeypatch):
 
 def test_turbo_backend_is_registered_everywhere_and_the_library_decides():
     """cpu too: the library itself refuses a CPU box (the stand-in reproduces that)."""
-    engine = registry.lookup("qwen3_5_text", "fsdp_turbo", "npu")
+    engine = registry.lookup("qwen3_5", "fsdp_turbo", "npu")
     assert engine.__name__ == "FSDPTurboEngineWithLMHead"
     for kind in ("cuda", "cpu"):
-        assert registry.lookup("qwen3_5_text", "fsdp_turbo", kind) is engine
+        assert registry.lookup("qwen3_5", "fsdp_turbo", kind) is engine
 
 
 def test_turbo_case_skips_without_checkout_and_fails_under_strict(pytester, tmp_path, monkeypatch):

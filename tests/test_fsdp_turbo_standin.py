@@ -32,12 +32,17 @@ def test_fsdp_turbo_backend_passes_every_check_on_the_standin(ppo_run, layout):
     config = json.loads((result.artifacts_dir / "spec.json").read_text())["engine"]["turbo_config"]
     plan = config["distributed"]["fsdp_plan"]
     assert plan["apply_modules"] == {
-        "model.layers.{*}": {},
-        "model.embed_tokens": {},
+        "model.language_model.layers.{*}": {},
+        "model.visual.blocks.{*}": {},
+        "model.language_model.embed_tokens": {},
         "lm_head": {},
+        "model.visual.patch_embed": {},
+        "model.visual.pos_embed": {},
+        "model.visual.merger": {},
     }
-    assert plan["hook_modules"] == ["model.layers.{*}"]
-    # apply_modules became FSDP units: 4 decoder layers, embeddings, LM head, and the root (norm)
+    assert plan["hook_modules"] == ["model.language_model.layers.{*}"]
+    # the units that ran on a text batch: 4 decoder layers, embeddings, LM head and the root
+    # (norm); the vision tower's units never run forward, so they reduce-scatter nothing
     assert result.metrics["comm/fsdp_units"] == 7
     assert result.metrics["comm/reduce_scatter_calls_by_micro_batch"] == [0, 7]
 

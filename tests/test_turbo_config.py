@@ -22,6 +22,8 @@ from pytest_fsdp_turbo.turbo_config import (
     ModulePlan,
     build_turbo_config,
     detect_layout,
+    pattern_matches,
+    pattern_problems,
     schema_problems,
 )
 from pytest_fsdp_turbo.turbo_library import inspect, torch_outside_range
@@ -125,9 +127,10 @@ def test_module_plan_follows_the_class_actually_loaded(tmp_path):
     )
     (tmp_path / "config.json").write_text(text)
     plan = inspect(tmp_path, None).modules
-    assert replace(plan, classes=(), functions=()) == ModulePlan(
+    assert replace(plan, classes=(), functions=(), names=()) == ModulePlan(
         "Qwen3_5ForCausalLM", ("model.layers.{*}",), ("model.embed_tokens", "lm_head")
     )
+    assert {"", "model.layers.0.linear_attn", "lm_head"} <= set(plan.names)  # for patterns
     # what the loaded model instantiates, for patch targets: the text model, not Qwen3_5Model
     assert {f"{QWEN}.Qwen3_5TextModel", f"{QWEN}.Qwen3_5GatedDeltaNet"} <= set(plan.classes)
     assert f"{QWEN}.Qwen3_5Model" not in plan.classes
@@ -238,10 +241,14 @@ def test_config_verb_prints_the_config_and_flags_drift(tmp_path, monkeypatch):
     good = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env})
     assert good.returncode == 0, good.stderr
     printed = json.loads(good.stdout)
-    assert printed["distributed"]["fsdp_plan"]["apply_modules"] == {
-        "model.layers.{*}": {},
-        "model.embed_tokens": {},
+    assert printed["distributed"]["fsdp_plan"]["apply_modules"] == {  # what verl's runs list
+        "model.language_model.layers.{*}": {},
+        "model.language_model.embed_tokens": {},
         "lm_head": {},
+        "model.visual.blocks.{*}": {},
+        "model.visual.patch_embed": {},
+        "model.visual.pos_embed": {},
+        "model.visual.merger": {},
     }
     env["FSDP_TURBO_PATH"] = str(drifted_checkout(tmp_path / "drifted"))
     bad = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env})
@@ -460,26 +467,78 @@ def test_patch_targets_must_match_a_module_of_the_loaded_model(book):
     assert loss in resolved_targets(config, renamed)
 
 
-def test_config_verb_refuses_the_npu_sp2_case_whose_module_patch_the_loaded_model_lacks(
+def _config_verb_on_the_npu_sp2_case(models: Path, capsys) -> tuple[int, list[str]]:
+    from pytest_fsdp_turbo.cli import main
+
+    argv = ["config", "qwen3_5-2b-fsdp_turbo-fsdp4-sp2", "--device", "npu"]
+    argv += ["--fsdp-turbo-models", str(models)]
+    capsys.readouterr()  # what building the model printed
+    code = main([*argv, "--fsdp-turbo-path", str(STANDIN / FUNCTION_PATCHES)])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_config_verb_resolves_every_patch_target_of_the_npu_sp2_case_in_the_loaded_model(
     tmp_path, monkeypatch, capsys
 ):
-    """The engine loads AutoModelForCausalLM: a Qwen3_5ForCausalLM around a Qwen3_5TextModel, so
-    the library's Qwen3_5Model.forward patch would raise in FSDPTurbo.__init__ on the first NPU
-    run. The harness says so before launch, from the real (tiny, meta) model."""
-    from pytest_fsdp_turbo.cli import main
+    """The tiny Qwen3.5 is vision-language like the real checkpoints, and the engine loads it as
+    verl does (Qwen3_5ForConditionalGeneration): every patch target and module pattern of the NPU
+    SP2 case resolves in that model, and the verb lists each target."""
     from pytest_fsdp_turbo.models import build_tiny_model
 
     (tmp_path / "Qwen3.5-2B").symlink_to(build_tiny_model("tiny-qwen3_5"))
     monkeypatch.delenv("PYTEST_FSDP_TURBO_MODELS", raising=False)
-    checkout = STANDIN / FUNCTION_PATCHES
-    argv = ["config", "qwen3_5-2b-fsdp_turbo-fsdp4-sp2", "--device", "npu"]
-    argv += ["--fsdp-turbo-models", str(tmp_path)]
-    assert main([*argv, "--fsdp-turbo-path", str(checkout)]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
+    code, err = _config_verb_on_the_npu_sp2_case(tmp_path, capsys)
+    assert code == 0, err
+    where = "resolves in Qwen3_5ForConditionalGeneration"
+    assert err == [
+        f"note: patch target {QWEN}.Qwen3_5Model.forward {where}",
+        f"note: patch target {QWEN}.eager_attention_forward {where}",
+        f"note: patch target {QWEN}.Qwen3_5GatedDeltaNet.forward {where}",
+        f"note: patch target transformers.loss.loss_utils.ForCausalLMLoss {where}",
+    ]
+
+
+def test_config_verb_refuses_a_module_patch_the_loaded_model_lacks(tmp_path, monkeypatch, capsys):
+    """A text-only Qwen3.5 checkpoint loads as Qwen3_5ForCausalLM around a Qwen3_5TextModel: the
+    library's Qwen3_5Model.forward patch would raise in FSDPTurbo.__init__ on the first NPU run.
+    The harness says so before launch, from the real (tiny, meta) model."""
+    from pytest_fsdp_turbo.models import FIXTURES_DIR, build_tiny_model
+
+    spec = json.loads((FIXTURES_DIR / "models" / "tiny-qwen3_5.json").read_text())
+    text_only = {"model_type": "qwen3_5_text", "config": spec["config"]["text_config"]}
+    (tmp_path / "fixtures" / "models").mkdir(parents=True)
+    (tmp_path / "fixtures" / "models" / "text-only.json").write_text(json.dumps(text_only))
+    (tmp_path / "models").mkdir()
+    built = build_tiny_model("text-only", tmp_path / "cache", tmp_path / "fixtures")
+    (tmp_path / "models" / "Qwen3.5-2B").symlink_to(built)
+    monkeypatch.delenv("PYTEST_FSDP_TURBO_MODELS", raising=False)
+    code, err = _config_verb_on_the_npu_sp2_case(tmp_path / "models", capsys)
+    assert code == 1
     assert err == [
         f"turbo_config.module_patches[0].target: {QWEN}.Qwen3_5Model.forward matches nothing in "
         "the model the engine loads (Qwen3_5ForCausalLM has no Qwen3_5Model module)"
     ]
+
+
+def test_a_module_pattern_that_matches_nothing_is_refused_by_name():
+    modules = ModulePlan(
+        "M", ("model.layers.{*}",), names=("", "model", "model.layers", "model.layers.0", "lm_head")
+    )
+    config = {
+        "distributed": {
+            "fsdp_plan": {
+                "apply_modules": {"model.layers.{*}": {}, "model.layer.{*}": {}, "lm_head": {}},
+                "hook_modules": ["model.layers.{0-1}", "model.layers.{2-9}"],
+            }
+        }
+    }
+    assert pattern_problems(config, modules) == [
+        "turbo_config.distributed.fsdp_plan.apply_modules: pattern 'model.layer.{*}' matches no "
+        "module of the model the engine loads (M)",
+        "turbo_config.distributed.fsdp_plan.hook_modules: pattern 'model.layers.{2-9}' matches no "
+        "module of the model the engine loads (M)",
+    ]
+    assert pattern_matches("*", "") and pattern_matches("model.?ayers.0", "model.layers.0")
 
 
 def test_the_model_is_loaded_with_the_attention_the_ulysses_patch_targets(book):

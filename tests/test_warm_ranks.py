@@ -65,9 +65,7 @@ def test_a_case_after_a_failed_polluting_case_is_unaffected(ppo_run):
         CASE, backend="fsdp_polluted", engine_modules=["leak_probe"], pythonpath=[PROBES]
     )
     assert not orphan.ok
-    assert (
-        "no engine for model_type='qwen3_5_text', backend='fsdp_polluted'" in orphan.failure_text()
-    )
+    assert "no engine for model_type='qwen3_5', backend='fsdp_polluted'" in orphan.failure_text()
 
 
 def test_an_inner_session_forks_from_the_outer_sessions_warm_parent(pytester, tmp_path):
