@@ -89,3 +89,33 @@ def test_standin_follows_the_librarys_matching_patching_and_loading_rules():
         "coerced": [True, 2],
         "bad_bool": "ValueError: cannot read 'maybe' as a bool",
     }
+
+
+@pytest.mark.devices(2)
+def test_standin_ulysses_shards_the_sequence_and_matches_the_whole_sequence(tmp_path):
+    """The stand-in's Ulysses wrappers (full_attention on transformers' eager attention,
+    gated_delta_net on Qwen3_5GatedDeltaNet.forward) over gloo, on the tiny Qwen3.5's layers: with
+    the sequence split over two ranks, outputs, input gradients and summed parameter gradients equal
+    the whole-sequence layer at fp32 precision; unpatched, each rank's chunk runs sequence-local
+    and all three differ (the bug a patch that misses the layer would hide on a real run)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(STANDIN)}
+    argv = [sys.executable, str(STANDIN / "ulysses_probe.py"), str(tmp_path / "store")]
+    ranks = [
+        subprocess.Popen(
+            argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for r in range(2)
+    ]
+    outputs = [rank.communicate(timeout=180) for rank in ranks]
+    for rank, (_, err) in zip(ranks, outputs):
+        assert rank.returncode == 0, err.decode(errors="replace")[-2000:]
+    found = json.loads(outputs[0][0].decode().strip().splitlines()[-1])
+    for layer in ("gated_delta_net", "full_attention"):
+        assert found[f"{layer}/params_with_grad"], layer
+        for what in ("output", "input_grad", "param_grad"):
+            assert found[f"{layer}/{what}"] <= 1e-5, (layer, what, found)
+            assert found[f"{layer}_unpatched/{what}"] > 1e-3, (layer, what, found)

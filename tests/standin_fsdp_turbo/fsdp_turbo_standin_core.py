@@ -21,7 +21,10 @@ wired and tested end to end on CPU:
 - clip_grad_norm(model, max_norm, norm_type, group) returning a Python float;
 - no accelerator, no start: it refuses a CPU box unless FSDP_TURBO_STANDIN_ALLOW_CPU=1.
 
-Ulysses context parallelism is not reproduced (sp_size > 1 raises).
+Ulysses: the wrappers the function-patch layout names by type (full_attention, gated_delta_net) are
+in fsdp_turbo_standin_ulysses.py, checked layer by layer against the whole sequence over gloo; this
+FSDPTurbo does not apply them yet (sp_size > 1 raises) because the harness's engine does not split
+the sequence yet.
 """
 
 from __future__ import annotations
@@ -403,7 +406,8 @@ class FSDPTurbo(torch.nn.Module):
         distributed = config.distributed
         if distributed.ulysses_parallel_size > 1:
             raise NotImplementedError(
-                "stand-in fsdp_turbo: Ulysses context parallelism is not reproduced"
+                "stand-in fsdp_turbo: Ulysses patches are not applied by FSDPTurbo yet "
+                "(fsdp_turbo_standin_ulysses.py has the wrappers)"
             )
         plan = distributed.fsdp_plan
         if plan is None or plan.apply_modules is None:

@@ -1,0 +1,163 @@
+"""STAND-IN for the Ascend `fsdp_turbo` library's Ulysses sequence parallelism: a test double, never
+the library, never evidence about hardware. It does for real, over any process group that has
+`all_to_all_single` (gloo included), what the library's function-patch layout promises
+(FACTS-fsdp_turbo.md, "Ulysses / context parallel"): each rank of the ulysses group holds a
+contiguous chunk of the sequence, and the functions named in `cp_plan` exchange it for a share of
+the heads around the part that needs the whole sequence.
+
+- `all_to_all(x, group, scatter_dim, gather_dim)`: split `scatter_dim` over the group, gather
+  `gather_dim`; its backward is the inverse exchange.
+- `full_attention(fn, group)`, for `type: full_attention` on an attention function with
+  transformers' eager signature `(module, query, key, value, attention_mask, ...)` and inputs
+  `[batch, heads, local_seq, dim]`: heads scattered and the sequence gathered before `fn`, and back
+  after. The library's middle layout does the same (get_ulysses_attention_fn, read from its
+  source); transformers' eager function returns `[batch, seq, heads, dim]`, so the output exchange
+  scatters dim 1 and gathers dim 2 (the library's `attn_output_transposed`). The mask the model
+  built covers only the local chunk, so `fn` gets the causal mask of the whole sequence; a padding
+  mask is refused rather than dropped. Key/value heads must divide by the group size.
+- `gated_delta_net(fn, group)`, for `type: gated_delta_net` on `Qwen3_5GatedDeltaNet.forward`:
+  projections run on the local chunk; the convolution and the gated delta rule, which need the
+  whole sequence, run head-parallel between two exchanges; norm and output projection run local.
+  A forward with a cache (generation) is not sequence-sharded and runs `fn` unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def _exchange(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    sent = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _exchange(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _exchange(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if x.shape[scatter_dim] % size:
+        raise ValueError(
+            f"[Context Parallel] dimension {scatter_dim} of size {x.shape[scatter_dim]} does not "
+            f"split over a ulysses group of {size}"
+        )
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def _causal_mask(seq: int, like: torch.Tensor) -> torch.Tensor:
+    blocked = torch.ones(seq, seq, dtype=torch.bool, device=like.device).triu(1)
+    mask = torch.zeros(seq, seq, dtype=like.dtype, device=like.device)
+    return mask.masked_fill(blocked, torch.finfo(like.dtype).min)[None, None]
+
+
+def full_attention(fn, group):
+    @functools.wraps(fn)
+    def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
+        size = dist.get_world_size(group)
+        if size == 1:
+            return fn(module, query, key, value, attention_mask, *args, **kwargs)
+        if key.shape[1] % size:
+            raise ValueError(
+                f"[Context Parallel] {key.shape[1]} key/value heads do not split over a ulysses "
+                f"group of {size}"
+            )
+        local = query.shape[2]
+        blocked = _causal_mask(local, query) != 0
+        if attention_mask is not None and not bool(
+            ((attention_mask[..., :local, :local] != 0) == blocked).all()
+        ):
+            raise ValueError("[Context Parallel] stand-in Ulysses takes causal masks only")
+        query, key, value = (all_to_all(t, group, 1, 2) for t in (query, key, value))
+        out, weights = fn(
+            module, query, key, value, _causal_mask(query.shape[2], query), *args, **kwargs
+        )
+        return all_to_all(out, group, 1, 2), weights
+
+    return wrapper
+
+
+def gated_delta_net(fn, group):
+    @functools.wraps(fn)
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        size = dist.get_world_size(group)
+        if size == 1 or cache_params is not None:
+            return fn(self, hidden_states, cache_params, attention_mask, **kwargs)
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("[Context Parallel] stand-in Ulysses takes unpadded batches only")
+        if self.num_k_heads % size:
+            raise ValueError(
+                f"[Context Parallel] {self.num_k_heads} linear-attention key heads do not split "
+                f"over a ulysses group of {size}"
+            )
+        batch, local_seq, _ = hidden_states.shape
+        rank = dist.get_rank(group)
+        k_heads, v_heads = self.num_k_heads // size, self.num_v_heads // size
+        key_dim, value_dim = k_heads * self.head_k_dim, v_heads * self.head_v_dim
+
+        def heads(t: torch.Tensor, count: int, dim: int) -> torch.Tensor:
+            """[batch, local_seq, count * dim] -> this rank's heads over the whole sequence."""
+            t = t.reshape(batch, local_seq, size, count * dim // size)
+            return all_to_all(t, group, 2, 1).squeeze(2)
+
+        q, k, v = self.in_proj_qkv(hidden_states).split(
+            [self.key_dim, self.key_dim, self.value_dim], dim=-1
+        )
+        q, k = (
+            heads(q, self.num_k_heads, self.head_k_dim),
+            heads(k, self.num_k_heads, self.head_k_dim),
+        )
+        v = heads(v, self.num_v_heads, self.head_v_dim)
+        b = heads(self.in_proj_b(hidden_states), self.num_v_heads, 1)
+        a = heads(self.in_proj_a(hidden_states), self.num_v_heads, 1)
+        seq = q.shape[1]
+        # the depthwise convolution, on this rank's channels of q, k and v
+        weight = self.conv1d.weight
+        channels = torch.cat(
+            [
+                weight[rank * key_dim : (rank + 1) * key_dim],
+                weight[self.key_dim + rank * key_dim : self.key_dim + (rank + 1) * key_dim],
+                weight[
+                    2 * self.key_dim + rank * value_dim : 2 * self.key_dim + (rank + 1) * value_dim
+                ],
+            ]
+        )
+        mixed = torch.cat([q, k, v], dim=-1).transpose(1, 2)
+        mixed = F.conv1d(mixed, channels, padding=self.conv_kernel_size - 1, groups=mixed.shape[1])
+        mixed = F.silu(mixed[:, :, :seq]).transpose(1, 2)
+        q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
+        q = q.reshape(batch, seq, k_heads, self.head_k_dim)
+        k = k.reshape(batch, seq, k_heads, self.head_k_dim)
+        v = v.reshape(batch, seq, v_heads, self.head_v_dim)
+        mine = slice(rank * v_heads, (rank + 1) * v_heads)
+        beta = b.sigmoid()
+        g = -self.A_log[mine].float().exp() * F.softplus(a.float() + self.dt_bias[mine])
+        if v_heads // k_heads > 1:
+            q = q.repeat_interleave(v_heads // k_heads, dim=2)
+            k = k.repeat_interleave(v_heads // k_heads, dim=2)
+        out, _ = self.chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        out = all_to_all(out.reshape(batch, seq, 1, value_dim), group, 1, 2)
+        out = out.reshape(batch, local_seq, self.num_v_heads, self.head_v_dim)
+        z = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)
+        out = self.norm(out.reshape(-1, self.head_v_dim), z)
+        return self.out_proj(out.reshape(batch, local_seq, -1))
+
+    return forward
