@@ -93,7 +93,8 @@ def test_standin_follows_the_librarys_matching_patching_and_loading_rules():
 
 @pytest.mark.devices(2)
 def test_standin_ulysses_shards_the_sequence_and_matches_the_whole_sequence(tmp_path):
-    """The stand-in's Ulysses wrappers (full_attention on transformers' eager attention,
+    """The stand-in's Ulysses (fsdp_turbo_standin_ulysses.py, a test double, not the library): its
+    wrappers (full_attention on transformers' eager attention,
     gated_delta_net on Qwen3_5GatedDeltaNet.forward) over gloo, on the tiny Qwen3.5's layers: with
     the sequence split over two ranks, outputs, input gradients and summed parameter gradients equal
     the whole-sequence layer at fp32 precision; unpatched, each rank's chunk runs sequence-local
@@ -102,7 +103,8 @@ def test_standin_ulysses_shards_the_sequence_and_matches_the_whole_sequence(tmp_
     import subprocess
     import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(STANDIN)}
+    path = os.pathsep.join([str(STANDIN), str(STANDIN / "function_patches")])
+    env = {**os.environ, **ALLOW_CPU, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "WORLD_SIZE": "2"}
     argv = [sys.executable, str(STANDIN / "ulysses_probe.py"), str(tmp_path / "store")]
     ranks = [
         subprocess.Popen(
@@ -119,3 +121,8 @@ def test_standin_ulysses_shards_the_sequence_and_matches_the_whole_sequence(tmp_
         for what in ("output", "input_grad", "param_grad"):
             assert found[f"{layer}/{what}"] <= 1e-5, (layer, what, found)
             assert found[f"{layer}_unpatched/{what}"] > 1e-3, (layer, what, found)
+    # the whole model through FSDPTurbo with the SP config the harness generates for Qwen3.5:
+    # each rank computes its half of the sequence, and together they are the unsharded step
+    assert found["model/local_logits_shape"] == [2, 6, 64]
+    assert found["model/logits"] <= 1e-5 and found["model/param_grad"] <= 1e-4, found
+    assert found["model/loss"] <= 1e-5, found  # causal_lm_loss: chunk sums reduced over the group

@@ -21,10 +21,11 @@ wired and tested end to end on CPU:
 - clip_grad_norm(model, max_norm, norm_type, group) returning a Python float;
 - no accelerator, no start: it refuses a CPU box unless FSDP_TURBO_STANDIN_ALLOW_CPU=1.
 
-Ulysses: the wrappers the function-patch layout names by type (full_attention, gated_delta_net) are
-in fsdp_turbo_standin_ulysses.py, checked layer by layer against the whole sequence over gloo; this
-FSDPTurbo does not apply them yet (sp_size > 1 raises) because the harness's engine does not split
-the sequence yet.
+Ulysses (function-patch layout; the middle layout raises for SP > 1): FSDPTurbo wraps each target
+cp_plan names by its type (full_attention, gated_delta_net, causal_lm_loss), in place, before the
+module patches; the Qwen3_5Model.forward replacement splits the sequence after the embedding. All
+in fsdp_turbo_standin_ulysses.py, checked over gloo against the whole sequence, layer by layer and
+for the whole model.
 """
 
 from __future__ import annotations
@@ -398,17 +399,21 @@ class FSDPTurbo(torch.nn.Module):
         from fsdp_turbo.distributed.parallel_state import init_parallel_state
 
         state = init_parallel_state(config)  # the library builds its parallel state itself
+        distributed = config.distributed
+        if distributed.ulysses_parallel_size > 1:  # CP comes before module patches, as there
+            cp_plan = getattr(distributed, "cp_plan", None)
+            if not hasattr(cp_plan, "ulysses_function_patches"):
+                raise NotImplementedError(
+                    "stand-in fsdp_turbo: Ulysses is reproduced for the function-patch layout only"
+                )
+            from fsdp_turbo_standin_ulysses import apply_function_patches
+
+            apply_function_patches(cp_plan, state.get_ulysses_group())
         for spec in config.module_patches or []:
             if not _apply_module_patch(model, spec):
                 raise RuntimeError(
                     f"Configured module patch did not match the model: target={spec['target']!r}."
                 )
-        distributed = config.distributed
-        if distributed.ulysses_parallel_size > 1:
-            raise NotImplementedError(
-                "stand-in fsdp_turbo: Ulysses patches are not applied by FSDPTurbo yet "
-                "(fsdp_turbo_standin_ulysses.py has the wrappers)"
-            )
         plan = distributed.fsdp_plan
         if plan is None or plan.apply_modules is None:
             raise ValueError("distributed.fsdp_plan.apply_modules must be set")

@@ -24,9 +24,11 @@ the heads around the part that needs the whole sequence.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn as dist_nn
 import torch.nn.functional as F
 
 
@@ -161,3 +163,134 @@ def gated_delta_net(fn, group):
         return self.out_proj(out.reshape(batch, local_seq, -1))
 
     return forward
+
+
+def causal_lm_loss(fn, group):
+    """`type: causal_lm_loss` on transformers' ForCausalLMLoss: logits and `shift_labels` hold this
+    rank's chunk; the token-loss sum is reduced over the ulysses group (gradient included) and
+    divided by `num_items_in_batch`, or by the group's count of labelled tokens."""
+
+    @functools.wraps(fn)
+    def loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kwargs):
+        if dist.get_world_size(group) == 1:
+            return fn(logits, labels, vocab_size, num_items_in_batch, ignore_index, **kwargs)
+        shift_labels = kwargs.get("shift_labels")
+        if shift_labels is None:
+            raise ValueError(
+                "[Context Parallel] causal_lm_loss needs shift_labels: each rank's chunk of the "
+                "labels, shifted over the whole sequence"
+            )
+        total = F.cross_entropy(
+            logits.float().reshape(-1, vocab_size),
+            shift_labels.reshape(-1).to(logits.device),
+            ignore_index=ignore_index,
+            reduction="sum",
+        )
+        total = dist_nn.all_reduce(total, group=group)
+        if num_items_in_batch is None:
+            counted = (shift_labels != ignore_index).sum().to(total.dtype)
+            dist.all_reduce(counted, group=group)
+            num_items_in_batch = counted
+        return total / num_items_in_batch
+
+    return loss
+
+
+WRAPPERS = {
+    "full_attention": full_attention,
+    "gated_delta_net": gated_delta_net,
+    "causal_lm_loss": causal_lm_loss,
+}
+
+
+def apply_function_patches(cp_plan, group) -> None:
+    """Wrap every target `cp_plan` names, by its type, where it lives (a module's function or a
+    class's method), as found now: a second FSDPTurbo in one process wraps the wrapped function
+    again, as the library's in-place replacement does."""
+    for field_name in ("ulysses_function_patches", "loss_function_patches"):
+        for entry in getattr(cp_plan, field_name) or []:
+            wrap = WRAPPERS.get(entry["type"])
+            if wrap is None:
+                raise ValueError(
+                    f"[Context Parallel] unknown {field_name} type {entry['type']!r}; known: "
+                    f"{sorted(WRAPPERS)}"
+                )
+            for target in entry["target_functions"]:
+                owner, name = _owner(target)
+                setattr(owner, name, wrap(getattr(owner, name), group))
+
+
+def _owner(dotted: str):
+    """(module or class, attribute name) of a dotted function path."""
+    path, _, name = dotted.rpartition(".")
+    try:
+        owner = importlib.import_module(path)
+    except ImportError:
+        module_path, _, class_name = path.rpartition(".")
+        owner = getattr(importlib.import_module(module_path), class_name)
+    if not callable(getattr(owner, name, None)):
+        raise AttributeError(f"[Context Parallel] Function {name!r} not found in {path!r}.")
+    return owner, name
+
+
+def qwen3_5_model_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    pixel_values=None,
+    pixel_values_videos=None,
+    **kwargs,
+):
+    """The module patch for `Qwen3_5Model.forward` (fsdp_turbo.models.qwen.qwen3_5): the whole
+    sequence is embedded and given its 3-D positions, then each rank of the ulysses group keeps its
+    contiguous chunk for the language model. Text only (pixel inputs are refused); a cached
+    forward (generation) runs the class's own forward."""
+    from fsdp_turbo.distributed.parallel_state import get_parallel_state
+
+    group = get_parallel_state().get_ulysses_group()
+    size = dist.get_world_size(group)
+    if size == 1 or past_key_values is not None:
+        return type(self).forward(
+            self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+            pixel_values, pixel_values_videos, **kwargs,
+        )  # fmt: skip
+    if pixel_values is not None or pixel_values_videos is not None:
+        raise NotImplementedError("stand-in fsdp_turbo: Ulysses over image or video inputs")
+    if inputs_embeds is None:
+        inputs_embeds = self.get_input_embeddings()(input_ids)
+    if position_ids is None:
+        position_ids = self.compute_3d_position_ids(
+            input_ids=input_ids,
+            image_grid_thw=None,
+            video_grid_thw=None,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            mm_token_type_ids=None,
+        )
+    seq = inputs_embeds.shape[1]
+    if position_ids is None:  # text only: transformers leaves them to the language model
+        position_ids = torch.arange(seq, device=inputs_embeds.device)
+        position_ids = position_ids.expand(inputs_embeds.shape[0], -1)
+    if seq % size:
+        raise ValueError(
+            f"[Context Parallel] sequence length {seq} does not split over a ulysses group of {size}"
+        )
+    rank = dist.get_rank(group)
+    chunk = slice(rank * seq // size, (rank + 1) * seq // size)
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, chunk]
+    kwargs["use_cache"] = False  # a sequence-sharded forward cannot fill a generation cache
+    outputs = self.language_model(
+        input_ids=None,
+        position_ids=position_ids[..., chunk],
+        attention_mask=attention_mask,
+        inputs_embeds=inputs_embeds[:, chunk],
+        **kwargs,
+    )
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ModelOutputWithPast
+
+    return Qwen3_5ModelOutputWithPast(**outputs, rope_deltas=self.rope_deltas)

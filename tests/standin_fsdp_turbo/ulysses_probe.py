@@ -54,6 +54,68 @@ def compare(name: str, full: tuple, sharded: tuple, rank: int, chunk: slice) -> 
     }
 
 
+def whole_model(model, rank: int, chunk: slice) -> dict:
+    """FSDPTurbo with the SP config the harness generates for Qwen3.5 (its own patch tables),
+    against an unpatched copy's whole-sequence step computed first (the patches are global)."""
+    import copy
+
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+    from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig, _dict_to_dataclass
+    from torch.distributed.tensor import DTensor
+
+    from pytest_fsdp_turbo.turbo_config import LOSS_FUNCTIONS, MODULE_PATCHES, ULYSSES_FUNCTIONS
+
+    ids = torch.randint(0, 64, (BATCH, SEQ))
+    weights = torch.randn(BATCH, SEQ, 64)
+    reference = copy.deepcopy(model)
+    expected = reference(input_ids=ids).logits
+    (expected * weights).sum().backward()
+    patches = {
+        name: [{"target_functions": [t], "type": k} for t, k in table["qwen3_5"]]
+        for name, table in (
+            ("ulysses_function_patches", ULYSSES_FUNCTIONS),
+            ("loss_function_patches", LOSS_FUNCTIONS),
+        )
+    }
+    config = {
+        "module_patches": MODULE_PATCHES["qwen3_5"],
+        "distributed": {
+            "fully_shard_parallel_size": WORLD,
+            "ulysses_parallel_size": WORLD,
+            "fsdp_plan": {
+                "param_dtype": "fp32",
+                "reduce_dtype": "fp32",
+                "apply_modules": {"model.language_model.layers.{*}": {}},
+            },
+            "cp_plan": patches,
+        },
+    }
+    wrapped = FSDPTurbo(_dict_to_dataclass(FSDPTurboConfig, config), model).model
+    logits = wrapped(input_ids=ids).logits  # this rank's chunk of the sequence
+    (logits * weights[:, chunk]).sum().backward()
+    pieces = [torch.empty_like(logits) for _ in range(WORLD)]
+    dist.all_gather(pieces, logits.detach().contiguous())
+    worst = 0.0
+    for name, param in wrapped.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        want = dict(reference.named_parameters())[name].grad
+        worst = max(worst, (grad * WORLD - want).abs().max().item())  # FSDP averaged the ranks
+    from transformers.loss import loss_utils
+
+    sharded_loss = loss_utils.ForCausalLMLoss  # wrapped by causal_lm_loss now
+    shifted = torch.cat([ids[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
+    local_loss = sharded_loss(logits.detach(), None, 64, shift_labels=shifted[:, chunk])
+    whole_loss = sharded_loss.__wrapped__(expected.detach(), ids, 64)
+    return {
+        "model/loss": abs(local_loss.item() - whole_loss.item()),
+        "model/local_logits_shape": list(logits.shape),
+        "model/logits": (torch.cat(pieces, dim=1) - expected).abs().max().item(),
+        "model/param_grad": worst,
+    }
+
+
 def main() -> None:
     rank = int(os.environ["RANK"])
     store = dist.FileStore(sys.argv[1], WORLD)
@@ -96,6 +158,7 @@ def main() -> None:
     sharded = run(attention, attend(SEQ // WORLD, chunk), x[:, chunk], weights[:, chunk])
     qwen.eager_attention_forward = eager
     found.update(compare("full_attention", full, sharded, rank, chunk))
+    found.update(whole_model(model, rank, chunk))
     if rank == 0:
         print(json.dumps(found))
     sys.stdout.flush()
