@@ -112,9 +112,13 @@ class FSDPEngineWithLMHead:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probabilities (and entropy) of the response tokens under `module` (the policy)."""
         model = module or self.module
-        logits = model(input_ids=input_ids).logits[:, prompt_len - 1 : -1].float()
+        logits = self._logits(model, input_ids)[:, prompt_len - 1 : -1].float()
         logprobs = response_logprobs(logits, input_ids[:, prompt_len:])
         return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+
+    def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole sequence (a sequence-parallel engine gathers its chunks)."""
+        return model(input_ids=input_ids).logits
 
     # --- gradient synchronisation ---------------------------------------------------------------
     def _set_gradient_sync(self, enabled: bool) -> None:

@@ -55,6 +55,8 @@ class UnitsThatRan:
         self._units = _trainable_units(model)
         self._ran: set[int] = set()
         self._handles: list = []
+        # the longest sequence a decoder layer was handed: under sequence parallelism, a chunk
+        self.layer_seq_len = 0
 
     @property
     def count(self) -> int:
@@ -66,8 +68,12 @@ class UnitsThatRan:
         return self
 
     def _seen(self, key: int):
-        def hook(_module, _args) -> None:
+        def hook(module, args) -> None:
             self._ran.add(key)
+            hidden = args[0] if args else None
+            is_layer = type(module).__name__.endswith("DecoderLayer")
+            if is_layer and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+                self.layer_seq_len = max(self.layer_seq_len, hidden.shape[1])
 
         return hook
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
 from pytest_fsdp_turbo_engine.registry import register
 from pytest_fsdp_turbo_engine.turbo_inspect import schema_of
+from pytest_fsdp_turbo_engine.ulysses_lift import library_patches_lifted
 
 from pytest_fsdp_turbo.turbo_config import (
     attention_implementation,
@@ -129,5 +130,56 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.turbo.FSDPTurbo(self.turbo_config, model).model
 
+    # --- Ulysses sequence parallelism (the library's; this engine only gathers its output) -------
+    def _ulysses_group(self) -> dist.ProcessGroup | None:
+        if self.parallel_state.is_group_enable("ulysses"):
+            group = self.parallel_state.get_group("ulysses")
+            return group if dist.get_world_size(group) > 1 else None
+        return None
+
+    def build(self, model_path: str, *, trainable: bool = True) -> torch.nn.Module:
+        """Under Ulysses the frozen KL reference stays unwrapped: a second FSDPTurbo would wrap the
+        library's already-wrapped functions again (it replaces them in place), and every model in
+        the process would then exchange its sequence twice."""
+        if trainable or self._ulysses_group() is None:
+            return super().build(model_path, trainable=trainable)
+        from pytest_fsdp_turbo_engine.hf_model import load_pretrained
+
+        model = load_pretrained(model_path, dtype=torch.float32, **self.load_options())
+        model.to(self.device).requires_grad_(False)
+        return model.eval()
+
+    def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        group = self._ulysses_group()
+        if group is None:
+            return super()._logits(model, input_ids)
+        if model is not self.module:  # the unwrapped KL reference: the whole sequence, unpatched
+            with library_patches_lifted(self.config.turbo_config):
+                return super()._logits(model, input_ids)
+        size, length = dist.get_world_size(group), input_ids.shape[1]
+        padded = torch.nn.functional.pad(input_ids, (0, -length % size))  # after it: causal
+        local = model(input_ids=padded).logits  # this rank's chunk of the sequence
+        return GatherSequence.apply(local, group)[:, :length]
+
     def _clip_grad_norm(self) -> float:
         return float(self.turbo.clip_grad_norm(model=self.module, max_norm=self.config.grad_clip))
+
+
+class GatherSequence(torch.autograd.Function):
+    """Each rank's chunk of the sequence, gathered in group-rank order. Every rank of the group then
+    computes the same loss on the whole sequence, so backward sums the group's gradients and keeps
+    this rank's chunk (with FSDP averaging over all ranks, the step is the unsharded one)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        return torch.cat(pieces, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=1)[rank], None

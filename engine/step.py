@@ -36,6 +36,7 @@ from pytest_fsdp_turbo_engine.reference import (
 from pytest_fsdp_turbo_engine.reward import closeness_reward, load_prompts
 from pytest_fsdp_turbo_engine.rollout import HFRollout, RolloutBatch
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
+from pytest_fsdp_turbo_engine.ulysses_lift import library_patches_lifted
 from pytest_fsdp_turbo_engine.worker import PARTIAL_METRICS_ATTR
 
 from pytest_fsdp_turbo.vocab import Env, Metric, timing_key
@@ -134,6 +135,11 @@ class Rank:
         fault = self.phase.fault
         return fault is not None and fault.kind == kind and fault.rank == self.rank
 
+    def unsharded(self):
+        """Around the harness's own whole-sequence models (rollout, single-process reference): the
+        FSDP-Turbo library's Ulysses patches lifted (engine/ulysses_lift.py); a no-op without SP."""
+        return library_patches_lifted(getattr(self.engine_cfg, "turbo_config", None))
+
 
 # --- phases ---------------------------------------------------------------------------------------
 
@@ -202,7 +208,8 @@ def collect(ctx: Rank) -> Collected:
         [ctx.tokenizer(p.text, add_special_tokens=False).input_ids for p in local]
     )
     torch.manual_seed(cfg.seed + 1000 * ctx.dp_rank)
-    rolled = ctx.rollout.generate(prompt_ids.to(ctx.device), cfg.n, cfg.max_new_tokens)
+    with ctx.unsharded():
+        rolled = ctx.rollout.generate(prompt_ids.to(ctx.device), cfg.n, cfg.max_new_tokens)
 
     ctx.phase.enter("reward")
     scores = score_batch(rolled, ctx.tokenizer, [p.target for p in local]).to(ctx.device)
@@ -238,6 +245,7 @@ class Trained:
     retained_grad_bytes: int  # peak unsharded gradient bytes held between micro-batches
     fsdp_units: int  # trainable units whose forward ran (a vision tower on text does not)
     shard_group_size: int
+    layer_seq_len: int  # longest sequence a decoder layer was handed (0: no layer is a unit)
 
 
 class MicroBatchProbe:
@@ -313,6 +321,7 @@ def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
         probe.retained,
         ran.count,
         fsdp_probe.shard_group_size(module),
+        ran.layer_seq_len,
     )
 
 
@@ -404,7 +413,8 @@ def post_step(
     rollout_diff = None
     if ctx.rollout is not None:
         ctx.rollout.load_weights(full)
-        rollout_lp = ctx.rollout.logprobs(batch.input_ids, batch.prompt_len)
+        with ctx.unsharded():
+            rollout_lp = ctx.rollout.logprobs(batch.input_ids, batch.prompt_len)
         diff = float(((logprobs - rollout_lp).abs() * batch.mask).max())
         rollout_diff = all_max(diff, ctx.device)
     return PostStep(
@@ -508,14 +518,18 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
             Metric.COMM_ALL_GATHER_CALLS: trained.all_gathers,
             Metric.COMM_FSDP_UNITS: trained.fsdp_units,
             Metric.COMM_SHARD_GROUP_SIZE: trained.shard_group_size,
+            Metric.SYNC_LAYER_SEQ_LEN: trained.layer_seq_len,
+            Metric.SYNC_SEQ_LEN: int(batch.input_ids.shape[1]),
+            Metric.CASE_SP_SIZE: ctx.sp,
             Metric.SYNC_RETAINED_GRAD_BYTES: trained.retained_grad_bytes,
         }
     )
 
     ref, copy = None, None
     if cfg.reference_checks and not ctx.replaying:
-        copy = single_process_copy(ctx)
-        ref = reference(ctx, global_batch, tokens, copy)
+        with ctx.unsharded():
+            copy = single_process_copy(ctx)
+            ref = reference(ctx, global_batch, tokens, copy)
         metrics[Metric.SYNC_GRAD_MAX_REL_ERR] = ref.grad_max_rel_err
         metrics[Metric.SYNC_GRAD_MAX_REL_ERR_PARAM] = ref.grad_max_rel_err_param
         metrics[Metric.SYNC_REFERENCE_GRAD_NORM] = ref.norm

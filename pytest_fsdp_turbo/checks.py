@@ -313,7 +313,8 @@ def expected_reduce_scatters(
 
 
 def check_sync_contract(result: RunResult) -> None:
-    """h. What the declared gradient-sync policy promises is what the ranks measured."""
+    """h. What the declared gradient-sync policy promises is what the ranks measured; with
+    sequence parallelism, each rank's decoder layers saw only its chunk of the sequence."""
     m = result.metrics
     policy, micro_batches = m.get(Metric.CASE_SYNC_POLICY), m.get(Metric.CASE_MICRO_BATCHES)
     head = (
@@ -330,6 +331,17 @@ def check_sync_contract(result: RunResult) -> None:
                 f"per micro-batch {want}, "
                 f"measured {calls} on rank {rank} (comm/reduce_scatter_calls_by_micro_batch)"
             )
+    sp = m.get(Metric.CASE_SP_SIZE) or 1
+    if sp > 1:  # sequence parallelism: each rank's decoder layers see only its chunk
+        total = m[Metric.SYNC_SEQ_LEN]
+        want = -(-total // sp)
+        for rank, seen in _per_rank(result, Metric.SYNC_LAYER_SEQ_LEN):
+            if seen != want:
+                raise CheckFailure(
+                    f"{head}: declared sp_size {sp} over {total}-token sequences: expected each "
+                    f"rank's decoder layers to see {want} tokens, measured {seen} on rank {rank} "
+                    "(sync/layer_seq_len)"
+                )
     for rank, retained in _per_rank(result, Metric.SYNC_RETAINED_GRAD_BYTES):
         holds = policy == "deferred" and micro_batches > 1
         if holds and not retained > 0:
