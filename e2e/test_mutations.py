@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from pytest_fsdp_turbo import checks, goldens
+from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.launch import RunResult
 from pytest_fsdp_turbo.vocab import REFERENCE_METRICS, Metric
 
@@ -205,3 +206,44 @@ def test_verl_engine_as_shipped_passes(ppo_run):
     result = ppo_run(VERL_CASE, **BOTH_MODES)
     for mode in MODES:
         assert checks.check_all(in_mode(result, mode)).not_applicable() == ["d: no replicas"]
+
+
+# --- sequence parallelism: FSDP 2 x Ulysses SP 2 on the stand-in fsdp_turbo (tests only) ----------
+STANDIN = Checkout(
+    HERE.parent / "tests" / "standin_fsdp_turbo" / "function_patches",
+    None,
+    "stand-in fsdp_turbo (function_patches layout), tests only",
+)
+SP_RUN = {
+    "backend": "fsdp_turbo",
+    "checkout": STANDIN,
+    "extra_env": {"FSDP_TURBO_STANDIN_ALLOW_CPU": "1"},
+    "world_size": 4,
+    "sp_size": 2,
+}
+SP_MUTANTS = {
+    # sdpa attention while the Ulysses patch wraps the eager function: attention runs sequence-local
+    "broken_turbo_sp_attention": (
+        ("reference", "c", "gradient differs from the single-process reference"),
+        ("twin", "c", "twin (single): actor/"),
+    ),
+    # the loss gradient is not summed over the SP group: every gradient is halved
+    "broken_turbo_sp_loss": (
+        ("reference", "c", "gradient differs from the single-process reference"),
+        ("reference", "a", "the single-process reference gradients' norm"),
+        ("twin", "c", "twin (single): actor/grad_norm"),
+    ),
+}
+
+
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("module", list(SP_MUTANTS))
+def test_sp_bug_is_caught_in_both_modes(ppo_run, module):
+    result = ppo_run(CASE, engine_modules=[module], pythonpath=[str(HERE)], **SP_RUN, **BOTH_MODES)
+    checks.check_completed(result)
+    for mode in MODES:
+        failed = failed_checks(result, mode)
+        for want_mode, letter, text in SP_MUTANTS[module]:
+            if want_mode == mode:
+                assert letter in failed, f"{mode}: check {letter} missed {module}; failed: {failed}"
+                assert text in failed[letter], failed[letter]

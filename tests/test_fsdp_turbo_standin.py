@@ -133,7 +133,8 @@ def test_standin_ulysses_shards_the_sequence_and_matches_the_whole_sequence(tmp_
 def test_fsdp_turbo_sp2_on_the_standin_passes_every_check(ppo_run, sync):
     """FSDP 2 x Ulysses SP 2 over 4 ranks through backend fsdp_turbo on the stand-in: the library
     splits the sequence, the engine gathers its chunks, and every check passes, gradient parity
-    against the single-process reference at fp32 tolerance included."""
+    against the single-process reference at fp32 tolerance and against a single-rank replay twin
+    included (the control for the SP mutants in e2e/test_mutations.py)."""
     result = ppo_run(
         "tiny-qwen3_5-fsdp2-deferred",
         backend="fsdp_turbo",
@@ -142,6 +143,8 @@ def test_fsdp_turbo_sp2_on_the_standin_passes_every_check(ppo_run, sync):
         world_size=4,
         sp_size=2,
         gradient_sync=sync,
+        reference_checks=True,  # and a single-rank twin: both modes' checks apply to this run
+        twin="single",
     )
     verdict = checks.check_all(result)  # h included: each rank's layers saw half the sequence
     assert verdict.not_applicable() == [], verdict.not_applicable()  # HSDP: replicas checked too
