@@ -3,6 +3,7 @@ tests/standin_fsdp_turbo (a test double reproducing the library's observable con
 library, never evidence about hardware), for the newest and the middle config layout."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -99,23 +100,13 @@ def test_standin_ulysses_shards_the_sequence_and_matches_the_whole_sequence(tmp_
     the sequence split over two ranks, outputs, input gradients and summed parameter gradients equal
     the whole-sequence layer at fp32 precision; unpatched, each rank's chunk runs sequence-local
     and all three differ (the bug a patch that misses the layer would hide on a real run)."""
-    import os
-    import subprocess
-    import sys
+    from pytest_fsdp_turbo.warm import run_module
 
     path = os.pathsep.join([str(STANDIN), str(STANDIN / "function_patches")])
-    env = {**os.environ, **ALLOW_CPU, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "WORLD_SIZE": "2"}
-    argv = [sys.executable, str(STANDIN / "ulysses_probe.py"), str(tmp_path / "store")]
-    ranks = [
-        subprocess.Popen(
-            argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        for r in range(2)
-    ]
-    outputs = [rank.communicate(timeout=180) for rank in ranks]
-    for rank, (_, err) in zip(ranks, outputs):
-        assert rank.returncode == 0, err.decode(errors="replace")[-2000:]
-    found = json.loads(outputs[0][0].decode().strip().splitlines()[-1])
+    env = {**ALLOW_CPU, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "WORLD_SIZE": "2"}
+    done = run_module("ulysses_probe", [str(tmp_path / "store")], timeout_s=180, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
     for layer in ("gated_delta_net", "full_attention"):
         assert found[f"{layer}/params_with_grad"], layer
         for what in ("output", "input_grad", "param_grad"):

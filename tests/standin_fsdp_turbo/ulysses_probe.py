@@ -1,4 +1,4 @@
-"""One rank of the stand-in Ulysses check: `python ulysses_probe.py STORE` with RANK set, two ranks.
+"""The stand-in Ulysses check over two gloo ranks: `python ulysses_probe.py STORE` (rank 1 forked).
 
 Builds the tiny vision-language Qwen3.5 (fixed seed, the same on every rank), then runs one
 gated-delta-net layer and one full-attention layer twice: whole-sequence on every rank, and
@@ -117,7 +117,23 @@ def whole_model(model, rank: int, chunk: slice) -> dict:
 
 
 def main() -> None:
-    rank = int(os.environ["RANK"])
+    # rank 1 is forked from rank 0 after the imports (this module runs forked from the harness's
+    # warm parent, which has no threads): two ranks for the price of no interpreter start
+    child = os.fork()
+    rank = 1 if child == 0 else 0
+    try:
+        found = probe(rank)
+    finally:
+        if child == 0:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    if rank == 0 and status == 0:
+        print(json.dumps(found))
+    sys.stdout.flush()
+    os._exit(0 if status == 0 else 1)  # no interpreter teardown with gloo threads about
+
+
+def probe(rank: int) -> dict:
     store = dist.FileStore(sys.argv[1], WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     group = dist.group.WORLD
@@ -159,10 +175,7 @@ def main() -> None:
     qwen.eager_attention_forward = eager
     found.update(compare("full_attention", full, sharded, rank, chunk))
     found.update(whole_model(model, rank, chunk))
-    if rank == 0:
-        print(json.dumps(found))
-    sys.stdout.flush()
-    os._exit(0)  # as the harness's ranks do: no interpreter teardown with gloo threads about
+    return found
 
 
 if __name__ == "__main__":
