@@ -1,6 +1,7 @@
 """The mutation suite: every check is proven by a deliberately broken engine it turns red, in both
 modes a case can run in (an in-rank single-process reference, or no reference and a replay twin).
-The healthy engine passes both. Engines: e2e/broken_engines.py, each named after its bug.
+The healthy engine passes both. Engines: e2e/broken_engines.py, each named after its bug; the
+sequence-parallel ones (e2e/broken_turbo_sp_*.py) run FSDP 2 x SP 2 on the stand-in fsdp_turbo.
 
 One run serves both modes: each engine runs once with the reference and the twin, and the checks
 judge it twice, once without the twin and once without any metric the reference wrote
