@@ -253,3 +253,48 @@ def test_vllm_weight_push_uses_the_supported_api_the_release_offers():
     assert push_weights(older, weights, via_extension=True) == "apply_model"
     with pytest.raises(RuntimeError, match="offers neither collective_rpc .* nor apply_model"):
         push_weights(RecordingLLM(), weights, via_extension=True)
+
+
+def test_ulysses_patches_are_lifted_around_unsharded_models_and_restored(tmp_path, monkeypatch):
+    """The library replaces the functions cp_plan names in place (every model of the class sees
+    them): the harness swaps in the originals its wrappers keep in __wrapped__, only with SP."""
+    import functools
+    import sys
+
+    from pytest_fsdp_turbo_engine.ulysses_lift import CannotLiftPatch, library_patches_lifted
+
+    (tmp_path / "lift_target.py").write_text(
+        "def attention(x):\n    return 'whole'\n\nclass Layer:\n    def forward(self):\n"
+        "        return 'whole'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import lift_target
+
+    def sharded(fn):
+        @functools.wraps(fn)
+        def wrapper(*args):
+            return "sharded"
+
+        return wrapper
+
+    monkeypatch.setattr(lift_target, "attention", sharded(lift_target.attention))
+    monkeypatch.setattr(lift_target.Layer, "forward", sharded(lift_target.Layer.forward))
+    entries = [
+        {"target_functions": ["lift_target.attention"], "type": "full_attention"},
+        {"target_functions": ["lift_target.Layer.forward"], "type": "gated_delta_net"},
+    ]
+    config = {"distributed": {"ulysses_parallel_size": 2, "cp_plan": {}}}
+    config["distributed"]["cp_plan"]["ulysses_function_patches"] = entries
+    with library_patches_lifted(config):
+        assert lift_target.attention(1) == lift_target.Layer().forward() == "whole"
+    assert lift_target.attention(1) == lift_target.Layer().forward() == "sharded"
+    config["distributed"]["ulysses_parallel_size"] = 1
+    with library_patches_lifted(config):  # no SP: nothing is lifted
+        assert lift_target.attention(1) == "sharded"
+    config["distributed"]["ulysses_parallel_size"] = 2
+    monkeypatch.setattr(lift_target, "attention", lambda x: "sharded, no __wrapped__")
+    lifting = library_patches_lifted(config)
+    with pytest.raises(CannotLiftPatch, match="lift_target.attention has no __wrapped__"):
+        lifting.__enter__()
+    assert lift_target.Layer().forward() == "sharded"  # what was swapped before the error is back
+    sys.modules.pop("lift_target", None)
