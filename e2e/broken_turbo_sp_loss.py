@@ -5,20 +5,12 @@ rank imports this module only in its test, and there it takes precedence over th
 registered for every model type.
 """
 
-import torch
 import torch.distributed as dist
-from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
+from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead, GatherSequence
 from pytest_fsdp_turbo_engine.registry import register
 
 
-class _GatherWithoutReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local, group):
-        ctx.group = group
-        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, local.contiguous(), group=group)
-        return torch.cat(pieces, dim=1)
-
+class _GatherWithoutReduce(GatherSequence):
     @staticmethod
     def backward(ctx, grad):
         size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
@@ -30,10 +22,4 @@ class SPLossNotReducedEngine(FSDPTurboEngineWithLMHead):
     """Gathers the sequence chunks but never sums the loss gradient over the SP group: each rank
     backpropagates only its own copy of the loss, so every gradient is 1/sp of what it should be."""
 
-    def _logits(self, model, input_ids):
-        group = self._ulysses_group()
-        if group is None or model is not self.module:
-            return super()._logits(model, input_ids)
-        size, length = dist.get_world_size(group), input_ids.shape[1]
-        padded = torch.nn.functional.pad(input_ids, (0, -length % size))
-        return _GatherWithoutReduce.apply(model(input_ids=padded).logits, group)[:, :length]
+    sequence_gather = _GatherWithoutReduce

@@ -45,6 +45,8 @@ class Mutant:
     backend: str
     caught: dict[str, tuple[tuple[str, str], ...]]  # mode -> (check letter, text in its message)
     case: str = CASE
+    module: str = "broken_engines"  # the engine module that registers it
+    run: tuple[tuple[str, object], ...] = ()  # further ppo_run options (SP: ranks, checkout)
 
     @property
     def shares_run(self) -> bool:
@@ -52,12 +54,29 @@ class Mutant:
         return all(letter != "f" for expected in self.caught.values() for letter, _ in expected)
 
     def __str__(self) -> str:
-        return self.backend
+        return self.backend if self.module == "broken_engines" else self.module
+
+    def param(self):
+        world = dict(self.run).get("world_size", 2)
+        return pytest.param(self, id=str(self), marks=pytest.mark.devices(world))
 
 
 def both(*expected: tuple[str, str]) -> dict:
     return {"reference": expected, "twin": expected}
 
+
+# Sequence parallelism: FSDP 2 x Ulysses SP 2 on the stand-in fsdp_turbo (tests only).
+STANDIN = Checkout(
+    HERE.parent / "tests" / "standin_fsdp_turbo" / "function_patches",
+    None,
+    "stand-in fsdp_turbo (function_patches layout), tests only",
+)
+SP_RUN = (
+    ("checkout", STANDIN),
+    ("extra_env", {"FSDP_TURBO_STANDIN_ALLOW_CPU": "1"}),
+    ("world_size", 4),
+    ("sp_size", 2),
+)
 
 MUTANTS = (
     Mutant(
@@ -107,6 +126,31 @@ MUTANTS = (
     Mutant("fsdp_drifting_replica", both(("d", "sync/replica_max_abs_diff")), case=HSDP_CASE),
     Mutant("fsdp_stale_rollout_weights", both(("e", "sync/rollout_logprob_max_abs_diff"))),
     Mutant("fsdp_hoarding_memory", both(("f", "perf/peak_memory_bytes"))),
+    # sdpa attention while the Ulysses patch wraps the eager function: attention runs sequence-local
+    Mutant(
+        "fsdp_turbo",
+        {
+            "reference": (("c", "gradient differs from the single-process reference"),),
+            "twin": (("c", "twin (single): actor/"),),
+        },
+        SP_CASE,
+        "broken_turbo_sp_attention",
+        SP_RUN,
+    ),
+    # the loss gradient is not summed over the SP group: every gradient is halved
+    Mutant(
+        "fsdp_turbo",
+        {
+            "reference": (
+                ("c", "gradient differs from the single-process reference"),
+                ("a", "the single-process reference gradients' norm"),
+            ),
+            "twin": (("c", "twin (single): actor/grad_norm"),),
+        },
+        SP_CASE,
+        "broken_turbo_sp_loss",
+        SP_RUN,
+    ),
 )
 VERL_CASE = "tiny-qwen3-verl-fsdp2-deferred"
 GOLDEN_MUTANT = "fsdp_gradients_divided_twice"
@@ -114,9 +158,16 @@ assert any(m.backend == GOLDEN_MUTANT and m.case == CASE for m in MUTANTS)
 
 
 def run_broken(
-    ppo_run, backend: str, case: str, module: str = "broken_engines", modes: dict = BOTH_MODES
+    ppo_run,
+    backend: str,
+    case: str,
+    module: str = "broken_engines",
+    modes: dict = BOTH_MODES,
+    **options: object,
 ) -> RunResult:
-    return ppo_run(case, backend=backend, engine_modules=[module], pythonpath=[str(HERE)], **modes)
+    return ppo_run(
+        case, backend=backend, engine_modules=[module], pythonpath=[str(HERE)], **modes, **options
+    )
 
 
 def in_mode(result: RunResult, mode: str) -> RunResult:
@@ -160,15 +211,17 @@ def test_a_mode_view_hides_what_the_mode_lacks(ppo_run):
         assert has_reference == (mode == "reference") == view.metrics[Metric.CASE_REFERENCE]
 
 
-@pytest.mark.parametrize("mutant", MUTANTS, ids=str)
+@pytest.mark.parametrize("mutant", [m.param() for m in MUTANTS])
 def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant):
+    def run(modes: dict) -> RunResult:
+        return run_broken(
+            ppo_run, mutant.backend, mutant.case, mutant.module, modes, **dict(mutant.run)
+        )
+
     if mutant.shares_run:
-        result = run_broken(ppo_run, mutant.backend, mutant.case)
-        runs = dict.fromkeys(MODES, result)
+        runs = dict.fromkeys(MODES, run(BOTH_MODES))
     else:
-        runs = {
-            m: run_broken(ppo_run, mutant.backend, mutant.case, modes=ONE_MODE[m]) for m in MODES
-        }
+        runs = {m: run(ONE_MODE[m]) for m in MODES}
     for mode, result in runs.items():
         checks.check_completed(result)  # every bug here runs to the end: only the checks can tell
         failed = failed_checks(result, mode)
@@ -178,7 +231,7 @@ def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant):
         with pytest.raises(checks.CheckFailure):
             checks.check_all(in_mode(result, mode))
     if mutant.backend == GOLDEN_MUTANT:  # the same run proves g (goldens live outside check_all)
-        assert_golden_is_red(result, pytestconfig)
+        assert_golden_is_red(runs["reference"], pytestconfig)
 
 
 def assert_golden_is_red(result, pytestconfig) -> None:
@@ -210,46 +263,3 @@ def test_verl_engine_as_shipped_passes(ppo_run):
     result = ppo_run(VERL_CASE, **BOTH_MODES)
     for mode in MODES:
         assert checks.check_all(in_mode(result, mode)).not_applicable() == ["d: no replicas"]
-
-
-# --- sequence parallelism: FSDP 2 x Ulysses SP 2 on the stand-in fsdp_turbo (tests only) ----------
-STANDIN = Checkout(
-    HERE.parent / "tests" / "standin_fsdp_turbo" / "function_patches",
-    None,
-    "stand-in fsdp_turbo (function_patches layout), tests only",
-)
-SP_RUN = {
-    "backend": "fsdp_turbo",
-    "checkout": STANDIN,
-    "extra_env": {"FSDP_TURBO_STANDIN_ALLOW_CPU": "1"},
-    "world_size": 4,
-    "sp_size": 2,
-}
-SP_MUTANTS = {
-    # sdpa attention while the Ulysses patch wraps the eager function: attention runs sequence-local
-    "broken_turbo_sp_attention": (
-        ("reference", "c", "gradient differs from the single-process reference"),
-        ("twin", "c", "twin (single): actor/"),
-    ),
-    # the loss gradient is not summed over the SP group: every gradient is halved
-    "broken_turbo_sp_loss": (
-        ("reference", "c", "gradient differs from the single-process reference"),
-        ("reference", "a", "the single-process reference gradients' norm"),
-        ("twin", "c", "twin (single): actor/grad_norm"),
-    ),
-}
-
-
-@pytest.mark.devices(4)
-@pytest.mark.parametrize("module", list(SP_MUTANTS))
-def test_sp_bug_is_caught_in_both_modes(ppo_run, module):
-    result = ppo_run(
-        SP_CASE, engine_modules=[module], pythonpath=[str(HERE)], **SP_RUN, **BOTH_MODES
-    )
-    checks.check_completed(result)
-    for mode in MODES:
-        failed = failed_checks(result, mode)
-        for want_mode, letter, text in SP_MUTANTS[module]:
-            if want_mode == mode:
-                assert letter in failed, f"{mode}: check {letter} missed {module}; failed: {failed}"
-                assert text in failed[letter], failed[letter]

@@ -75,8 +75,30 @@ def reset_parallel_state(parallel_state) -> None:
     store.pop(cls, None)
 
 
+class GatherSequence(torch.autograd.Function):
+    """Each rank's chunk of the sequence, gathered in group-rank order. Every rank of the group then
+    computes the same loss on the whole sequence, so backward sums the group's gradients and keeps
+    this rank's chunk (with FSDP averaging over all ranks, the step is the unsharded one)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        return torch.cat(pieces, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=1)[rank], None
+
+
 @register(backend="fsdp_turbo", device=["cpu", "cuda", "npu"])
 class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
+    sequence_gather = GatherSequence  # how this rank's logits chunk joins the others (Ulysses)
+
     def _build_mesh(self):
         self.turbo = import_fsdp_turbo()
         world = dist.get_world_size()
@@ -159,27 +181,7 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
         size, length = dist.get_world_size(group), input_ids.shape[1]
         padded = torch.nn.functional.pad(input_ids, (0, -length % size))  # after it: causal
         local = model(input_ids=padded).logits  # this rank's chunk of the sequence
-        return GatherSequence.apply(local, group)[:, :length]
+        return self.sequence_gather.apply(local, group)[:, :length]
 
     def _clip_grad_norm(self) -> float:
         return float(self.turbo.clip_grad_norm(model=self.module, max_norm=self.config.grad_clip))
-
-
-class GatherSequence(torch.autograd.Function):
-    """Each rank's chunk of the sequence, gathered in group-rank order. Every rank of the group then
-    computes the same loss on the whole sequence, so backward sums the group's gradients and keeps
-    this rank's chunk (with FSDP averaging over all ranks, the step is the unsharded one)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, local.contiguous(), group=group)
-        return torch.cat(pieces, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(size, dim=1)[rank], None

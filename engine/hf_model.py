@@ -26,8 +26,8 @@ def auto_class(config):
 def load_pretrained(model_path: str | Path, **kwargs):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path)
-    return auto_class(config).from_pretrained(model_path, **kwargs)
+    config = AutoConfig.from_pretrained(model_path)  # read once: it picks the class, and loads
+    return auto_class(config).from_pretrained(model_path, config=config, **kwargs)
 
 
 def from_config(config, **kwargs):

@@ -138,7 +138,7 @@ class Rank:
     def unsharded(self):
         """Around the harness's own whole-sequence models (rollout, single-process reference): the
         FSDP-Turbo library's Ulysses patches lifted (engine/ulysses_lift.py); a no-op without SP."""
-        return library_patches_lifted(getattr(self.engine_cfg, "turbo_config", None))
+        return library_patches_lifted(self.engine_cfg.turbo_config)
 
 
 # --- phases ---------------------------------------------------------------------------------------

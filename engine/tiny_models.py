@@ -1,4 +1,5 @@
-"""Tiny LMs (causal, or vision-language where the real checkpoints are) built from specs in fixtures/models, saved in HF format and loaded like real ones.
+"""Tiny LMs (causal, or vision-language where the real checkpoints are) built from specs in
+fixtures/models, saved in HF format and loaded like real ones.
 
 The builder runs once per session (the plugin calls it in a subprocess under a lock); ranks load the
 result with `from_pretrained`, the same path a real checkpoint takes.

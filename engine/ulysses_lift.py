@@ -15,21 +15,11 @@ import contextlib
 import importlib
 from collections.abc import Iterator
 
-PATCH_FIELDS = ("ulysses_function_patches", "loss_function_patches")
+from pytest_fsdp_turbo.turbo_config import ulysses_function_targets, ulysses_size
 
 
 class CannotLiftPatch(RuntimeError):
     pass
-
-
-def ulysses_targets(turbo_config: dict | None) -> list[str]:
-    distributed = (turbo_config or {}).get("distributed") or {}
-    if int(distributed.get("ulysses_parallel_size") or 1) <= 1:
-        return []
-    cp_plan = distributed.get("cp_plan") or {}
-    found = [t for f in PATCH_FIELDS for e in cp_plan.get(f) or [] for t in e["target_functions"]]
-    core = cp_plan.get("ulysses_core_attention_function") or []
-    return found + ([core] if isinstance(core, str) else list(core))
 
 
 def _owner(target: str):
@@ -45,7 +35,8 @@ def _owner(target: str):
 def library_patches_lifted(turbo_config: dict | None) -> Iterator[None]:
     swapped = []
     try:
-        for target in ulysses_targets(turbo_config):
+        config = turbo_config or {}
+        for target in ulysses_function_targets(config) if ulysses_size(config) > 1 else ():
             owner, name = _owner(target)
             current = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
             original = getattr(current, "__wrapped__", None)

@@ -249,6 +249,9 @@ def entry_problems(config: dict) -> list[str]:
     return problems
 
 
+CP_PLAN_WHERE = "turbo_config.distributed.cp_plan."
+
+
 def patch_targets(config: dict) -> list[tuple[str, str]]:
     """(where, dotted target) of every patch in the config: module patches and Ulysses/loss
     function patches."""
@@ -261,7 +264,7 @@ def patch_targets(config: dict) -> list[tuple[str, str]]:
         for i, entry in enumerate(cp_plan.get(name) or []):
             targets = entry.get("target_functions") if isinstance(entry, dict) else None
             for j, target in enumerate(targets if isinstance(targets, list) else []):
-                found.append((f"turbo_config.distributed.cp_plan.{name}[{i}][{j}]", target))
+                found.append((f"{CP_PLAN_WHERE}{name}[{i}][{j}]", target))
     return found
 
 
@@ -354,6 +357,19 @@ def resolved_targets(config: dict, modules: ModulePlan) -> list[str]:
     return [t for _, t in patch_targets(config) if _resolves(t, modules)]
 
 
+def ulysses_size(config: dict) -> int:
+    return int((config.get("distributed") or {}).get("ulysses_parallel_size") or 1)
+
+
+def ulysses_function_targets(config: dict) -> list[str]:
+    """The functions the library wraps in place when Ulysses is on: the cp_plan patch entries
+    (newest layout) and the core attention function(s) (middle layout)."""
+    cp_plan = (config.get("distributed") or {}).get("cp_plan") or {}
+    found = [t for where, t in patch_targets(config) if where.startswith(CP_PLAN_WHERE)]
+    core = cp_plan.get("ulysses_core_attention_function") or []
+    return found + ([core] if isinstance(core, str) else list(core))
+
+
 EAGER_ATTENTION = "eager_attention_forward"
 
 
@@ -361,11 +377,8 @@ def attention_implementation(config: dict) -> str | None:
     """The attention the model must be loaded with so the Ulysses patch is the code that runs:
     eager when a patch targets transformers' eager attention function (with sdpa it is never
     called and attention would stay sequence-local, silently); None leaves the model's default."""
-    cp_plan = (config.get("distributed") or {}).get("cp_plan") or {}
-    targets = [t for _, t in patch_targets(config)]
-    core = cp_plan.get("ulysses_core_attention_function") or []
-    targets += [core] if isinstance(core, str) else list(core)
-    if (config.get("distributed") or {}).get("ulysses_parallel_size", 1) > 1 and any(
+    targets = {t for _, t in patch_targets(config)} | set(ulysses_function_targets(config))
+    if ulysses_size(config) > 1 and any(
         isinstance(t, str) and t.endswith(f".{EAGER_ATTENTION}") for t in targets
     ):
         return "eager"

@@ -95,11 +95,11 @@ def test_standin_follows_the_librarys_matching_patching_and_loading_rules():
 @pytest.mark.devices(2)
 def test_standin_ulysses_shards_the_sequence_and_matches_the_whole_sequence(tmp_path):
     """The stand-in's Ulysses (fsdp_turbo_standin_ulysses.py, a test double, not the library): its
-    wrappers (full_attention on transformers' eager attention,
-    gated_delta_net on Qwen3_5GatedDeltaNet.forward) over gloo, on the tiny Qwen3.5's layers: with
-    the sequence split over two ranks, outputs, input gradients and summed parameter gradients equal
-    the whole-sequence layer at fp32 precision; unpatched, each rank's chunk runs sequence-local
-    and all three differ (the bug a patch that misses the layer would hide on a real run)."""
+    wrappers (full_attention on transformers' eager attention, gated_delta_net on
+    Qwen3_5GatedDeltaNet.forward) over gloo, on the tiny Qwen3.5's layers: with the sequence split
+    over two ranks, outputs, input gradients and summed parameter gradients equal the
+    whole-sequence layer at fp32 precision; unpatched, each rank's chunk runs sequence-local and
+    all three differ (the bug a patch that misses the layer would hide on a real run)."""
     from pytest_fsdp_turbo.warm import run_module
 
     path = os.pathsep.join([str(STANDIN), str(STANDIN / "function_patches")])
