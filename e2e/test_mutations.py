@@ -151,6 +151,14 @@ MUTANTS = (
         "broken_turbo_sp_loss",
         SP_RUN,
     ),
+    # the library's sequence split undone: right gradients, but every rank runs the whole sequence
+    Mutant(
+        "fsdp_turbo",
+        both(("h", "declared sp_size 2 over 27-token sequences: expected each rank's decoder")),
+        SP_CASE,
+        "broken_turbo_sp_split",
+        SP_RUN,
+    ),
 )
 VERL_CASE = "tiny-qwen3-verl-fsdp2-deferred"
 GOLDEN_MUTANT = "fsdp_gradients_divided_twice"
