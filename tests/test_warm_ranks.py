@@ -14,7 +14,7 @@ from pytest_fsdp_turbo import checks
 
 FAULT = "PYTEST_FSDP_TURBO_FAULT"
 PROBES = str(Path(__file__).parent / "warm_probes")
-CASE = "tiny-qwen3_5-fsdp2-deferred"
+CASE = "tiny-llama-fsdp2-deferred"  # the quickest two-rank case: the launcher is under test
 REPO_CASES = Path(__file__).parents[1] / "e2e" / "cases.toml"
 
 pytestmark = pytest.mark.devices(2)
@@ -65,7 +65,7 @@ def test_a_case_after_a_failed_polluting_case_is_unaffected(ppo_run):
         CASE, backend="fsdp_polluted", engine_modules=["leak_probe"], pythonpath=[PROBES]
     )
     assert not orphan.ok
-    assert "no engine for model_type='qwen3_5', backend='fsdp_polluted'" in orphan.failure_text()
+    assert "no engine for model_type='llama', backend='fsdp_polluted'" in orphan.failure_text()
 
 
 def test_an_inner_session_forks_from_the_outer_sessions_warm_parent(pytester, tmp_path):
