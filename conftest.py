@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 
 NO_HYDRA = "-p no:hydra_pytest"
+STANDIN = Path(__file__).parent / "tests" / "standin_fsdp_turbo"
+STANDIN_ALLOW_CPU = "FSDP_TURBO_STANDIN_ALLOW_CPU"  # the stand-in, like the library, refuses CPU
 
 
 def pytest_configure(config):
@@ -13,6 +15,8 @@ def pytest_configure(config):
     reuse the tiny models this session built instead of rebuilding each (about 6 s a family).
     Tests that need an empty cache still set XDG_CACHE_HOME themselves."""
     os.environ.setdefault("XDG_CACHE_HOME", str(Path.home() / ".cache"))
+    # read only by the stand-in fsdp_turbo, which this repository's cpu cases run on (below)
+    os.environ.setdefault(STANDIN_ALLOW_CPU, "1")
     # hydra-core (verl brings it) registers a pytest plugin that costs about 0.6 s at every start;
     # nothing here uses it, and inner sessions inherit the variable
     addopts = os.environ.get("PYTEST_ADDOPTS", "")
@@ -35,3 +39,23 @@ def _warm_parent_up_front(request):
     from pytest_fsdp_turbo.warm import warm_parent
 
     warm_parent(request.getfixturevalue("fsdp_turbo_lease_book").state_dir)
+
+
+@pytest.fixture(scope="session")
+def fsdp_turbo_checkout(pytestconfig, accelerator):
+    """In this repository, fsdp_turbo cases on a CPU box run on the STAND-IN fsdp_turbo
+    (tests/standin_fsdp_turbo, a test double of the library's contract, never evidence about
+    hardware) unless FSDP_TURBO_PATH / --fsdp-turbo-path names a checkout. On cuda and npu the
+    plugin's own resolution (path, /FSDPTurbo, pinned clone) is used unchanged."""
+    from pytest_fsdp_turbo.checkout import Checkout, resolve_checkout
+    from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, skip_or_fail
+    from pytest_fsdp_turbo.session import settings_of
+
+    settings = settings_of(pytestconfig)
+    if accelerator.kind == "cpu" and not settings.checkout.path:
+        layout = STANDIN / "function_patches"
+        return Checkout(layout, None, f"stand-in fsdp_turbo at {layout}, tests only (cpu)")
+    try:
+        return resolve_checkout(settings.checkout)
+    except (CheckoutUnavailable, ConfigError) as exc:
+        skip_or_fail(settings.strict, str(exc))

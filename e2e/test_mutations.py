@@ -154,7 +154,7 @@ MUTANTS = (
     # the library's sequence split undone: right gradients, but every rank runs the whole sequence
     Mutant(
         "fsdp_turbo",
-        both(("h", "declared sp_size 2 over 27-token sequences: expected each rank's decoder")),
+        both(("h", "declared sp_size 2 over micro-batches of 4 x 27 tokens: expected each")),
         SP_CASE,
         "broken_turbo_sp_split",
         SP_RUN,

@@ -118,7 +118,7 @@ class FSDPEngineWithLMHead:
 
     def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits over the whole sequence (a sequence-parallel engine gathers its chunks)."""
-        return model(input_ids=input_ids).logits
+        return model(input_ids=input_ids, use_cache=False).logits
 
     # --- gradient synchronisation ---------------------------------------------------------------
     def _set_gradient_sync(self, enabled: bool) -> None:

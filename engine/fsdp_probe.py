@@ -55,8 +55,9 @@ class UnitsThatRan:
         self._units = _trainable_units(model)
         self._ran: set[int] = set()
         self._handles: list = []
-        # the longest sequence a decoder layer was handed: under sequence parallelism, a chunk
-        self.layer_seq_len = 0
+        # the most tokens (rows x sequence) a decoder layer was handed at once: under sequence
+        # parallelism, a chunk of each row, or of the one packed row (verl)
+        self.layer_tokens = 0
 
     @property
     def count(self) -> int:
@@ -73,7 +74,7 @@ class UnitsThatRan:
             hidden = args[0] if args else None
             is_layer = type(module).__name__.endswith("DecoderLayer")
             if is_layer and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
-                self.layer_seq_len = max(self.layer_seq_len, hidden.shape[1])
+                self.layer_tokens = max(self.layer_tokens, hidden.shape[0] * hidden.shape[1])
 
         return hook
 

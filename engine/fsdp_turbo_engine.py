@@ -180,7 +180,7 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
                 return super()._logits(model, input_ids)
         size, length = dist.get_world_size(group), input_ids.shape[1]
         padded = torch.nn.functional.pad(input_ids, (0, -length % size))  # after it: causal
-        local = model(input_ids=padded).logits  # this rank's chunk of the sequence
+        local = model(input_ids=padded, use_cache=False).logits  # this rank's chunk of the sequence
         return self.sequence_gather.apply(local, group)[:, :length]
 
     def _clip_grad_norm(self) -> float:

@@ -21,7 +21,11 @@ def reference_gradients(
     model.zero_grad(set_to_none=True)
     device = next(model.parameters()).device
     batch = batch.to(device)
-    logits = model(input_ids=batch.input_ids).logits[:, batch.prompt_len - 1 : -1].float()
+    logits = (
+        model(input_ids=batch.input_ids, use_cache=False)
+        .logits[:, batch.prompt_len - 1 : -1]
+        .float()
+    )
     logprobs = ppo.response_logprobs(logits, batch.input_ids[:, batch.prompt_len :])
     loss, _ = ppo_loss(logprobs, ppo.entropy_from_logits(logits), batch, tokens, cfg)
     loss.backward()
@@ -52,12 +56,16 @@ def max_abs_error(
     got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], scale: float | None = None
 ) -> tuple[float, str]:
     """Largest per-parameter error, relative to `scale`, or to that parameter's largest reference
-    entry when no scale is given. A missing parameter is an infinite error."""
+    entry when no scale is given. A missing parameter is an infinite error, unless its reference
+    is all zero: no gradient is a zero gradient (a vision tower a text batch never ran, or ran
+    with a zero weight as verl's Qwen3.5 forward does)."""
     worst, worst_name = 0.0, ""
     for name, ref in want.items():
         value = got.get(name)
-        if value is None:
+        if value is None and not bool(ref.eq(0).all()):
             return math.inf, f"{name} (missing)"
+        if value is None:
+            continue
         denom = scale if scale is not None else max(float(ref.abs().max()), 1e-12)
         err = float((value.float().cpu() - ref.float().cpu()).abs().max()) / denom
         if not math.isfinite(err):
@@ -72,8 +80,10 @@ def relative_l2_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
     is tiny (where bf16 compute flips signs), unlike the per-parameter maximum."""
     num = den = 0.0
     for name, ref in want.items():
-        if name not in got:
+        if name not in got and not bool(ref.eq(0).all()):
             return math.inf
+        if name not in got:
+            continue  # no gradient is a zero gradient (max_abs_error)
         ref = ref.double().cpu()
         num += float((got[name].double().cpu() - ref).pow(2).sum())
         den += float(ref.pow(2).sum())

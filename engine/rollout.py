@@ -41,6 +41,20 @@ def response_mask(response_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return (~after_eos).float()
 
 
+def runs_transformers_forwards(model: torch.nn.Module) -> bool:
+    """Whether every transformers module of the model runs the forward transformers wrote for it.
+    Engines patch model classes process-wide (verl's monkey patches for packed sequences replace
+    Qwen3.5's decoder and gated-delta-net forwards), and a replaced forward need not keep
+    transformers' KV-cache contract (verl's reads a cache layout transformers no longer has)."""
+    for module in model.modules():
+        cls = type(module)
+        if cls.__module__.startswith("transformers.") and not getattr(
+            cls.forward, "__module__", ""
+        ).startswith("transformers."):
+            return False
+    return True
+
+
 class HFRollout:
     def __init__(self, model_path: str, device: torch.device, eos_id: int, pad_id: int):
         from pytest_fsdp_turbo_engine.hf_model import load_pretrained
@@ -64,6 +78,8 @@ class HFRollout:
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
             output_logits=True,
+            # without the cache each new token re-reads the whole prefix: slower, never wrong
+            use_cache=runs_transformers_forwards(self.model),
         )
         prompt_len = prompts.shape[1]
         responses = out.sequences[:, prompt_len:]
@@ -84,5 +100,5 @@ class HFRollout:
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        logits = self.model(input_ids=input_ids).logits[:, prompt_len - 1 : -1]
+        logits = self.model(input_ids=input_ids, use_cache=False).logits[:, prompt_len - 1 : -1]
         return response_logprobs(logits, input_ids[:, prompt_len:])

@@ -245,7 +245,7 @@ class Trained:
     retained_grad_bytes: int  # peak unsharded gradient bytes held between micro-batches
     fsdp_units: int  # trainable units whose forward ran (a vision tower on text does not)
     shard_group_size: int
-    layer_seq_len: int  # longest sequence a decoder layer was handed (0: no layer is a unit)
+    layer_tokens: int  # most tokens a decoder layer was handed at once (0: no layer is a unit)
 
 
 class MicroBatchProbe:
@@ -321,7 +321,7 @@ def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
         probe.retained,
         ran.count,
         fsdp_probe.shard_group_size(module),
-        ran.layer_seq_len,
+        ran.layer_tokens,
     )
 
 
@@ -518,8 +518,10 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
             Metric.COMM_ALL_GATHER_CALLS: trained.all_gathers,
             Metric.COMM_FSDP_UNITS: trained.fsdp_units,
             Metric.COMM_SHARD_GROUP_SIZE: trained.shard_group_size,
-            Metric.SYNC_LAYER_SEQ_LEN: trained.layer_seq_len,
+            Metric.SYNC_LAYER_TOKENS: trained.layer_tokens,
             Metric.SYNC_SEQ_LEN: int(batch.input_ids.shape[1]),
+            # rows of the largest micro-batch: both loops split as torch.chunk does
+            Metric.SYNC_MICRO_BATCH_ROWS: -(-batch.size // ctx.cfg.micro_batches),
             Metric.CASE_SP_SIZE: ctx.sp,
             Metric.SYNC_RETAINED_GRAD_BYTES: trained.retained_grad_bytes,
         }

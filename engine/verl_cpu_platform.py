@@ -6,6 +6,12 @@ platform: with no GPU or NPU its platform manager falls back to NVIDIA.
 2. VERL_ENGINE_DEVICE=cuda: verl registers its engines for cuda and npu only; the cuda entry then
    runs on this platform.
 3. attn_implementation "sdpa": verl's model config asks for flash-attention 2, which needs CUDA.
+4. A gated-delta-rule kernel that honours `cu_seqlens`, the role flash-linear-attention (FLA) plays
+   on GPU. verl packs a micro-batch into one row and hands Qwen3.5's linear attention the sequence
+   boundaries; it passes them to any kernel that takes `**kwargs`, and transformers' torch
+   fallback takes them and ignores them, so each sequence's recurrent state runs on into the next
+   (measured on tiny Qwen3.5, verl 0.9.1: gradients off by 10% of their largest entry, caught by
+   check c). The kernel here splits the packed row at the boundaries and runs the fallback on each.
 
 `prepare("cpu")` turns them on before anything imports verl; on cuda and npu nothing here is active.
 No verl file is edited or patched. This module imports verl only inside `_register`.
@@ -32,7 +38,36 @@ def prepare(kind: str) -> dict:
         return {}
     os.environ.update(ENV)
     _register()
+    _install_packed_gated_delta_rule()
     return dict(MODEL_OVERRIDES)
+
+
+def _install_packed_gated_delta_rule() -> None:
+    """Shim 4: transformers reads the module's `chunk_gated_delta_rule` (FLA's, when installed)
+    when it builds each linear-attention layer; a model built after this runs the kernel below."""
+    import torch
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+
+    if qwen3_5.chunk_gated_delta_rule is not None:  # FLA (or this shim) is already there
+        return
+    fallback = qwen3_5.torch_chunk_gated_delta_rule
+
+    def packed_chunk_gated_delta_rule(
+        query, key, value, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs
+    ):
+        if cu_seqlens is None:
+            return fallback(query, key, value, g, beta, **kwargs)
+        if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
+            raise NotImplementedError("packed gated delta rule: no recurrent state across calls")
+        bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+        pieces = [
+            fallback(*(t[:, start:end] for t in (query, key, value, g, beta)), **kwargs)[0]
+            for start, end in zip(bounds[:-1], bounds[1:])
+            if end > start
+        ]
+        return torch.cat(pieces, dim=1), None
+
+    qwen3_5.chunk_gated_delta_rule = packed_chunk_gated_delta_rule
 
 
 def _register() -> None:

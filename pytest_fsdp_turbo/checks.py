@@ -333,14 +333,16 @@ def check_sync_contract(result: RunResult) -> None:
             )
     sp = m.get(Metric.CASE_SP_SIZE) or 1
     if sp > 1:  # sequence parallelism: each rank's decoder layers see only its chunk
-        total = m[Metric.SYNC_SEQ_LEN]
-        want = -(-total // sp)
-        for rank, seen in _per_rank(result, Metric.SYNC_LAYER_SEQ_LEN):
-            if seen != want:
+        rows, seq = m[Metric.SYNC_MICRO_BATCH_ROWS], m[Metric.SYNC_SEQ_LEN]
+        tokens = rows * seq
+        # 1/sp of the micro-batch's tokens, each row (or the one packed row) padded to split evenly
+        low, high = -(-tokens // sp), (tokens + rows * (sp - 1)) // sp
+        for rank, seen in _per_rank(result, Metric.SYNC_LAYER_TOKENS):
+            if not low <= seen <= high:
                 raise CheckFailure(
-                    f"{head}: declared sp_size {sp} over {total}-token sequences: expected each "
-                    f"rank's decoder layers to see {want} tokens, measured {seen} on rank {rank} "
-                    "(sync/layer_seq_len)"
+                    f"{head}: declared sp_size {sp} over micro-batches of {rows} x {seq} tokens: "
+                    f"expected each rank's decoder layers to be handed {low}..{high} tokens at "
+                    f"once, measured {seen} on rank {rank} (sync/layer_tokens)"
                 )
     for rank, retained in _per_rank(result, Metric.SYNC_RETAINED_GRAD_BYTES):
         holds = policy == "deferred" and micro_batches > 1

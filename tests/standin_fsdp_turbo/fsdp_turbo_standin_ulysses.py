@@ -13,12 +13,17 @@ the heads around the part that needs the whole sequence.
   after. The library's middle layout does the same (get_ulysses_attention_fn, read from its
   source); transformers' eager function returns `[batch, seq, heads, dim]`, so the output exchange
   scatters dim 1 and gathers dim 2 (the library's `attn_output_transposed`). The mask the model
-  built covers only the local chunk, so `fn` gets the causal mask of the whole sequence; a padding
-  mask is refused rather than dropped. Key/value heads must divide by the group size.
+  built covers only the local chunk, so `fn` gets the causal mask of the whole sequence, block
+  causal where the gathered `position_ids` restart (packed sequences, as transformers detects
+  them); a mask that is not that (padding) is refused rather than dropped. Key/value heads must
+  divide by the group size.
 - `gated_delta_net(fn, group)`, for `type: gated_delta_net` on `Qwen3_5GatedDeltaNet.forward`:
   projections run on the local chunk; the convolution and the gated delta rule, which need the
-  whole sequence, run head-parallel between two exchanges; norm and output projection run local.
-  A forward with a cache (generation) is not sequence-sharded and runs `fn` unchanged.
+  whole sequence, run head-parallel between two exchanges, per packed sequence when `cu_seqlens`
+  (bounds over the whole sequence, as verl passes them) is given; norm and output projection run
+  local. A forward with a cache (generation) is not sequence-sharded and runs `fn` unchanged.
+  How the library treats packed sequences is not in its published sources seen so far: verl's SP
+  path packs, so the stand-in keeps the sequences apart, as the library must for verl's NPU run.
 """
 
 from __future__ import annotations
@@ -62,10 +67,36 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
-def _causal_mask(seq: int, like: torch.Tensor) -> torch.Tensor:
-    blocked = torch.ones(seq, seq, dtype=torch.bool, device=like.device).triu(1)
-    mask = torch.zeros(seq, seq, dtype=like.dtype, device=like.device)
-    return mask.masked_fill(blocked, torch.finfo(like.dtype).min)[None, None]
+def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's chunk of dimension 1, in rank order (no gradient: positions and bounds)."""
+    chunks = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(chunks, x.contiguous(), group=group)
+    return torch.cat(chunks, dim=1)
+
+
+def _blocked(positions: torch.Tensor | None, seq: int, device) -> torch.Tensor:
+    """[batch or 1, 1, seq, seq], True where a query may not see a key: the future, and with
+    packed sequences (positions that restart, as transformers detects them) other sequences."""
+    blocked = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]
+    if positions is None:
+        return blocked
+    segment = (torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
+    return blocked | (segment[:, None, :, None] != segment[:, None, None, :])
+
+
+def _additive(blocked: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    mask = torch.zeros(blocked.shape, dtype=like.dtype, device=like.device)
+    return mask.masked_fill(blocked, torch.finfo(like.dtype).min)
+
+
+def _segments(cu_seqlens: torch.Tensor | None, seq: int) -> list[slice]:
+    """The packed sequences of a row (one when the row is not packed)."""
+    if cu_seqlens is None:
+        return [slice(0, seq)]
+    bounds = cu_seqlens.tolist()
+    if bounds[-1] != seq:
+        raise ValueError(f"[Context Parallel] cu_seqlens ends at {bounds[-1]}, sequence is {seq}")
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
 def full_attention(fn, group):
@@ -79,16 +110,20 @@ def full_attention(fn, group):
                 f"[Context Parallel] {key.shape[1]} key/value heads do not split over a ulysses "
                 f"group of {size}"
             )
-        local = query.shape[2]
-        blocked = _causal_mask(local, query) != 0
+        local, rank = query.shape[2], dist.get_rank(group)
+        positions = kwargs.get("position_ids")  # the chunk's; they mark packed sequences
+        if positions is not None:
+            positions = _gather_sequence(positions.reshape(positions.shape[0], -1), group)
+        blocked = _blocked(positions, local * size, query.device)
+        mine = slice(rank * local, (rank + 1) * local)
         if attention_mask is not None and not bool(
-            ((attention_mask[..., :local, :local] != 0) == blocked).all()
+            ((attention_mask[..., :local, :local] != 0) == blocked[..., mine, mine]).all()
         ):
-            raise ValueError("[Context Parallel] stand-in Ulysses takes causal masks only")
+            raise ValueError(
+                "[Context Parallel] stand-in Ulysses takes causal masks (of packed sequences) only"
+            )
         query, key, value = (all_to_all(t, group, 1, 2) for t in (query, key, value))
-        out, weights = fn(
-            module, query, key, value, _causal_mask(query.shape[2], query), *args, **kwargs
-        )
+        out, weights = fn(module, query, key, value, _additive(blocked, query), *args, **kwargs)
         return all_to_all(out, group, 1, 2), weights
 
     return wrapper
@@ -96,9 +131,13 @@ def full_attention(fn, group):
 
 def gated_delta_net(fn, group):
     @functools.wraps(fn)
-    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    def forward(
+        self, hidden_states, cache_params=None, attention_mask=None, cu_seqlens=None, **kwargs
+    ):
         size = dist.get_world_size(group)
         if size == 1 or cache_params is not None:
+            if cu_seqlens is not None:
+                kwargs["cu_seqlens"] = cu_seqlens
             return fn(self, hidden_states, cache_params, attention_mask, **kwargs)
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("[Context Parallel] stand-in Ulysses takes unpadded batches only")
@@ -128,6 +167,7 @@ def gated_delta_net(fn, group):
         b = heads(self.in_proj_b(hidden_states), self.num_v_heads, 1)
         a = heads(self.in_proj_a(hidden_states), self.num_v_heads, 1)
         seq = q.shape[1]
+        segments = _segments(cu_seqlens, seq)  # verl packs a micro-batch into one row
         # the depthwise convolution, on this rank's channels of q, k and v
         weight = self.conv1d.weight
         channels = torch.cat(
@@ -140,8 +180,17 @@ def gated_delta_net(fn, group):
             ]
         )
         mixed = torch.cat([q, k, v], dim=-1).transpose(1, 2)
-        mixed = F.conv1d(mixed, channels, padding=self.conv_kernel_size - 1, groups=mixed.shape[1])
-        mixed = F.silu(mixed[:, :, :seq]).transpose(1, 2)
+        pad = self.conv_kernel_size - 1
+        mixed = torch.cat(
+            [
+                F.conv1d(mixed[:, :, part], channels, padding=pad, groups=mixed.shape[1])[
+                    :, :, : part.stop - part.start
+                ]
+                for part in segments
+            ],
+            dim=2,
+        )
+        mixed = F.silu(mixed).transpose(1, 2)
         q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
         q = q.reshape(batch, seq, k_heads, self.head_k_dim)
         k = k.reshape(batch, seq, k_heads, self.head_k_dim)
@@ -152,9 +201,15 @@ def gated_delta_net(fn, group):
         if v_heads // k_heads > 1:
             q = q.repeat_interleave(v_heads // k_heads, dim=2)
             k = k.repeat_interleave(v_heads // k_heads, dim=2)
-        out, _ = self.chunk_gated_delta_rule(
-            q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-            use_qk_l2norm_in_kernel=True,
+        out = torch.cat(
+            [
+                self.chunk_gated_delta_rule(
+                    q[:, part], k[:, part], v[:, part], g=g[:, part], beta=beta[:, part],
+                    initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+                )[0]
+                for part in segments
+            ],
+            dim=1,
         )  # fmt: skip
         out = all_to_all(out.reshape(batch, seq, 1, value_dim), group, 1, 2)
         out = out.reshape(batch, local_seq, self.num_v_heads, self.head_v_dim)
