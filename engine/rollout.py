@@ -33,6 +33,11 @@ class Rollout(Protocol):
 
     def logprobs(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor: ...
 
+    def served_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+        """The tensors the rollout computes with, by its own names, and how it fuses trainer
+        tensors into them (weight_handoff.compare)."""
+        ...
+
 
 def response_mask(response_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     """1 for tokens up to and including the first EOS, 0 after it."""
@@ -97,6 +102,9 @@ class HFRollout:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict, strict=True)
+
+    def served_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}, {}
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pytest_fsdp_turbo_engine import fsdp_probe, ppo
+from pytest_fsdp_turbo_engine import fsdp_probe, ppo, weight_handoff
 from pytest_fsdp_turbo_engine.config import EngineConfig, PPOConfig
 from pytest_fsdp_turbo_engine.faults import Fault
 from pytest_fsdp_turbo_engine.fsdp_engine import local_tensor
@@ -389,6 +389,7 @@ class PostStep:
     step_max_err: float | None  # in units of lr; None: no reference step
     step_rel_l2_err: float | None  # of the update, against the reference update
     logprobs: torch.Tensor  # post-step logprobs of this rank's batch
+    handoff: weight_handoff.HandOff | None  # served vs trainer weights; None: no rollout (twin)
 
 
 def post_step(
@@ -410,15 +411,19 @@ def post_step(
         )
     with torch.no_grad():
         logprobs, _ = engine.forward_logprobs(batch.input_ids, batch.prompt_len)
-    rollout_diff = None
+    rollout_diff = handoff = None
     if ctx.rollout is not None:
         ctx.rollout.load_weights(full)
+        served, packed = ctx.rollout.served_weights()
+        handoff = weight_handoff.compare(
+            served, weight_handoff.trainer_parameters(engine.module), packed
+        )
         with ctx.unsharded():
             rollout_lp = ctx.rollout.logprobs(batch.input_ids, batch.prompt_len)
         diff = float(((logprobs - rollout_lp).abs() * batch.mask).max())
         rollout_diff = all_max(diff, ctx.device)
     return PostStep(
-        replica_max_abs_diff(engine, ctx.device), rollout_diff, step_err, step_l2, logprobs
+        replica_max_abs_diff(engine, ctx.device), rollout_diff, step_err, step_l2, logprobs, handoff
     )
 
 
@@ -553,6 +558,10 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     after = post_step(ctx, batch, ref, copy, finite)
     metrics[Metric.SYNC_REPLICA_MAX_ABS_DIFF] = after.replica_max_abs_diff
     metrics[Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF] = after.rollout_logprob_max_abs_diff
+    if after.handoff is not None:
+        metrics[Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF] = after.handoff.max_abs_diff
+        metrics[Metric.SYNC_ROLLOUT_WEIGHT_WORST] = after.handoff.worst
+        metrics[Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED] = after.handoff.compared
     if after.step_max_err is not None:
         metrics[Metric.SYNC_STEP_MAX_ERR_LR] = after.step_max_err
         metrics[Metric.SYNC_STEP_REL_L2_ERR] = after.step_rel_l2_err

