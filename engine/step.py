@@ -416,7 +416,10 @@ def post_step(
         ctx.rollout.load_weights(full)
         served, packed = ctx.rollout.served_weights()
         handoff = weight_handoff.compare(
-            served, weight_handoff.trainer_parameters(engine.module), packed
+            served,
+            weight_handoff.trainer_parameters(engine.module),
+            packed,
+            torch.bfloat16 if ctx.engine_cfg.dtype == "bf16" else torch.float32,
         )
         with ctx.unsharded():
             rollout_lp = ctx.rollout.logprobs(batch.input_ids, batch.prompt_len)

@@ -4,11 +4,12 @@ dict the engine hands over, which is the thing under test).
 
 A rollout reports the tensors it serves under its own names; vLLM fuses some (q/k/v into
 `qkv_proj`, gate/up into `gate_up_proj`) and says how in its model's `packed_modules_mapping`, so
-the trainer's tensors are fused the same way before comparing. Served tensors are compared after
-casting the trainer's to the served dtype, exactly (vocabulary rows past the trainer's, which vLLM
-pads to its tile size, are not compared). A served tensor vLLM keeps only in a kernel's
-own layout (on CPU it repacks every linear weight for oneDNN and leaves an empty tensor) is not
-readable and is not compared; the logprob comparison (check e) still covers it.
+the trainer's tensors are fused the same way before comparing. Both sides are rounded to the
+narrower of the served and the hand-off dtype (a bf16 case hands bf16), then compared exactly;
+vocabulary rows past the trainer's, which vLLM pads to its tile size, are not compared. A served
+tensor vLLM keeps only in a kernel's own layout (on CPU it repacks every linear weight for oneDNN
+and leaves an empty tensor) is not readable and is not compared; the logprob comparison (check e)
+still covers it.
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ def compare(
     served: dict[str, torch.Tensor],
     trainer: dict[str, torch.Tensor],
     packed: dict[str, list[str]] | None = None,
+    handoff_dtype: torch.dtype = torch.float32,
 ) -> HandOff:
+    """Exact, after both sides are rounded to the hand-off dtype (a bf16 case hands bf16 weights
+    to its rollout, as verl does, even where the rollout model holds fp32)."""
     worst, worst_name, compared = 0.0, "", 0
     for name, tensor in served.items():
         if tensor.numel() == 0:
@@ -69,7 +73,9 @@ def compare(
             shape = "none" if want is None else list(want.shape)
             return HandOff(math.inf, f"{name} (trainer: {shape})", compared)
         compared += 1
-        diff = float((tensor.cpu() - want.cpu().to(tensor.dtype)).abs().max())
+        dtype = handoff_dtype if handoff_dtype.itemsize < tensor.dtype.itemsize else tensor.dtype
+        got, want = tensor.cpu().to(dtype).float(), want.cpu().to(dtype).float()
+        diff = float((got - want).abs().max())
         if diff > worst or not worst_name:
             worst, worst_name = diff, name
     return HandOff(worst, worst_name, compared)

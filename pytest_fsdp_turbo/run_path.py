@@ -7,7 +7,6 @@ Ray, then its twin). Callers decide what an unavailable case means (skip, or fai
 from __future__ import annotations
 
 import configparser
-import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.launch import RunResult
 from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.needs import case_needs, missing_packages
 from pytest_fsdp_turbo.runs import RunRequest, run_case, run_case_on_ray, run_with_twin
 from pytest_fsdp_turbo.settings import Settings
 from pytest_fsdp_turbo.vocab import Launcher
@@ -59,14 +59,10 @@ class CaseRunner:
             model = resolve_model(case.model, self.settings.models)
         except ModelUnavailable as exc:
             raise Unavailable(f"case {case.id}: {exc}") from None
-        if case.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
+        for need in missing_packages(case_needs(case, self.accelerator.kind)):
             raise Unavailable(
-                f"case {case.id}: rollout vllm needs vllm (or vllm-ascend); not importable here"
-            )
-        if case.is_verl and importlib.util.find_spec("verl") is None:
-            raise Unavailable(
-                f"case {case.id}: backend {case.backend} needs verl, which is not importable here: "
-                "pip install 'pytest-fsdp-turbo[verl]'"
+                f"case {case.id}: {need.reason} needs {need.name}, which is not importable here: "
+                f"{need.hint}"
             )
         if not case.is_turbo:
             return model, None

