@@ -157,3 +157,27 @@ class HoardingMemoryEngine(FSDPEngineWithLMHead):
         if trainable:
             self._hoard = torch.ones(5 * 2**28 // 4, device=self.device)
         return super().build(model_path, trainable=trainable)
+
+
+@register(backend="fsdp_undeclared_weight_decay", device=EVERYWHERE)
+class UndeclaredWeightDecayEngine(FSDPEngineWithLMHead):
+    """Its optimizer decays weights by 0.01 where the case asked for none: every rank and a replay
+    twin of the same engine make the same wrong update."""
+
+    def build(self, model_path: str, *, trainable: bool = True):
+        wrapped = super().build(model_path, trainable=trainable)
+        if trainable:
+            for group in self.optimizer.param_groups:
+                group["weight_decay"] = 0.01
+        return wrapped
+
+
+@register(backend="fsdp_handoff_missing_tensor", device=EVERYWHERE)
+class HandOffMissingTensorEngine(FSDPEngineWithLMHead):
+    """Leaves one norm weight out of the weights it hands the rollout, which keeps serving the
+    pre-step norm: one small tensor, too little for the logprob comparison to see."""
+
+    def full_state_dict(self):
+        handed = super().full_state_dict()
+        dropped = next(name for name in handed if name.endswith("norm.weight"))
+        return {name: t for name, t in handed.items() if name != dropped}

@@ -83,14 +83,32 @@ SP_RUN = (
     ("sp_size", 2),
 )
 
+# messages each failed check names, shared by several broken engines
+REF_GRAD = ("c", "gradient differs from the single-process reference")
+REF_NORM = ("a", "the single-process reference gradients' norm")
+REF_STEP = ("i", "the update differs from the single-process reference step's")
+ADAMW = ("i", "differ from AdamW's first step")
+TWIN_NORM = ("c", "twin (single): actor/grad_norm")
+TWIN_POST = ("c", "post-step logprobs on the batch differ from the twin's")
+NOT_STEPPED = ("i", "actor/param_update_max_abs = 0.0, expected this rank's")
+ROLLOUT_LP = ("e", "sync/rollout_logprob_max_abs_diff")
+
+# Each broken engine with the exact set of checks it fails in each mode (one message per check).
+# Where a mode's set is one check, that check alone catches the bug: deleted from check_all, the
+# run goes green (test_check_catches_broken_engine proves it).
 MUTANTS = (
     Mutant(
         "fsdp_off_by_one_sync",
         {
-            "reference": (("c", "gradient differs from the single-process reference"),),
+            "reference": (
+                REF_GRAD,
+                REF_NORM,
+                ("h", "expected reduce-scatters per micro-batch [0, 3], measured [3, 0]"),
+                REF_STEP,
+            ),
             "twin": (
                 ("h", "expected reduce-scatters per micro-batch [0, 3], measured [3, 0]"),
-                ("c", "twin (single): actor/grad_norm"),
+                TWIN_NORM,
             ),
         },
     ),
@@ -98,44 +116,77 @@ MUTANTS = (
         "fsdp_noop_sync_context",
         both(
             ("h", "declared gradient_sync 'deferred' with 2 micro-batches"),
-            ("h", "measured [3, 3]"),
         ),
     ),
     Mutant(
         "fsdp_never_sync",
-        both(("a", "actor/grad_norm = 0 on a step whose advantages"), ("h", "measured [0, 0]")),
+        {
+            "reference": (
+                ("a", "actor/grad_norm = 0 on a step whose advantages"),
+                ("c", "(missing)"),
+                ("h", "measured [0, 0]"),
+                NOT_STEPPED,
+            ),
+            "twin": (
+                ("a", "actor/grad_norm = 0 on a step whose advantages"),
+                TWIN_NORM,
+                ("h", "measured [0, 0]"),
+                NOT_STEPPED,
+            ),
+        },
     ),
     Mutant(
         "fsdp_gradients_divided_twice",
-        {
-            "reference": (
-                ("c", "gradient differs from the single-process reference"),
-                ("a", "the single-process reference gradients' norm"),
-            ),
-            "twin": (("c", "twin (single): actor/grad_norm"),),
-        },
+        {"reference": (REF_GRAD, REF_NORM, REF_STEP), "twin": (TWIN_NORM,)},
     ),
-    Mutant("fsdp_norm_max_over_ranks", both(("a", "global L2 norm of the sharded gradients"))),
-    Mutant("fsdp_skip_step_on_rank1", both(("i", "rank 1: actor/param_update_max_abs = 0"))),
     Mutant(
-        "fsdp_double_step",
+        "fsdp_norm_max_over_ranks",
         {
-            "reference": (("i", "the single-process reference step's"),),
-            "twin": (("c", "post-step logprobs on the batch differ from the twin's"),),
+            "reference": (("a", "global L2 norm of the sharded gradients"),),
+            "twin": (("a", "global L2 norm of the sharded gradients"), TWIN_NORM),
         },
     ),
+    Mutant(
+        "fsdp_skip_step_on_rank1",
+        {"reference": (NOT_STEPPED,), "twin": (NOT_STEPPED, TWIN_POST)},
+    ),
+    Mutant("fsdp_double_step", {"reference": (ADAMW,), "twin": (ADAMW, TWIN_POST)}),
     Mutant(
         "fsdp_dropout_in_training_forward",
-        both(("b", "actor/ppo_kl on the first micro-batch")),
+        {
+            "reference": (
+                REF_NORM,
+                ("b", "actor/ppo_kl on the first micro-batch"),
+                REF_GRAD,
+                REF_STEP,
+            ),
+            "twin": (
+                ("b", "actor/ppo_kl on the first micro-batch"),
+                ("c", "twin (single): actor/loss"),
+            ),
+        },
     ),
-    Mutant("fsdp_drifting_replica", both(("d", "sync/replica_max_abs_diff")), case=HSDP_CASE),
-    Mutant("fsdp_stale_rollout_weights", both(("e", "sync/rollout_logprob_max_abs_diff"))),
+    Mutant(
+        "fsdp_drifting_replica",
+        {
+            "reference": (("d", "sync/replica_max_abs_diff"), ADAMW),
+            "twin": (("d", "sync/replica_max_abs_diff"), ADAMW, TWIN_POST),
+        },
+        case=HSDP_CASE,
+    ),
     Mutant(
         "fsdp_stale_rollout_weights",
-        both(
-            ("e", "sync/rollout_logprob_max_abs_diff"),
-            ("e", "away from the trainer's parameter after the push"),
-        ),
+        both(ROLLOUT_LP, ("e", "the engine hands the rollout")),
+    ),
+    # two bugs a replay twin of the same engine shares: caught without the reference too
+    Mutant("fsdp_undeclared_weight_decay", both(ADAMW)),
+    Mutant(
+        "fsdp_handoff_missing_tensor",
+        both(("e", "the engine hands the rollout"), ("e", "(not handed over)")),
+    ),
+    Mutant(
+        "fsdp_stale_rollout_weights",
+        both(ROLLOUT_LP, ("e", "away from the trainer's parameter after the push")),
         VLLM_CASE,
         label="fsdp_stale_rollout_weights_vllm",
     ),
@@ -144,8 +195,8 @@ MUTANTS = (
     Mutant(
         "fsdp_turbo",
         {
-            "reference": (("c", "gradient differs from the single-process reference"),),
-            "twin": (("c", "twin (single): actor/"),),
+            "reference": (REF_NORM, REF_GRAD, ROLLOUT_LP, REF_STEP),
+            "twin": (("c", "twin (single): actor/"), ROLLOUT_LP),
         },
         SP_CASE,
         "broken_turbo_sp_attention",
@@ -154,13 +205,7 @@ MUTANTS = (
     # the loss gradient is not summed over the SP group: every gradient is halved
     Mutant(
         "fsdp_turbo",
-        {
-            "reference": (
-                ("c", "gradient differs from the single-process reference"),
-                ("a", "the single-process reference gradients' norm"),
-            ),
-            "twin": (("c", "twin (single): actor/grad_norm"),),
-        },
+        {"reference": (REF_GRAD, REF_NORM, REF_STEP), "twin": (TWIN_NORM,)},
         SP_CASE,
         "broken_turbo_sp_loss",
         SP_RUN,
@@ -212,10 +257,22 @@ def failed_checks(result: RunResult, mode: str) -> dict[str, str]:
     return {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
 
 
+# Checks a broken engine fails alone, per mode (the run test proves each: with that check deleted
+# from check_all, the engine's run passes). Not yet alone anywhere: b, c and d with the reference;
+# a, b and d without it. Their bugs here also move what another check sees.
+PROVEN_ALONE = {"reference": set("aefhi"), "twin": set("cefhi")}
+
+
 def test_every_check_has_a_mutant_in_every_mode():
     for mode in MODES:
         letters = {letter for m in MUTANTS for letter, _ in m.caught[mode]}
         assert letters == set(ALL_CHECKS), f"{mode}: no mutant for {set(ALL_CHECKS) - letters}"
+        alone = {
+            m.caught[mode][0][0]
+            for m in MUTANTS
+            if len({letter for letter, _ in m.caught[mode]}) == 1
+        }
+        assert alone == PROVEN_ALONE[mode], mode
 
 
 pytestmark = [pytest.mark.mutation, pytest.mark.devices(2)]
@@ -244,16 +301,34 @@ def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant):
         runs = dict.fromkeys(MODES, run(BOTH_MODES))
     else:
         runs = {m: run(ONE_MODE[m]) for m in MODES}
-    for mode, result in runs.items():
+    for result in runs.values():
         checks.check_completed(result)  # every bug here runs to the end: only the checks can tell
-        failed = failed_checks(result, mode)
+    failed = {mode: failed_checks(result, mode) for mode, result in runs.items()}
+
+    for mode in MODES:
+        expected = {letter for letter, _ in mutant.caught[mode]}
+        assert set(failed[mode]) == expected, f"{mode}: {mutant} fails {sorted(failed[mode])}"
         for letter, text in mutant.caught[mode]:
-            assert letter in failed, f"{mode}: check {letter} missed {mutant}; failed: {failed}"
-            assert f"check {letter}" in failed[letter] and text in failed[letter], failed[letter]
+            assert f"check {letter}" in failed[mode][letter], failed[mode][letter]
+            assert text in failed[mode][letter], failed[mode][letter]
+        view = in_mode(runs[mode], mode)
         with pytest.raises(checks.CheckFailure):
-            checks.check_all(in_mode(result, mode))
+            checks.check_all(view)
+        if len(expected) == 1:  # this check alone catches the bug: deleted, the run goes green
+            assert_green_without(view, *expected)
     if mutant.backend == GOLDEN_MUTANT:  # the same run proves g (goldens live outside check_all)
         assert_golden_is_red(runs["reference"], pytestconfig)
+
+
+def assert_green_without(result: RunResult, letter: str) -> None:
+    """check_all with one check deleted, as an edit to checks.CHECKS would delete it."""
+    kept = tuple(entry for entry in checks.CHECKS if entry[0] != letter)
+    original = checks.CHECKS
+    checks.CHECKS = kept
+    try:
+        checks.check_all(result)
+    finally:
+        checks.CHECKS = original
 
 
 def assert_golden_is_red(result, pytestconfig) -> None:

@@ -226,3 +226,38 @@ def global_grad_norm(module: torch.nn.Module) -> float:
             dist.all_reduce(local_sum, group=mesh.get_group(dim))
         total += float(local_sum)
     return math.sqrt(total)
+
+
+# segments wrappers add to parameter names (activation checkpointing, torch.compile)
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _plain_name(name: str) -> str:
+    for segment in WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def parameter_names(module: torch.nn.Module) -> list[str]:
+    """One name per parameter (a tied parameter under its first name), wrapper segments removed."""
+    return [_plain_name(n) for n, _ in module.named_parameters()]
+
+
+def unsharded_parameters(module: torch.nn.Module, aliases: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter of the module, gathered whole (a collective: every rank calls it). With
+    `aliases`, a tied parameter appears under each of its names."""
+    named = module.named_parameters(remove_duplicate=not aliases)
+    return {_plain_name(n): _full(p.detach()) for n, p in named}
+
+
+def unsharded_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradient of every parameter that has one, gathered whole (a collective)."""
+    return {
+        _plain_name(n): _full(p.grad.detach())
+        for n, p in module.named_parameters()
+        if p.grad is not None
+    }

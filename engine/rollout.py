@@ -101,7 +101,9 @@ class HFRollout:
         )
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state_dict, strict=True)
+        # partial, as vLLM's load_weights is: what was not handed over keeps its old value, and
+        # check e names it (the hand-off and the served weights are compared by the harness)
+        self.model.load_state_dict(state_dict, strict=False)
 
     def served_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
         return {n: p.detach() for n, p in self.model.named_parameters()}, {}

@@ -43,6 +43,7 @@ from pytest_fsdp_turbo.vocab import Env, Metric, timing_key
 
 BATCH_FILE = "batch.pt"  # the global training batch, for a twin to replay
 POST_STEP_FILE = "post_step.pt"  # the global post-step logprobs on that batch
+ADAMW_EPS = 1e-8  # torch's AdamW default, which every engine here keeps
 SUMMED_PARTS = (
     Metric.ACTOR_LOSS,
     Metric.ACTOR_PG_LOSS,
@@ -347,7 +348,7 @@ def single_process_copy(ctx: Rank) -> torch.nn.Module:
 
 def reference(ctx: Rank, global_batch: TrainBatch, tokens: float, copy) -> Referenced:
     ctx.phase.enter("reference")
-    sharded = ctx.engine.full_gradients()
+    sharded = fsdp_probe.unsharded_gradients(ctx.engine.module)  # read by the harness
     grads = reference_gradients(copy, global_batch, tokens, ctx.cfg)
     err, name = max_abs_error(sharded, grads)
     return Referenced(
@@ -367,6 +368,7 @@ class Stepped:
     update_max_abs: float  # this rank's own largest parameter change
     local_numel: int  # parameters this rank holds
     seconds: float
+    adamw_step_err_lr: float | None  # against AdamW's first step in closed form; None: no step
 
 
 def optimizer(ctx: Rank) -> Stepped:
@@ -374,12 +376,41 @@ def optimizer(ctx: Rank) -> Stepped:
     module = ctx.engine.module
     measured = fsdp_probe.global_grad_norm(module)
     before = [local_tensor(p.detach()).to("cpu", copy=True) for p in module.parameters()]
+    grads = [
+        None if p.grad is None else local_tensor(p.grad.detach()).to("cpu", copy=True)
+        for p in module.parameters()
+    ]
     start = time.perf_counter()
     reported = float(ctx.engine.optimizer_step())
     seconds = time.perf_counter() - start
     after = [local_tensor(p.detach()).cpu() for p in module.parameters()]
     moved = max((float((a - b).abs().max()) for a, b in zip(after, before) if b.numel()), default=0)
-    return Stepped(reported, measured, moved, sum(b.numel() for b in before), seconds)
+    adamw_err = None
+    if math.isfinite(measured):
+        adamw_err = adamw_first_step_error(before, grads, after, measured, ctx.engine_cfg)
+    return Stepped(reported, measured, moved, sum(b.numel() for b in before), seconds, adamw_err)
+
+
+def adamw_first_step_error(before, grads, after, norm: float, cfg: EngineConfig) -> float:
+    """Largest distance, in units of lr, between each parameter element after the engine's step
+    and AdamW's first step in closed form, from what the harness read: with fresh moments the
+    bias-corrected m and v are g and g^2, so p <- p (1 - lr wd) - lr g / (|g| + eps), g being the
+    gradient clipped by the harness-measured global norm. It proves the first step only: later
+    steps depend on moments no harness reading holds. A parameter without a gradient must stay."""
+    scale = min(1.0, cfg.grad_clip / (norm + 1e-6))
+    worst = 0.0
+    for p0, g, p1 in zip(before, grads, after):
+        if not p0.numel():
+            continue
+        if g is None:
+            expected = p0
+        else:
+            g = g.float() * scale
+            expected = p0.float() * (1 - cfg.lr * cfg.weight_decay) - cfg.lr * g / (
+                g.abs() + ADAMW_EPS
+            )
+        worst = max(worst, float((p1.float() - expected).abs().max()) / cfg.lr)
+    return worst
 
 
 @dataclass
@@ -389,7 +420,8 @@ class PostStep:
     step_max_err: float | None  # in units of lr; None: no reference step
     step_rel_l2_err: float | None  # of the update, against the reference update
     logprobs: torch.Tensor  # post-step logprobs of this rank's batch
-    handoff: weight_handoff.HandOff | None  # served vs trainer weights; None: no rollout (twin)
+    handoff: weight_handoff.HandOff | None  # handed vs trainer weights; None: no rollout (twin)
+    served: weight_handoff.HandOff | None  # served vs trainer weights; None: no rollout (twin)
 
 
 def post_step(
@@ -397,7 +429,9 @@ def post_step(
 ) -> PostStep:
     ctx.phase.enter("checks")
     engine = ctx.engine
-    full = engine.full_state_dict() if (ref is not None or ctx.rollout is not None) else None
+    # the parameters as the harness reads them off the module (aliases: every name of a tied one)
+    trainer = fsdp_probe.unsharded_parameters(engine.module, aliases=True)
+    full = {n: trainer[n] for n in fsdp_probe.parameter_names(engine.module)}  # one per tied group
     step_err = step_l2 = None
     if ref is not None and copy is not None:
         initial = {n: p.detach().clone() for n, p in copy.named_parameters()}
@@ -411,22 +445,26 @@ def post_step(
         )
     with torch.no_grad():
         logprobs, _ = engine.forward_logprobs(batch.input_ids, batch.prompt_len)
-    rollout_diff = handoff = None
+    rollout_diff = handoff = served_diff = None
     if ctx.rollout is not None:
-        ctx.rollout.load_weights(full)
+        handoff_dtype = torch.bfloat16 if ctx.engine_cfg.dtype == "bf16" else torch.float32
+        handed = engine.full_state_dict()  # the engine's hand-off: the thing under test
+        handoff = weight_handoff.compare_handoff(handed, trainer, set(full), handoff_dtype)
+        ctx.rollout.load_weights(handed)
         served, packed = ctx.rollout.served_weights()
-        handoff = weight_handoff.compare(
-            served,
-            weight_handoff.trainer_parameters(engine.module),
-            packed,
-            torch.bfloat16 if ctx.engine_cfg.dtype == "bf16" else torch.float32,
-        )
+        served_diff = weight_handoff.compare(served, trainer, packed, handoff_dtype)
         with ctx.unsharded():
             rollout_lp = ctx.rollout.logprobs(batch.input_ids, batch.prompt_len)
         diff = float(((logprobs - rollout_lp).abs() * batch.mask).max())
         rollout_diff = all_max(diff, ctx.device)
     return PostStep(
-        replica_max_abs_diff(engine, ctx.device), rollout_diff, step_err, step_l2, logprobs, handoff
+        replica_max_abs_diff(engine, ctx.device),
+        rollout_diff,
+        step_err,
+        step_l2,
+        logprobs,
+        handoff,
+        served_diff,
     )
 
 
@@ -555,6 +593,7 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
             Metric.SYNC_GRAD_NORM_MEASURED: stepped.measured_norm,
             Metric.ACTOR_PARAM_UPDATE_MAX_ABS: stepped.update_max_abs,
             Metric.ACTOR_LOCAL_PARAM_NUMEL: stepped.local_numel,
+            Metric.SYNC_ADAMW_STEP_MAX_ERR_LR: stepped.adamw_step_err_lr,
         }
     )
 
@@ -562,9 +601,11 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     metrics[Metric.SYNC_REPLICA_MAX_ABS_DIFF] = after.replica_max_abs_diff
     metrics[Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF] = after.rollout_logprob_max_abs_diff
     if after.handoff is not None:
-        metrics[Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF] = after.handoff.max_abs_diff
-        metrics[Metric.SYNC_ROLLOUT_WEIGHT_WORST] = after.handoff.worst
-        metrics[Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED] = after.handoff.compared
+        metrics[Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF] = after.handoff.max_abs_diff
+        metrics[Metric.SYNC_HANDOFF_WEIGHT_WORST] = after.handoff.worst
+        metrics[Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF] = after.served.max_abs_diff
+        metrics[Metric.SYNC_ROLLOUT_WEIGHT_WORST] = after.served.worst
+        metrics[Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED] = after.served.compared
     if after.step_max_err is not None:
         metrics[Metric.SYNC_STEP_MAX_ERR_LR] = after.step_max_err
         metrics[Metric.SYNC_STEP_REL_L2_ERR] = after.step_rel_l2_err

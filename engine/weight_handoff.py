@@ -19,27 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-# segments wrappers add to parameter names (activation checkpointing, torch.compile)
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
 
 @dataclass
 class HandOff:
     max_abs_diff: float  # over the compared tensors (inf when a served tensor has no trainer twin)
     worst: str  # the served tensor with the largest difference, or the one without a twin
     compared: int
-
-
-def trainer_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of the engine's module, unsharded (a collective: every rank calls it)."""
-    from pytest_fsdp_turbo_engine.fsdp_engine import full_tensor
-
-    out = {}
-    for name, param in module.named_parameters():
-        for segment in WRAPPER_SEGMENTS:
-            name = name.replace(segment, "")
-        out[name] = full_tensor(param.detach())
-    return out
 
 
 def _twin(name: str, trainer: dict[str, torch.Tensor], packed: dict[str, list[str]]):
@@ -79,3 +64,33 @@ def compare(
         if diff > worst or not worst_name:
             worst, worst_name = diff, name
     return HandOff(worst, worst_name, compared)
+
+
+def compare_handoff(
+    handed: dict[str, torch.Tensor],
+    trainer: dict[str, torch.Tensor],
+    canonical: set[str],
+    handoff_dtype: torch.dtype = torch.float32,
+) -> HandOff:
+    """What the engine hands its rollout against its own parameters, by name, shape, dtype and
+    value: every parameter (`canonical`, one name per tied group) handed over, nothing that is not
+    a parameter (`trainer` holds every alias), each in the trainer's or the hand-off dtype and
+    equal after rounding to it."""
+    for name in sorted(canonical - set(handed)):
+        return HandOff(math.inf, f"{name} (not handed over)", 0)
+    for name in sorted(set(handed) - set(trainer)):
+        return HandOff(math.inf, f"{name} (not a parameter of the trainer)", 0)
+    worst, worst_name = 0.0, ""
+    for name, tensor in sorted(handed.items()):
+        want = trainer[name]
+        if tensor.shape != want.shape:
+            return HandOff(
+                math.inf, f"{name} (shape {list(tensor.shape)}, trainer's {list(want.shape)})", 0
+            )
+        if tensor.dtype not in (want.dtype, handoff_dtype):
+            return HandOff(math.inf, f"{name} (dtype {tensor.dtype}, trainer's {want.dtype})", 0)
+        rounded = want.to(tensor.dtype).float().cpu()
+        diff = float((tensor.float().cpu() - rounded).abs().max()) if tensor.numel() else 0.0
+        if diff > worst or not worst_name:
+            worst, worst_name = diff, name
+    return HandOff(worst, worst_name, len(handed))

@@ -48,6 +48,8 @@ GRAD_NORM_REFERENCE_REL = {"fp32": 1e-4, "bf16": 3e-2}
 # step moves every entry by about lr, so 1.0 would be "one entry went the other way"), and the
 # whole update's relative L2 error (a doubled step is 1.0, a rank that did not step about 0.7).
 STEP_TOL_LR = {"fp32": 5e-2}
+# AdamW's first step in closed form against the engine's: float rounding only, in units of lr
+ADAMW_STEP_TOL_LR = {"fp32": 1e-3, "bf16": 1e-3}
 STEP_L2_TOL = {"fp32": 1e-3, "bf16": 0.5}
 # Replay twin (same batch, reference layout): loss (atol, rtol), grad norm rtol, post-step logprobs.
 TWIN_LOSS_TOL = {"fp32": (1e-6, 1e-5), "bf16": (1e-2, 1e-2)}
@@ -295,6 +297,14 @@ def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None
             f"rank {over[0]}: {Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF} = {over[1]:.3g}, "
             f"tolerance {tol:g}"
         )
+    for rank, diff in _per_rank(result, Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF):
+        if diff != 0:
+            worst = result.ranks[rank].metrics[Metric.SYNC_HANDOFF_WEIGHT_WORST]
+            problems.append(
+                f"rank {rank}: the engine hands the rollout {worst!r} {diff:.3g} away from its "
+                f"own parameter ({Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF})"
+            )
+            break
     for rank, diff in _per_rank(result, Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF):
         metrics = result.ranks[rank].metrics
         compared = metrics[Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED]
@@ -380,7 +390,10 @@ def check_sync_contract(result: RunResult) -> None:
 
 def check_optimizer_step(result: RunResult) -> None:
     """i. Every rank holding parameters changed them (all bit-identical when the norm was not
-    finite); with a reference, the post-step parameters equal the reference step's."""
+    finite); in every mode, each parameter element moved as AdamW's first step moves it, computed
+    by the harness from the (clipped) gradients and parameters it read and the case's lr, eps and
+    weight decay (it proves the first step only: later steps need moments no harness reading
+    holds); with a reference, the post-step parameters also equal the reference step's."""
     finite = result.metrics.get(Metric.ACTOR_GRAD_NORM_FINITE, True)
     numel = dict(_per_rank(result, Metric.ACTOR_LOCAL_PARAM_NUMEL))
     for rank, moved in _per_rank(result, Metric.ACTOR_PARAM_UPDATE_MAX_ABS):
@@ -394,6 +407,13 @@ def check_optimizer_step(result: RunResult) -> None:
                 f"check i: rank {rank}: actor/param_update_max_abs = {moved} after a non-finite "
                 "gradient norm, expected the step to be skipped (parameters bit-identical)"
             )
+    tol = ADAMW_STEP_TOL_LR[_dtype(result)]
+    if finite and (over := _first_above(result, Metric.SYNC_ADAMW_STEP_MAX_ERR_LR, tol)):
+        raise CheckFailure(
+            f"check i: rank {over[0]}: post-step parameters differ from AdamW's first step "
+            f"(computed from the gradients, parameters, lr, eps and weight decay the harness read) "
+            f"by {over[1]:.3g} x lr (sync/adamw_step_max_err_lr), tolerance {tol:g}"
+        )
     if Metric.SYNC_STEP_MAX_ERR_LR not in result.metrics:
         return
     dtype = _dtype(result)

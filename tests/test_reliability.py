@@ -249,7 +249,15 @@ def test_missing_or_incomplete_local_model_skips_with_the_path(pytester, tmp_pat
         "--fsdp-turbo-device=cpu",
         "--fsdp-turbo-strict",
     )
-    strict.assert_outcomes(failed=2)
+    # under strict the pre-flight refuses the session at collection, naming both folders
+    assert strict.ret == pytest.ExitCode.USAGE_ERROR
+    strict.stderr.fnmatch_lines(
+        [
+            "*pre-flight: 2 selected case(s) would skip here:",
+            f"*real-absent-cpu: model directory {models / 'Qwen3.5-2B'} does not exist",
+            f"*real-half-cpu: model directory {models / 'Half-Model'} is incomplete*",
+        ]
+    )
 
 
 def test_env_guard_names_the_leaked_variable_and_can_be_turned_off(pytester):
