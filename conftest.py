@@ -24,6 +24,28 @@ def pytest_configure(config):
         os.environ["PYTEST_ADDOPTS"] = f"{addopts} {NO_HYDRA}".strip()
 
 
+# The suite's longest tests (see --durations), started first under xdist so the other worker fills
+# in around them instead of waiting on one at the end of the run.
+LONGEST_FIRST = (
+    "tests/test_session_safety.py::test_faults_end_tests_never_the_session",
+    "tests/test_ray_launcher.py",
+    "tests/test_warm_ranks.py::test_forked_and_spawned_ranks_give_identical_results",
+    "tests/test_progress.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {prefix: i for i, prefix in enumerate(LONGEST_FIRST)}
+
+    def order(item):
+        hit = next((p for p in LONGEST_FIRST if item.nodeid.startswith(p)), None)
+        return rank[hit] if hit is not None else len(LONGEST_FIRST)
+
+    items.sort(key=order)  # stable: every other test keeps its place
+
+
 @pytest.fixture(autouse=True)
 def _every_test_restores_env_and_cwd(fsdp_turbo_env_guard):
     """This repository holds all of its own tests to the harness's env/cwd guard."""

