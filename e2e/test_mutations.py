@@ -81,6 +81,7 @@ SP_RUN = (
     ("extra_env", {"FSDP_TURBO_STANDIN_ALLOW_CPU": "1"}),
     ("world_size", 4),
     ("sp_size", 2),
+    ("num_prompts", 2),  # one prompt per data-parallel rank, as the SP cases in e2e/cases.toml
 )
 
 # messages each failed check names, shared by several broken engines
@@ -213,7 +214,7 @@ MUTANTS = (
     # the library's sequence split undone: right gradients, but every rank runs the whole sequence
     Mutant(
         "fsdp_turbo",
-        both(("h", "declared sp_size 2 over micro-batches of 4 x 27 tokens: expected each")),
+        both(("h", "declared sp_size 2 over micro-batches of 2 x 27 tokens: expected each")),
         SP_CASE,
         "broken_turbo_sp_split",
         SP_RUN,

@@ -42,6 +42,12 @@ def fsdp_turbo_env_guard(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     env, cwd = dict(os.environ), os.getcwd()
     yield
+    patcher = getattr(request.node, "funcargs", {}).get("monkeypatch")
+    if patcher is not None:
+        # what monkeypatch set, it restores: let it do so now, whichever of the two pytest set up
+        # first (torn down first, the guard would otherwise see its changes as the test's); a
+        # second undo, by its own teardown, finds nothing left to undo
+        patcher.undo()
     now = {k: v for k, v in os.environ.items() if k not in _PYTEST_OWN}
     before = {k: v for k, v in env.items() if k not in _PYTEST_OWN}
     changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
@@ -115,7 +121,12 @@ def collective_env(
     free_port: int,
     fsdp_turbo_lease_book: LeaseBook,
 ) -> Iterator[CollectiveEnv]:
-    """Env for one group sized by the test's devices(n) marker (1 when absent)."""
+    """Env for one group sized by the test's devices(n) marker (1 when absent): a CollectiveEnv
+    with `.env` (the variables every rank of the group shares: MASTER_ADDR, MASTER_PORT,
+    WORLD_SIZE, the backend's NCCL / HCCL / gloo settings and device visibility), `.child_env()`
+    (os.environ with `.env` over it, for subprocess ranks), `.from_user` (the names your own
+    environment decided), `.device_ids`, `.master_port` and `.world_size`. Per-rank variables
+    (RANK, LOCAL_RANK) are not in it: each rank sets its own."""
     from pytest_fsdp_turbo.environ import build_collective_env
 
     marker = request.node.get_closest_marker("devices")

@@ -284,6 +284,27 @@ def test_env_guard_names_the_leaked_variable_and_can_be_turned_off(pytester):
     pytester.runpytest_subprocess().assert_outcomes(passed=3, errors=3)  # opted in: every test
 
 
+def test_env_guard_lets_monkeypatch_restore_first_whatever_the_fixture_order(pytester):
+    pytester.makepyfile(
+        "import os\n"
+        "def test_patch_first(monkeypatch, collective_env):\n"
+        "    monkeypatch.setenv('GLOO_SOCKET_IFNAME', 'lo')\n"
+        "    assert collective_env.child_env()['GLOO_SOCKET_IFNAME'] == collective_env.env.get("
+        "'GLOO_SOCKET_IFNAME', 'lo')\n"
+        "def test_patch_last(collective_env, monkeypatch):\n"
+        "    monkeypatch.setenv('MY_SETTING', '1')\n"
+        "def test_patch_and_leak(monkeypatch, collective_env):\n"
+        "    monkeypatch.setenv('MY_SETTING', '1')\n"
+        "    os.environ['LEAKY_SETTING'] = '1'\n"
+    )
+    result = pytester.runpytest_subprocess("--fsdp-turbo-device=cpu")
+    result.assert_outcomes(passed=3, errors=1)  # only the direct write is the test's own change
+    result.stdout.fnmatch_lines(["*environment variable LEAKY_SETTING and did not restore it*"])
+    assert "MY_SETTING" not in result.stdout.str() and "GLOO_SOCKET_IFNAME and" not in (
+        result.stdout.str()
+    )
+
+
 def test_secrets_are_masked_in_artifacts(ppo_run):
     result = ppo_run(
         "tiny-qwen3-single-rank", extra_env={"HF_TOKEN": "hf_topsecret", "MY_API_KEY": "k"}
