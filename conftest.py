@@ -69,15 +69,11 @@ def fsdp_turbo_checkout(pytestconfig, accelerator):
     (tests/standin_fsdp_turbo, a test double of the library's contract, never evidence about
     hardware) unless FSDP_TURBO_PATH / --fsdp-turbo-path names a checkout. On cuda and npu the
     plugin's own resolution (path, /FSDPTurbo, pinned clone) is used unchanged."""
-    from pytest_fsdp_turbo.checkout import Checkout, resolve_checkout
-    from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, skip_or_fail
+    from pytest_fsdp_turbo.checkout import Checkout
+    from pytest_fsdp_turbo.fixtures import session_checkout
     from pytest_fsdp_turbo.session import settings_of
 
-    settings = settings_of(pytestconfig)
-    if accelerator.kind == "cpu" and not settings.checkout.path:
+    if accelerator.kind == "cpu" and not settings_of(pytestconfig).checkout.path:
         layout = STANDIN / "function_patches"
         return Checkout(layout, None, f"stand-in fsdp_turbo at {layout}, tests only (cpu)")
-    try:
-        return resolve_checkout(settings.checkout)
-    except (CheckoutUnavailable, ConfigError) as exc:
-        skip_or_fail(settings.strict, str(exc))
+    return session_checkout(pytestconfig)

@@ -155,10 +155,3 @@ class FSDPEngineWithLMHead:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters, as a rollout engine loads them."""
         return {name: full_tensor(p.detach()) for name, p in self.module.named_parameters()}
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {
-            name: full_tensor(p.grad.detach())
-            for name, p in self.module.named_parameters()
-            if p.grad is not None
-        }

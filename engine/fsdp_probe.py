@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from pytest_fsdp_turbo_engine.fsdp_engine import full_tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -238,10 +239,6 @@ def _plain_name(name: str) -> str:
     return name
 
 
-def _full(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
 def parameter_names(module: torch.nn.Module) -> list[str]:
     """One name per parameter (a tied parameter under its first name), wrapper segments removed."""
     return [_plain_name(n) for n, _ in module.named_parameters()]
@@ -251,13 +248,13 @@ def unsharded_parameters(module: torch.nn.Module, aliases: bool = False) -> dict
     """Every parameter of the module, gathered whole (a collective: every rank calls it). With
     `aliases`, a tied parameter appears under each of its names."""
     named = module.named_parameters(remove_duplicate=not aliases)
-    return {_plain_name(n): _full(p.detach()) for n, p in named}
+    return {_plain_name(n): full_tensor(p.detach()) for n, p in named}
 
 
 def unsharded_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The gradient of every parameter that has one, gathered whole (a collective)."""
     return {
-        _plain_name(n): _full(p.grad.detach())
+        _plain_name(n): full_tensor(p.grad.detach())
         for n, p in module.named_parameters()
         if p.grad is not None
     }

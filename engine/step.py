@@ -429,9 +429,12 @@ def post_step(
 ) -> PostStep:
     ctx.phase.enter("checks")
     engine = ctx.engine
-    # the parameters as the harness reads them off the module (aliases: every name of a tied one)
-    trainer = fsdp_probe.unsharded_parameters(engine.module, aliases=True)
-    full = {n: trainer[n] for n in fsdp_probe.parameter_names(engine.module)}  # one per tied group
+    trainer = full = None
+    if ref is not None or ctx.rollout is not None:  # a replay twin has neither: no gathering
+        # the parameters as the harness reads them off the module (aliases: every name of a tied
+        # one), and one name per tied group
+        trainer = fsdp_probe.unsharded_parameters(engine.module, aliases=True)
+        full = {n: trainer[n] for n in fsdp_probe.parameter_names(engine.module)}
     step_err = step_l2 = None
     if ref is not None and copy is not None:
         initial = {n: p.detach().clone() for n, p in copy.named_parameters()}

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from pytest_fsdp_turbo_engine.config import EngineConfig, PPOConfig
-from pytest_fsdp_turbo_engine.fsdp_engine import full_tensor
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch
 
 PREFIX = "verl:"
@@ -241,10 +240,3 @@ class VerlEngineAdapter:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         params, _ = self.engine.get_per_tensor_param()
         return {name: tensor.detach() for name, tensor in params}
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {
-            name: full_tensor(p.grad.detach())
-            for name, p in self.module.named_parameters()
-            if p.grad is not None
-        }

