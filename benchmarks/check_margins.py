@@ -32,7 +32,18 @@ def margins(result, twin_result, dtype: str) -> list[tuple[str, float, float]]:
     worst_step = max(r.metrics[Metric.SYNC_STEP_MAX_ERR_LR] for r in result.ranks)
     worst_l2 = max(r.metrics["sync/step_rel_l2_err"] for r in result.ranks)
     atol, rtol = checks.TWIN_LOSS_TOL[dtype]
+    worst_adamw = max(r.metrics[Metric.SYNC_ADAMW_STEP_MAX_ERR_LR] for r in result.ranks)
     return [
+        (
+            "b first micro-batch ppo_kl (abs)",
+            ref[Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH],
+            checks.ON_POLICY_KL_TOL[dtype],
+        ),
+        (
+            "b first micro-batch log-ratio (abs, per token)",
+            ref[Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH],
+            checks.ON_POLICY_LOG_RATIO_TOL.get(dtype),
+        ),
         (
             "a norm vs harness norm (rel)",
             rel(ref[Metric.ACTOR_GRAD_NORM], ref[Metric.SYNC_GRAD_NORM_MEASURED]),
@@ -68,6 +79,7 @@ def margins(result, twin_result, dtype: str) -> list[tuple[str, float, float]]:
             twin[Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF],
             checks.TWIN_LOGPROB_TOL[dtype],
         ),
+        ("i step vs AdamW's first step (x lr)", worst_adamw, checks.ADAMW_STEP_TOL_LR[dtype]),
         ("i update vs reference update (relative L2)", worst_l2, checks.STEP_L2_TOL[dtype]),
         ("i step vs reference step (x lr, per entry)", worst_step, checks.STEP_TOL_LR.get(dtype)),
     ]
@@ -100,8 +112,8 @@ def main() -> None:
                 if tol is None:
                     print(f"      {value:10.3g}  {'-':>10}  {'-':>8}  {what} (not checked)")
                 else:
-                    room = tol / max(value, 1e-300)
-                    print(f"      {value:10.3g}  {tol:10.3g}  {room:7.0f}x  {what}")
+                    room = f"{tol / value:7.0f}x" if value else "  exact"
+                    print(f"      {value:10.3g}  {tol:10.3g}  {room:>8}  {what}")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@ turns red on the bug it exists for. Each class is named after the bug it models 
 its own backend name; ranks import this module only in those tests (engine_modules).
 """
 
+import math
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead, full_tensor, local_tensor
+from pytest_fsdp_turbo_engine.ppo import entropy_from_logits, response_logprobs
 from pytest_fsdp_turbo_engine.registry import register
 
 EVERYWHERE = ["cpu", "cuda", "npu"]
@@ -113,8 +115,6 @@ class DropoutInTrainingForwardEngine(FSDPEngineWithLMHead):
         model = module or self.module
         logits = model(input_ids=input_ids).logits[:, prompt_len - 1 : -1].float()
         logits = torch.nn.functional.dropout(logits, p=0.1, training=True)
-        from pytest_fsdp_turbo_engine.ppo import entropy_from_logits, response_logprobs
-
         logprobs = response_logprobs(logits, input_ids[:, prompt_len:])
         return logprobs, (entropy_from_logits(logits) if with_entropy else None)
 
@@ -181,3 +181,84 @@ class HandOffMissingTensorEngine(FSDPEngineWithLMHead):
         handed = super().full_state_dict()
         dropped = next(name for name in handed if name.endswith("norm.weight"))
         return {name: t for name, t in handed.items() if name != dropped}
+
+
+@register(backend="fsdp_norm_logged_in_bf16_on_rank1", device=EVERYWHERE)
+class NormLoggedInBf16OnRankOneEngine(FSDPEngineWithLMHead):
+    """Rank 1 reports its gradient norm through a bf16 logging path; clipping used the right norm.
+    Gradients, step and weights are all correct: only the reported norm is wrong, and only there."""
+
+    def _clip_grad_norm(self) -> float:
+        norm = super()._clip_grad_norm()
+        if dist.get_rank() == 1:
+            return float(torch.tensor(norm).bfloat16())
+        return norm
+
+
+@register(backend="fsdp_old_logprobs_from_bf16_logits", device=EVERYWHERE)
+class OldLogprobsFromBf16LogitsEngine(FSDPEngineWithLMHead):
+    """Scores a batch it has not trained on yet (the old logprobs) through an inference path that
+    returns bf16 logits; trains, and scores afterwards, in fp32. The harness and the reference both
+    take the old logprobs as given, so every gradient is right for them; only the first
+    micro-batch's ratio shows that the policy that trains is not the one that scored the batch."""
+
+    def forward_logprobs(self, input_ids, prompt_len, *, module=None, with_entropy=False):
+        if torch.is_grad_enabled():
+            self._trained = True
+        if module is not None or torch.is_grad_enabled() or getattr(self, "_trained", False):
+            return super().forward_logprobs(
+                input_ids, prompt_len, module=module, with_entropy=with_entropy
+            )
+        logits = self._logits(self.module, input_ids)[:, prompt_len - 1 : -1]
+        logits = logits.bfloat16().float()
+        logprobs = response_logprobs(logits, input_ids[:, prompt_len:])
+        return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+
+
+@register(backend="fsdp_norm_weight_gradient_summed", device=EVERYWHERE)
+class NormWeightGradientSummedEngine(FSDPEngineWithLMHead):
+    """The first decoder layer's post-attention norm weight has its gradient summed over the ranks
+    instead of averaged (as a small parameter kept out of FSDP and all-reduced by hand would): one
+    small gradient doubled. The norm moves by parts per million and Adam's sign-like first step not
+    at all; only per-parameter parity against an independent reference can see it."""
+
+    @contextmanager
+    def _gradient_sync_context(self, is_last_micro_batch: bool):
+        with super()._gradient_sync_context(is_last_micro_batch):
+            yield
+        if is_last_micro_batch:
+            for name, param in self.module.named_parameters():
+                if name.endswith("layers.0.post_attention_layernorm.weight"):
+                    local_tensor(param.grad).mul_(self.config.world_size)
+
+
+@register(backend="fsdp_fused_optimizer_on_one_replica", device=EVERYWHERE)
+class FusedOptimizerOnOneReplicaEngine(FSDPEngineWithLMHead):
+    """HSDP replica 1 steps with the fused AdamW kernel, replica 0 with the foreach one: the same
+    update to within a few ulp, so the replicas drift apart in the last bits, silently, and further
+    on every step."""
+
+    def build(self, model_path: str, *, trainable: bool = True):
+        wrapped = super().build(model_path, trainable=trainable)
+        group = self.replicate_group()
+        if trainable and group is not None and dist.get_rank(group) == 1:
+            self.optimizer = torch.optim.AdamW(
+                wrapped.parameters(),
+                lr=self.config.lr,
+                weight_decay=self.config.weight_decay,
+                fused=True,
+            )
+        return wrapped
+
+
+@register(backend="fsdp_entropy_in_bits", device=EVERYWHERE)
+class EntropyInBitsEngine(FSDPEngineWithLMHead):
+    """Reports entropy in bits (log base 2) where the training world logs nats. The case trains
+    with entropy_coef 0, so nothing learns from it: the logged metric is wrong and nothing else,
+    which only a golden of that metric can tell."""
+
+    def forward_logprobs(self, input_ids, prompt_len, *, module=None, with_entropy=False):
+        logprobs, entropy = super().forward_logprobs(
+            input_ids, prompt_len, module=module, with_entropy=with_entropy
+        )
+        return logprobs, (entropy / math.log(2) if entropy is not None else None)

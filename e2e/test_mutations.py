@@ -23,6 +23,7 @@ import pytest
 from pytest_fsdp_turbo import checks, goldens
 from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.launch import RunResult
+from pytest_fsdp_turbo.session import cases_of
 from pytest_fsdp_turbo.vocab import REFERENCE_METRICS, Metric
 
 HERE = Path(__file__).parent
@@ -38,7 +39,7 @@ ONE_MODE = {
     "reference": {"reference_checks": True, "twin": "none"},
     "twin": {"reference_checks": False, "twin": "single"},
 }
-ALL_CHECKS = "abcdefhi"  # g (goldens) is proven below, outside check_all
+ALL_CHECKS = "abcdefghi"
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,11 @@ class Mutant:
     module: str = "broken_engines"  # the engine module that registers it
     run: tuple[tuple[str, object], ...] = ()  # further ppo_run options (SP: ranks, checkout)
     label: str = ""  # the test id, where backend and module do not tell two mutants apart
+
+    @property
+    def golden(self) -> bool:
+        """g judges runs of the case as recorded (the SP mutants change its layout: no golden)."""
+        return not self.run
 
     @property
     def shares_run(self) -> bool:
@@ -93,6 +99,16 @@ TWIN_NORM = ("c", "twin (single): actor/grad_norm")
 TWIN_POST = ("c", "post-step logprobs on the batch differ from the twin's")
 NOT_STEPPED = ("i", "actor/param_update_max_abs = 0.0, expected this rank's")
 ROLLOUT_LP = ("e", "sync/rollout_logprob_max_abs_diff")
+# g: the goldens hold post-step values too, so a wrong step or a stale rollout fails them
+GOLDEN = ("g", "check g: metric ")
+GOLDEN_NORM = ("g", "check g: metric actor/grad_norm = ")
+GOLDEN_STEP = ("g", "check g: metric actor/update_l2 = ")
+GOLDEN_ROLLOUT = ("g", "check g: metric sync/rollout_logprob_mean = ")
+# {units}: the FSDP units the run measured (comm/fsdp_units), filled in per run
+OFF_BY_ONE_SYNC = (
+    "h",
+    "expected reduce-scatters per micro-batch [0, {units}], measured [{units}, 0]",
+)
 
 # Each broken engine with the exact set of checks it fails in each mode (one message per check).
 # Where a mode's set is one check, that check alone catches the bug: deleted from check_all, the
@@ -104,13 +120,11 @@ MUTANTS = (
             "reference": (
                 REF_GRAD,
                 REF_NORM,
-                ("h", "expected reduce-scatters per micro-batch [0, 3], measured [3, 0]"),
+                OFF_BY_ONE_SYNC,
                 REF_STEP,
+                GOLDEN_NORM,
             ),
-            "twin": (
-                ("h", "expected reduce-scatters per micro-batch [0, 3], measured [3, 0]"),
-                TWIN_NORM,
-            ),
+            "twin": (OFF_BY_ONE_SYNC, TWIN_NORM, GOLDEN_NORM),
         },
     ),
     Mutant(
@@ -127,57 +141,67 @@ MUTANTS = (
                 ("c", "(missing)"),
                 ("h", "measured [0, 0]"),
                 NOT_STEPPED,
+                GOLDEN_STEP,
             ),
             "twin": (
                 ("a", "actor/grad_norm = 0 on a step whose advantages"),
                 TWIN_NORM,
                 ("h", "measured [0, 0]"),
                 NOT_STEPPED,
+                GOLDEN_STEP,
             ),
         },
     ),
     Mutant(
         "fsdp_gradients_divided_twice",
-        {"reference": (REF_GRAD, REF_NORM, REF_STEP), "twin": (TWIN_NORM,)},
+        {
+            "reference": (REF_GRAD, REF_NORM, REF_STEP, GOLDEN_NORM),
+            "twin": (TWIN_NORM, GOLDEN_NORM),
+        },
     ),
     Mutant(
         "fsdp_norm_max_over_ranks",
         {
-            "reference": (("a", "global L2 norm of the sharded gradients"),),
-            "twin": (("a", "global L2 norm of the sharded gradients"), TWIN_NORM),
+            "reference": (("a", "global L2 norm of the sharded gradients"), GOLDEN_NORM),
+            "twin": (("a", "global L2 norm of the sharded gradients"), TWIN_NORM, GOLDEN_NORM),
         },
     ),
     Mutant(
         "fsdp_skip_step_on_rank1",
-        {"reference": (NOT_STEPPED,), "twin": (NOT_STEPPED, TWIN_POST)},
+        {"reference": (NOT_STEPPED, GOLDEN_STEP), "twin": (NOT_STEPPED, TWIN_POST, GOLDEN_STEP)},
     ),
-    Mutant("fsdp_double_step", {"reference": (ADAMW,), "twin": (ADAMW, TWIN_POST)}),
+    Mutant(
+        "fsdp_double_step",
+        {"reference": (ADAMW, GOLDEN_STEP), "twin": (ADAMW, TWIN_POST, GOLDEN_STEP)},
+    ),
     Mutant(
         "fsdp_dropout_in_training_forward",
         {
             "reference": (
                 REF_NORM,
-                ("b", "actor/ppo_kl on the first micro-batch"),
+                ("b", "on the first micro-batch"),
                 REF_GRAD,
                 REF_STEP,
+                GOLDEN,
             ),
             "twin": (
-                ("b", "actor/ppo_kl on the first micro-batch"),
+                ("b", "on the first micro-batch"),
                 ("c", "twin (single): actor/loss"),
+                GOLDEN,
             ),
         },
     ),
     Mutant(
         "fsdp_drifting_replica",
         {
-            "reference": (("d", "sync/replica_max_abs_diff"), ADAMW),
-            "twin": (("d", "sync/replica_max_abs_diff"), ADAMW, TWIN_POST),
+            "reference": (("d", "sync/replica_max_abs_diff"), ADAMW, GOLDEN_STEP),
+            "twin": (("d", "sync/replica_max_abs_diff"), ADAMW, TWIN_POST, GOLDEN_STEP),
         },
         case=HSDP_CASE,
     ),
     Mutant(
         "fsdp_stale_rollout_weights",
-        both(ROLLOUT_LP, ("e", "the engine hands the rollout")),
+        both(ROLLOUT_LP, ("e", "the engine hands the rollout"), GOLDEN_ROLLOUT),
     ),
     # two bugs a replay twin of the same engine shares: caught without the reference too
     Mutant("fsdp_undeclared_weight_decay", both(ADAMW)),
@@ -187,11 +211,29 @@ MUTANTS = (
     ),
     Mutant(
         "fsdp_stale_rollout_weights",
+        # vLLM's stale logprobs stay within the golden's 1e-3 of the fresh ones: g cannot see it
         both(ROLLOUT_LP, ("e", "away from the trainer's parameter after the push")),
         VLLM_CASE,
         label="fsdp_stale_rollout_weights_vllm",
     ),
     Mutant("fsdp_hoarding_memory", both(("f", "perf/peak_memory_bytes"))),
+    # one check alone, where no other bug here leaves it alone (the reference's parity of one small
+    # gradient has no twin-mode counterpart: the twin sees parts per million, inside its tolerance)
+    Mutant("fsdp_norm_logged_in_bf16_on_rank1", both(("a", "differs from rank 0's"))),
+    Mutant("fsdp_old_logprobs_from_bf16_logits", both(("b", "a token's |logprob - old logprob|"))),
+    Mutant(
+        "fsdp_norm_weight_gradient_summed",
+        {
+            "reference": (("c", "parameter model.layers.0.post_attention_layernorm.weight"),),
+            "twin": (),
+        },
+    ),
+    Mutant(
+        "fsdp_fused_optimizer_on_one_replica",
+        both(("d", "sync/replica_max_abs_diff")),
+        case=HSDP_CASE,
+    ),
+    Mutant("fsdp_entropy_in_bits", both(("g", "check g: metric actor/entropy = "))),
     # sdpa attention while the Ulysses patch wraps the eager function: attention runs sequence-local
     Mutant(
         "fsdp_turbo",
@@ -221,8 +263,8 @@ MUTANTS = (
     ),
 )
 VERL_CASE = "tiny-qwen3-verl-fsdp2-deferred"
-GOLDEN_MUTANT = "fsdp_gradients_divided_twice"
-assert any(m.backend == GOLDEN_MUTANT and m.case == CASE for m in MUTANTS)
+POLICY_MUTANT = "fsdp_gradients_divided_twice"  # its run also proves check_policies_agree
+assert any(m.backend == POLICY_MUTANT and m.case == CASE for m in MUTANTS)
 
 
 def run_broken(
@@ -253,35 +295,43 @@ def in_mode(result: RunResult, mode: str) -> RunResult:
     return dataclasses.replace(result, ranks=ranks)
 
 
-def failed_checks(result: RunResult, mode: str) -> dict[str, str]:
+def golden_failure(result: RunResult, case) -> str | None:
+    """g, as test_ppo_one_step runs it under --fsdp-turbo-strict: the case's cpu golden."""
+    try:
+        goldens.check_or_record(result, case, "cpu", None, record=False, strict=True)
+    except checks.CheckFailure as failure:
+        return str(failure)
+    return None
+
+
+def failed_checks(result: RunResult, mode: str, case=None) -> dict[str, str]:
+    """Every check that fails in `mode`, by letter; g too when the case's golden applies."""
     verdict = checks.evaluate(in_mode(result, mode))
-    return {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
+    failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
+    if case is not None and (golden := golden_failure(result, case)):
+        failed["g"] = golden
+    return failed
 
 
-# Checks a broken engine fails alone, per mode (the run test proves each: with that check deleted
-# from check_all, the engine's run passes). Not yet alone anywhere: b, c and d with the reference;
-# a, b and d without it. Their bugs here also move what another check sees.
-PROVEN_ALONE = {"reference": set("aefhi"), "twin": set("cefhi")}
-
-
-def test_every_check_has_a_mutant_in_every_mode():
+def test_every_check_is_caught_alone_in_every_mode():
+    """What the runs below prove, summed up: in each mode, for every check, a broken engine
+    that fails that check and no other (each run asserts its exact set)."""
     for mode in MODES:
-        letters = {letter for m in MUTANTS for letter, _ in m.caught[mode]}
-        assert letters == set(ALL_CHECKS), f"{mode}: no mutant for {set(ALL_CHECKS) - letters}"
         alone = {
             m.caught[mode][0][0]
             for m in MUTANTS
             if len({letter for letter, _ in m.caught[mode]}) == 1
         }
-        assert alone == PROVEN_ALONE[mode], mode
+        assert alone == set(ALL_CHECKS), f"{mode}: nothing fails only {set(ALL_CHECKS) - alone}"
 
 
 pytestmark = [pytest.mark.mutation, pytest.mark.devices(2)]
 
 
-def test_a_mode_view_hides_what_the_mode_lacks(ppo_run):
-    """The control for every verdict below: the healthy engine passes in each mode's view, and
-    each view is what a run in that mode would hold (no twin; no reference metric)."""
+def test_a_mode_view_hides_what_the_mode_lacks(ppo_run, pytestconfig):
+    """The control for every verdict below: the healthy engine passes in each mode's view and its
+    case's golden, and each view is what a run in that mode would hold (no twin; no reference
+    metric)."""
     result = ppo_run(CASE, **BOTH_MODES)
     for mode in MODES:
         view = in_mode(result, mode)
@@ -289,6 +339,30 @@ def test_a_mode_view_hides_what_the_mode_lacks(ppo_run):
         assert (view.twin is not None) == (mode == "twin")
         has_reference = any(k in view.metrics for k in REFERENCE_METRICS)
         assert has_reference == (mode == "reference") == view.metrics[Metric.CASE_REFERENCE]
+    assert golden_failure(result, cases_of(pytestconfig).get(CASE)) is None
+    for rank in result.ranks:  # every rank wrote every metric the checks and goldens read
+        assert set(MEASURED) <= set(rank.metrics), set(MEASURED) - set(rank.metrics)
+
+
+MEASURED = (
+    *goldens.GOLDEN_KEYS,
+    *REFERENCE_METRICS,
+    Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH,
+    Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH,
+    Metric.ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH,
+    Metric.SYNC_GRAD_NORM_MEASURED,
+    Metric.SYNC_ADAMW_STEP_MAX_ERR_LR,
+    Metric.ACTOR_PARAM_UPDATE_MAX_ABS,
+    Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF,
+    Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF,
+    Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF,
+    Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH,
+    Metric.COMM_FSDP_UNITS,
+    Metric.SYNC_RETAINED_GRAD_BYTES,
+    Metric.PERF_PEAK_MEMORY_BYTES,
+    Metric.PERF_STEP_TIME_S,
+    Metric.PERF_TOKENS_PER_S,
+)
 
 
 @pytest.mark.parametrize("mutant", [m.param() for m in MUTANTS])
@@ -304,21 +378,26 @@ def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant):
         runs = {m: run(ONE_MODE[m]) for m in MODES}
     for result in runs.values():
         checks.check_completed(result)  # every bug here runs to the end: only the checks can tell
-    failed = {mode: failed_checks(result, mode) for mode, result in runs.items()}
+    case = cases_of(pytestconfig).get(mutant.case) if mutant.golden else None
+    failed = {mode: failed_checks(result, mode, case) for mode, result in runs.items()}
 
     for mode in MODES:
         expected = {letter for letter, _ in mutant.caught[mode]}
         assert set(failed[mode]) == expected, f"{mode}: {mutant} fails {sorted(failed[mode])}"
+        units = str(runs[mode].metrics[Metric.COMM_FSDP_UNITS])
         for letter, text in mutant.caught[mode]:
             assert f"check {letter}" in failed[mode][letter], failed[mode][letter]
-            assert text in failed[mode][letter], failed[mode][letter]
+            assert text.replace("{units}", units) in failed[mode][letter], failed[mode][letter]
         view = in_mode(runs[mode], mode)
-        with pytest.raises(checks.CheckFailure):
+        if expected - {"g"}:
+            with pytest.raises(checks.CheckFailure):
+                checks.check_all(view)
+        else:  # what only g catches (or nothing, in a mode blind to it) passes check_all
             checks.check_all(view)
-        if len(expected) == 1:  # this check alone catches the bug: deleted, the run goes green
+        if len(expected) == 1 and expected != {"g"}:  # deleted, the run goes green
             assert_green_without(view, *expected)
-    if mutant.backend == GOLDEN_MUTANT:  # the same run proves g (goldens live outside check_all)
-        assert_golden_is_red(runs["reference"], pytestconfig)
+    if mutant.backend == POLICY_MUTANT and mutant.case == CASE:
+        assert_policies_disagree(ppo_run, runs["reference"])
 
 
 def assert_green_without(result: RunResult, letter: str) -> None:
@@ -332,13 +411,15 @@ def assert_green_without(result: RunResult, letter: str) -> None:
         checks.CHECKS = original
 
 
-def assert_golden_is_red(result, pytestconfig) -> None:
-    """g: the case's recorded golden turns red when the gradients are silently halved."""
-    from pytest_fsdp_turbo.session import cases_of
-
-    case = cases_of(pytestconfig).get(CASE)
-    with pytest.raises(checks.CheckFailure, match=r"check g: metric actor/grad_norm = "):
-        goldens.check_or_record(result, case, "cpu", None, record=False)
+def assert_policies_disagree(ppo_run, broken_deferred: RunResult) -> None:
+    """check_policies_agree on a pair that must disagree: the broken engine's deferred run against
+    the healthy engine syncing every micro-batch (the agreeing pair is in e2e/test_ppo_e2e.py)."""
+    every = ppo_run(CASE, gradient_sync="every_micro_batch", reference_checks=True, twin="none")
+    checks.check_completed(every)
+    with pytest.raises(
+        checks.CheckFailure, match=r"check c: parameter .*: deferred and every_micro"
+    ):
+        checks.check_policies_agree(broken_deferred, every)
 
 
 def test_verl_engine_with_noop_sync_context_is_caught(ppo_run):

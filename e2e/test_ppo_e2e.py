@@ -17,11 +17,16 @@ def test_ppo_one_step(fsdp_turbo_case, ppo_run, pytestconfig, record_property, n
     checks.check_all(result)  # every check that applies; the case's memory budget rides along
     settings = settings_of(pytestconfig)
     golden = goldens.check_or_record(
-        result, case, fsdp_turbo_case.kind, settings.goldens, settings.record_golden
+        result,
+        case,
+        fsdp_turbo_case.kind,
+        settings.goldens,
+        settings.record_golden,
+        strict=settings.strict,
     )
     record_property("fsdp_turbo/golden", str(golden))
     if golden.status == GoldenStatus.MISSING:
-        warnings.warn(f"golden {golden}; record with --fsdp-turbo-record-golden", stacklevel=1)
+        warnings.warn(f"golden {golden}; record it: {goldens.RECORD_COMMAND}", stacklevel=1)
 
 
 @pytest.mark.e2e

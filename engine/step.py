@@ -282,6 +282,10 @@ class MicroBatchProbe:
             self.parts[key] = self.parts.get(key, 0.0) + float(value)
         if not self.count:
             self.first = {key: float(value) for key, value in values.items()}
+            log_ratio = (logprobs.detach().float() - mb.old_logprobs).abs()
+            self.first[Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH] = float(
+                torch.where(mb.mask.bool(), log_ratio, 0.0).max()
+            )
         self.count += 1
 
 
@@ -366,6 +370,7 @@ class Stepped:
     reported_norm: float  # what the engine says (pre-clip)
     measured_norm: float  # what the harness computes from the sharded gradients
     update_max_abs: float  # this rank's own largest parameter change
+    update_l2: float  # the whole model's update, each shard counted once
     local_numel: int  # parameters this rank holds
     seconds: float
     adamw_step_err_lr: float | None  # against AdamW's first step in closed form; None: no step
@@ -385,10 +390,14 @@ def optimizer(ctx: Rank) -> Stepped:
     seconds = time.perf_counter() - start
     after = [local_tensor(p.detach()).cpu() for p in module.parameters()]
     moved = max((float((a - b).abs().max()) for a, b in zip(after, before) if b.numel()), default=0)
+    squares = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(after, before))
+    copies = torch.distributed.get_world_size() // fsdp_probe.shard_group_size(module)
+    update_l2 = math.sqrt(max(all_sum(squares, ctx.device) / copies, 0.0))
     adamw_err = None
     if math.isfinite(measured):
         adamw_err = adamw_first_step_error(before, grads, after, measured, ctx.engine_cfg)
-    return Stepped(reported, measured, moved, sum(b.numel() for b in before), seconds, adamw_err)
+    numel = sum(b.numel() for b in before)
+    return Stepped(reported, measured, moved, update_l2, numel, seconds, adamw_err)
 
 
 def adamw_first_step_error(before, grads, after, norm: float, cfg: EngineConfig) -> float:
@@ -417,6 +426,7 @@ def adamw_first_step_error(before, grads, after, norm: float, cfg: EngineConfig)
 class PostStep:
     replica_max_abs_diff: float | None  # None: no replicas
     rollout_logprob_max_abs_diff: float | None  # None: no rollout (twin)
+    rollout_logprob_sum: float | None  # over this rank's response tokens
     step_max_err: float | None  # in units of lr; None: no reference step
     step_rel_l2_err: float | None  # of the update, against the reference update
     logprobs: torch.Tensor  # post-step logprobs of this rank's batch
@@ -448,7 +458,7 @@ def post_step(
         )
     with torch.no_grad():
         logprobs, _ = engine.forward_logprobs(batch.input_ids, batch.prompt_len)
-    rollout_diff = handoff = served_diff = None
+    rollout_diff = rollout_sum = handoff = served_diff = None
     if ctx.rollout is not None:
         handoff_dtype = torch.bfloat16 if ctx.engine_cfg.dtype == "bf16" else torch.float32
         handed = engine.full_state_dict()  # the engine's hand-off: the thing under test
@@ -460,9 +470,11 @@ def post_step(
             rollout_lp = ctx.rollout.logprobs(batch.input_ids, batch.prompt_len)
         diff = float(((logprobs - rollout_lp).abs() * batch.mask).max())
         rollout_diff = all_max(diff, ctx.device)
+        rollout_sum = float((rollout_lp * batch.mask).sum())
     return PostStep(
         replica_max_abs_diff(engine, ctx.device),
         rollout_diff,
+        rollout_sum,
         step_err,
         step_l2,
         logprobs,
@@ -510,6 +522,8 @@ def reduced_metrics(ctx: Rank, collected: Collected, trained: Trained, tokens: f
     metrics = {key: all_sum(trained.parts.get(key, 0.0), device) / sp for key in SUMMED_PARTS}
     for key in (Metric.ACTOR_PPO_KL, Metric.ACTOR_PG_CLIPFRAC):
         metrics[f"{key}_first_micro_batch"] = all_max(abs(trained.first_micro_batch[key]), device)
+    key = Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH
+    metrics[key] = all_max(trained.first_micro_batch[key], device)
     responses = all_sum(float(batch.size), device) / sp
     metrics[Metric.RESPONSE_LENGTH_MEAN] = tokens / responses
     metrics[Metric.PPO_ADVANTAGES_ABS_MAX] = all_max(float(batch.advantages.abs().max()), device)
@@ -595,6 +609,7 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
             Metric.ACTOR_GRAD_NORM_FINITE: finite,
             Metric.SYNC_GRAD_NORM_MEASURED: stepped.measured_norm,
             Metric.ACTOR_PARAM_UPDATE_MAX_ABS: stepped.update_max_abs,
+            Metric.ACTOR_UPDATE_L2: stepped.update_l2,
             Metric.ACTOR_LOCAL_PARAM_NUMEL: stepped.local_numel,
             Metric.SYNC_ADAMW_STEP_MAX_ERR_LR: stepped.adamw_step_err_lr,
         }
@@ -603,6 +618,12 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     after = post_step(ctx, batch, ref, copy, finite)
     metrics[Metric.SYNC_REPLICA_MAX_ABS_DIFF] = after.replica_max_abs_diff
     metrics[Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF] = after.rollout_logprob_max_abs_diff
+    # token means over the global batch (sequence-parallel ranks counted once)
+    mean = all_sum(float((after.logprobs * batch.mask).sum()), device) / ctx.sp / tokens
+    metrics[Metric.ACTOR_POST_STEP_LOGPROB_MEAN] = mean
+    if after.rollout_logprob_sum is not None:
+        mean = all_sum(after.rollout_logprob_sum, device) / ctx.sp / tokens
+        metrics[Metric.SYNC_ROLLOUT_LOGPROB_MEAN] = mean
     if after.handoff is not None:
         metrics[Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF] = after.handoff.max_abs_diff
         metrics[Metric.SYNC_HANDOFF_WEIGHT_WORST] = after.handoff.worst

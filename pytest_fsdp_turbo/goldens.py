@@ -1,6 +1,10 @@
-"""Hardware-keyed goldens: metrics recorded per case, device kind, dtype and world size.
+"""Hardware-keyed goldens: metrics recorded per case, device kind, dtype and world size, before and
+after the optimizer step (the update's size, the post-step logprobs of the trainer and of the
+rollout it pushed to), so a wrong step fails g as well as a wrong loss.
 
-Tiers: exact (bit-equal floats, same hardware and versions) and relative. NaN never passes.
+Tiers: exact (bit-equal floats, same hardware and versions) and relative. NaN never passes. A
+golden that lacks a metric the run measured predates it and fails until re-recorded; under
+--fsdp-turbo-strict a missing golden fails too.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ GOLDEN_KEYS = (
     Metric.ACTOR_PG_CLIPFRAC,
     Metric.CRITIC_SCORE_MEAN,
     Metric.RESPONSE_LENGTH_MEAN,
+    Metric.ACTOR_UPDATE_L2,
+    Metric.ACTOR_POST_STEP_LOGPROB_MEAN,
+    Metric.SYNC_ROLLOUT_LOGPROB_MEAN,
 )
+RECORD_COMMAND = "pytest -m <device>_e2e -k <case> --fsdp-turbo-record-golden"
 RELATIVE_TOL = 1e-3
 ABSOLUTE_FLOOR = 1e-6
 DEFAULT_DIR = FIXTURES_DIR / "goldens"
@@ -56,7 +64,12 @@ def record_golden(path: Path, metrics: dict) -> None:
 def compare_golden(path: Path, metrics: dict, tier: str) -> list[str]:
     """Mismatches as messages (empty when everything is within the tier)."""
     expected = json.loads(path.read_text())
-    problems = []
+    problems = [
+        f"check g: golden {path} has no {key} (recorded before the harness measured it); "
+        f"re-record it: {RECORD_COMMAND}"
+        for key in GOLDEN_KEYS
+        if key not in expected and metrics.get(key) is not None
+    ]
     for key, want in sorted(expected.items()):
         got = metrics.get(key)
         if got is None or not within(tier, want, got):
@@ -75,14 +88,23 @@ class GoldenOutcome:
         return f"{self.status}{where}"
 
 
-def check_or_record(result, case, kind: str, root: Path | None, record: bool) -> GoldenOutcome:
-    """Record the golden (with --fsdp-turbo-record-golden) or check it; says what happened."""
+def check_or_record(
+    result, case, kind: str, root: Path | None, record: bool, strict: bool = False
+) -> GoldenOutcome:
+    """Record the golden (with --fsdp-turbo-record-golden) or check it; says what happened.
+    Strict: a case with a golden tier and no golden for this hardware fails."""
     if case.golden_tier == "none":
         return GoldenOutcome(GoldenStatus.NOT_COMPARED)
     path = golden_path(case.id, kind, case.dtype_on(kind), case.world_size, root or DEFAULT_DIR)
     if record:
         record_golden(path, result.metrics)
         return GoldenOutcome(GoldenStatus.RECORDED, path)
+    if not path.is_file() and strict:
+        raise CheckFailure(
+            f"check g: case {case.id}: no golden for {kind} {case.dtype_on(kind)} on "
+            f"{case.world_size} ranks at {path} (--fsdp-turbo-strict); record it on this "
+            f"hardware: {RECORD_COMMAND}"
+        )
     if not path.is_file():
         return GoldenOutcome(GoldenStatus.MISSING, path)
     problems = compare_golden(path, result.metrics, case.golden_tier)

@@ -225,8 +225,11 @@ def run_case(
 
 
 def twin_case(case: Case) -> Case | None:
-    """The reference layout that replays a case's batch: one unsharded rank on our own FSDP2
-    engine (single), or the same engine and layout syncing every micro-batch."""
+    """The reference layout that replays a case's batch. single: our own FSDP2 engine on one
+    unsharded rank, the whole global batch in one micro-batch, no sequence parallelism, HF rollout;
+    so a twin differs from the main run in engine, world size, sharding, micro-batch split and SP
+    all at once, and a bug tied to any of them cannot repeat in it. every_micro_batch: the same
+    engine and layout, syncing every micro-batch (a policy comparison, not an independent one)."""
     kind = case.twin_kind()
     if kind == "none":
         return None
@@ -239,6 +242,7 @@ def twin_case(case: Case) -> Case | None:
         world_size=1,
         fsdp_size=0,
         sp_size=1,
+        micro_batches=1,
         turbo_config={},
         rollout="hf",
         **common,

@@ -72,6 +72,10 @@ class Metric:
     ACTOR_PG_LOSS = "actor/pg_loss"
     ACTOR_PPO_KL = "actor/ppo_kl"
     ACTOR_PPO_KL_FIRST_MICRO_BATCH = "actor/ppo_kl_first_micro_batch"
+    # largest |logprob - old logprob| over the first micro-batch's response tokens
+    ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH = "actor/ppo_log_ratio_abs_max_first_micro_batch"
+    ACTOR_POST_STEP_LOGPROB_MEAN = "actor/post_step_logprob_mean"  # token mean, global batch
+    ACTOR_UPDATE_L2 = "actor/update_l2"  # L2 norm of the whole model's parameter update
     CASE_DEVICE = "case/device"
     CASE_DTYPE = "case/dtype"
     CASE_MEMORY_BUDGET_MB = "case/memory_budget_mb"
@@ -106,6 +110,7 @@ class Metric:
     SYNC_RETAINED_GRAD_BYTES = "sync/retained_grad_bytes"
     SYNC_SEQ_LEN = "sync/seq_len"
     SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF = "sync/rollout_logprob_max_abs_diff"
+    SYNC_ROLLOUT_LOGPROB_MEAN = "sync/rollout_logprob_mean"  # the rollout's, after the push
     SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF = "sync/rollout_weight_max_abs_diff"
     SYNC_ROLLOUT_WEIGHT_WORST = "sync/rollout_weight_worst"
     SYNC_ROLLOUT_WEIGHTS_COMPARED = "sync/rollout_weights_compared"

@@ -246,3 +246,37 @@ def test_overrides_obey_the_case_rules_with_the_same_one_line_errors():
         assert expected in message and "\n" not in message
     # engine modules register backends the pytest process cannot see: a plain name is accepted
     assert with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, open_backends=True).backend
+
+
+def test_a_single_twin_differs_from_its_case_in_every_dimension_under_test():
+    """Engine, world size, sharding, micro-batch split, SP and rollout: a bug tied to any of
+    them cannot repeat in the replay that judges it."""
+    from pytest_fsdp_turbo.runs import twin_case
+
+    by_id = {c.id: c for c in load_cases(REPO / "e2e" / "cases.toml")}
+    for case in (
+        by_id["qwen3_5-2b-fsdp_turbo-fsdp4-sp2"],
+        by_id["qwen3_5-2b-verl-fsdp_turbo-fsdp4-sp2"],
+    ):
+        twin = twin_case(case)
+        assert case.micro_batches > 1 and case.world_size > 1 and case.sp_size > 1
+        assert (twin.backend, twin.world_size, twin.micro_batches, twin.sp_size) == (
+            "fsdp",
+            1,
+            1,
+            1,
+        )
+        assert (twin.twin, twin.reference_checks, twin.rollout) == ("none", False, "hf")
+        assert (twin.model, twin.gradient_sync, twin.dtype) == (
+            case.model,
+            case.gradient_sync,
+            case.dtype,
+        )
+    every = next(c for c in by_id.values() if c.twin == "every_micro_batch")
+    twin = twin_case(every)
+    assert (twin.backend, twin.world_size, twin.micro_batches) == (
+        every.backend,
+        every.world_size,
+        every.micro_batches,
+    )
+    assert twin.gradient_sync == "every_micro_batch" != every.gradient_sync

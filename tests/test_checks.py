@@ -20,6 +20,7 @@ def healthy(rank: int, **changes) -> dict:
         "sync/grad_norm_measured": 0.8,
         "ppo/advantages_abs_max": 1.5,
         "actor/ppo_kl_first_micro_batch": 0.0,
+        "actor/ppo_log_ratio_abs_max_first_micro_batch": 0.0,
         "actor/pg_clipfrac_first_micro_batch": 0.0,
         "sync/replica_max_abs_diff": None,
         "sync/rollout_logprob_max_abs_diff": 0.0,
@@ -160,3 +161,13 @@ def test_a_failed_twin_fails_check_c_with_its_failure_text():
     twin = RunResult("case-twin", 1, [RankResult(0, 1, 1.0, Path("t.log"))], Path("twin"), 1.0)
     with pytest.raises(checks.CheckFailure, match=r"check c: twin \(single\): the twin run failed"):
         checks.check_twin(result_of(healthy(0), twin=twin))
+
+
+def test_on_policy_holds_each_token_in_fp32_where_a_mean_can_cancel():
+    """Errors of both signs cancel in ppo_kl; the per-token log-ratio does not (fp32 only)."""
+    cancelled = {"actor/ppo_kl_first_micro_batch": 0.0}
+    off = {**cancelled, "actor/ppo_log_ratio_abs_max_first_micro_batch": 2e-3}
+    with pytest.raises(checks.CheckFailure, match=r"check b: rank 1: a token's .* is 0.002 "):
+        checks.check_on_policy(result_of(healthy(0), healthy(1, **off)))
+    bf16 = {**off, "case/dtype": "bf16"}
+    checks.check_on_policy(result_of(healthy(0, **bf16), healthy(1, **bf16)))

@@ -1,4 +1,5 @@
 import math
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -34,23 +35,45 @@ def test_refuses_to_record_nan(tmp_path):
         goldens.record_golden(tmp_path / "g.json", {"actor/grad_norm": math.nan})
 
 
+@dataclass
+class Result:
+    metrics: dict = field(default_factory=lambda: dict(METRICS))
+
+
+@dataclass
+class Case:
+    id: str = "c"
+    golden_tier: str = "relative"
+    world_size: int = 2
+
+    def dtype_on(self, kind):
+        return "fp32"
+
+
+def test_a_golden_older_than_a_measured_metric_fails_until_re_recorded(tmp_path):
+    path = goldens.golden_path("c", "cpu", "fp32", 2, tmp_path)
+    goldens.record_golden(path, METRICS)
+    later = {**METRICS, "actor/update_l2": 0.01}  # a post-step metric the old golden lacks
+    (problem,) = goldens.compare_golden(path, later, "relative")
+    assert f"golden {path} has no actor/update_l2" in problem
+    assert "--fsdp-turbo-record-golden" in problem
+    goldens.record_golden(path, later)
+    assert goldens.compare_golden(path, later, "relative") == []
+
+
+def test_strict_turns_a_missing_golden_into_a_failure_naming_path_and_command(tmp_path):
+    with pytest.raises(CheckFailure) as failure:
+        goldens.check_or_record(Result(), Case(), "npu", tmp_path, record=False, strict=True)
+    message = str(failure.value)
+    assert message.startswith("check g: case c: no golden for npu fp32 on 2 ranks at ")
+    assert str(goldens.golden_path("c", "npu", "fp32", 2, tmp_path)) in message
+    assert goldens.RECORD_COMMAND in message
+    lenient = goldens.check_or_record(Result(), Case(), "npu", tmp_path, record=False)
+    assert lenient.status == "missing"
+
+
 def test_check_or_record_says_what_happened_as_a_status(tmp_path):
-    from dataclasses import dataclass, field
-
     from pytest_fsdp_turbo.vocab import GoldenStatus
-
-    @dataclass
-    class Result:
-        metrics: dict = field(default_factory=lambda: dict(METRICS))
-
-    @dataclass
-    class Case:
-        id: str = "c"
-        golden_tier: str = "relative"
-        world_size: int = 2
-
-        def dtype_on(self, kind):
-            return "fp32"
 
     outcome = goldens.check_or_record(Result(), Case(), "cpu", tmp_path, record=False)
     assert outcome.status == GoldenStatus.MISSING and outcome.path.parent.name == "c"

@@ -74,20 +74,29 @@ def test_hccl_port_range_slots_are_disjoint(tmp_path):
 def test_concurrent_leases_under_xdist_never_overlap(pytester, tmp_path):
     """Forty tests on four xdist workers lease ports and devices; the log proves no overlap."""
     log = tmp_path / "lease-log.jsonl"
+    held = tmp_path / "held"
+    held.mkdir()
     pytester.makepyfile(
         textwrap.dedent(
             f"""
-            import json, os, time
+            import json, os
             import pytest
+
+            HELD = {str(held)!r}
 
             @pytest.mark.parametrize("i", range(40))
             def test_lease(i, device_lease, free_port):
+                # while leased, each device and the port is marked held by a file only one
+                # process can create: an overlapping lease fails here, whatever the timing
                 lease = device_lease(2, timeout_s=60)
-                start = time.monotonic()
-                time.sleep(0.02)
+                marks = [os.path.join(HELD, f"device{{d}}") for d in lease.ids]
+                marks.append(os.path.join(HELD, f"port{{free_port}}"))
+                for mark in marks:
+                    os.close(os.open(mark, os.O_CREAT | os.O_EXCL))
                 with open({str(log)!r}, "a") as f:
-                    f.write(json.dumps({{"ids": lease.ids, "port": free_port, "start": start,
-                                        "end": time.monotonic(), "pid": os.getpid()}}) + "\\n")
+                    f.write(json.dumps({{"ids": lease.ids, "pid": os.getpid()}}) + "\\n")
+                for mark in marks:
+                    os.remove(mark)
             """
         )
     )
@@ -114,12 +123,7 @@ def test_concurrent_leases_under_xdist_never_overlap(pytester, tmp_path):
     assert result.returncode == 0, result.stdout[-2000:]
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(rows) == 40 and len({r["pid"] for r in rows}) > 1
-    for a in rows:
-        for b in rows:
-            if a is b or a["end"] <= b["start"] or b["end"] <= a["start"]:
-                continue
-            assert not set(a["ids"]) & set(b["ids"]), (a, b)
-            assert a["port"] != b["port"], (a, b)
+    assert list(held.iterdir()) == []  # every mark made was released by its holder
 
 
 def test_leases_are_released_when_the_test_fails(pytester, tmp_path, monkeypatch):

@@ -26,7 +26,6 @@ FAULT = "PYTEST_FSDP_TURBO_FAULT"
 
 
 def test_hang_in_a_collective_is_reported_with_every_rank_stack(ppo_run, no_leaked_processes):
-    start = time.monotonic()
     result = ppo_run(
         "tiny-qwen3-single-rank",
         world_size=2,
@@ -34,8 +33,7 @@ def test_hang_in_a_collective_is_reported_with_every_rank_stack(ppo_run, no_leak
         collective_timeout=6.0,
         extra_env={FAULT: "hang:1:rollout"},
     )
-    assert time.monotonic() - start < 40  # the collective timeout, not the case timeout, ends it
-    assert not result.ok
+    assert not result.ok and not result.timed_out  # the collective timeout ends it, not the case's
     text = result.failure_text()
     assert "Timed out waiting 6000ms" in text  # rank 0: where it waited, and for how long
     assert "in at_phase" in text and "phase rollout" in text  # rank 1: its dumped Python stack

@@ -28,8 +28,7 @@ def test_forked_and_spawned_ranks_give_identical_results(ppo_run):
     assert warm.notes == []  # forked: no fallback note
     for key in ("actor/grad_norm", "actor/pg_loss", "comm/reduce_scatter_calls_by_micro_batch"):
         assert warm.metrics[key] == cold.metrics[key], key
-    # start-up is imports and the process group; forked ranks skip the imports
-    assert warm.metrics["timing_s/startup"] < cold.metrics["timing_s/startup"] / 3
+    # how much start-up forking saves is benchmarks/warm_ranks.py's figure, not a test's
     phases = {k for k in warm.metrics if k.startswith("timing_s/")}
     assert {
         f"timing_s/{p}"
