@@ -23,7 +23,7 @@ import pytest
 from pytest_fsdp_turbo import checks, goldens
 from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.launch import RunResult
-from pytest_fsdp_turbo.session import cases_of
+from pytest_fsdp_turbo.session import cases_of, goldens_dir
 from pytest_fsdp_turbo.vocab import REFERENCE_METRICS, Metric
 
 HERE = Path(__file__).parent
@@ -295,20 +295,20 @@ def in_mode(result: RunResult, mode: str) -> RunResult:
     return dataclasses.replace(result, ranks=ranks)
 
 
-def golden_failure(result: RunResult, case) -> str | None:
+def golden_failure(result: RunResult, case, root) -> str | None:
     """g, as test_ppo_one_step runs it under --fsdp-turbo-strict: the case's cpu golden."""
     try:
-        goldens.check_or_record(result, case, "cpu", None, record=False, strict=True)
+        goldens.check_or_record(result, case, "cpu", root, record=False, strict=True)
     except checks.CheckFailure as failure:
         return str(failure)
     return None
 
 
-def failed_checks(result: RunResult, mode: str, case=None) -> dict[str, str]:
+def failed_checks(result: RunResult, mode: str, case=None, root=None) -> dict[str, str]:
     """Every check that fails in `mode`, by letter; g too when the case's golden applies."""
     verdict = checks.evaluate(in_mode(result, mode))
     failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
-    if case is not None and (golden := golden_failure(result, case)):
+    if case is not None and (golden := golden_failure(result, case, root)):
         failed["g"] = golden
     return failed
 
@@ -339,7 +339,8 @@ def test_a_mode_view_hides_what_the_mode_lacks(ppo_run, pytestconfig):
         assert (view.twin is not None) == (mode == "twin")
         has_reference = any(k in view.metrics for k in REFERENCE_METRICS)
         assert has_reference == (mode == "reference") == view.metrics[Metric.CASE_REFERENCE]
-    assert golden_failure(result, cases_of(pytestconfig).get(CASE)) is None
+    case = cases_of(pytestconfig).get(CASE)
+    assert golden_failure(result, case, goldens_dir(pytestconfig)) is None
     for rank in result.ranks:  # every rank wrote every metric the checks and goldens read
         assert set(MEASURED) <= set(rank.metrics), set(MEASURED) - set(rank.metrics)
 
@@ -379,7 +380,8 @@ def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant):
     for result in runs.values():
         checks.check_completed(result)  # every bug here runs to the end: only the checks can tell
     case = cases_of(pytestconfig).get(mutant.case) if mutant.golden else None
-    failed = {mode: failed_checks(result, mode, case) for mode, result in runs.items()}
+    root = goldens_dir(pytestconfig)
+    failed = {mode: failed_checks(result, mode, case, root) for mode, result in runs.items()}
 
     for mode in MODES:
         expected = {letter for letter, _ in mutant.caught[mode]}

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
-from pytest_fsdp_turbo import checks, goldens
-from pytest_fsdp_turbo.session import settings_of
-from pytest_fsdp_turbo.vocab import GoldenStatus
+from pytest_fsdp_turbo import checks
 
 
-def test_ppo_one_step(fsdp_turbo_case, ppo_run, pytestconfig, record_property, no_leaked_processes):
-    case = fsdp_turbo_case.case
+def test_ppo_one_step(
+    fsdp_turbo_case, ppo_run, fsdp_turbo_golden, record_property, no_leaked_processes
+):
     result = ppo_run(fsdp_turbo_case)
     checks.check_all(result)  # every check that applies; the case's memory budget rides along
-    settings = settings_of(pytestconfig)
-    golden = goldens.check_or_record(
-        result,
-        case,
-        fsdp_turbo_case.kind,
-        settings.goldens,
-        settings.record_golden,
-        strict=settings.strict,
-    )
+    golden = fsdp_turbo_golden(result, fsdp_turbo_case)  # g: checked, or recorded, or missing
     record_property("fsdp_turbo/golden", str(golden))
-    if golden.status == GoldenStatus.MISSING:
-        warnings.warn(f"golden {golden}; record it: {goldens.RECORD_COMMAND}", stacklevel=1)
 
 
 @pytest.mark.e2e

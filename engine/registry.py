@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Iterable
 from importlib import metadata
 
-from pytest_fsdp_turbo.vocab import Env
+from pytest_fsdp_turbo.vocab import VERL_PREFIX, Env
 
 ENTRY_POINT_GROUP = "pytest_fsdp_turbo.engines"
 MODULES_VAR = Env.ENGINE_MODULES
@@ -20,7 +20,6 @@ ANY = "*"
 _REGISTRY: dict[tuple[str, str, str], type] = {}
 _BUILTIN_MODULES = ("pytest_fsdp_turbo_engine.fsdp_engine",)
 _LAZY_BACKENDS = {"fsdp_turbo": "pytest_fsdp_turbo_engine.fsdp_turbo_engine"}
-VERL_PREFIX = "verl:"  # verl:<name>: verl's own engine from verl's EngineRegistry
 
 
 class RegistryError(LookupError):

@@ -520,14 +520,17 @@ def reduced_metrics(ctx: Rank, collected: Collected, trained: Trained, tokens: f
     """Per-rank sums and maxima reduced to the whole run (sequence-parallel ranks counted once)."""
     device, sp, batch = ctx.device, ctx.sp, collected.batch
     metrics = {key: all_sum(trained.parts.get(key, 0.0), device) / sp for key in SUMMED_PARTS}
-    for key in (Metric.ACTOR_PPO_KL, Metric.ACTOR_PG_CLIPFRAC):
-        metrics[f"{key}_first_micro_batch"] = all_max(abs(trained.first_micro_batch[key]), device)
+    first = trained.first_micro_batch
+    for key, part in (
+        (Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH, Metric.ACTOR_PPO_KL),
+        (Metric.ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH, Metric.ACTOR_PG_CLIPFRAC),
+    ):
+        metrics[key] = all_max(abs(first[part]), device)
     key = Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH
-    metrics[key] = all_max(trained.first_micro_batch[key], device)
+    metrics[key] = all_max(first[key], device)
     responses = all_sum(float(batch.size), device) / sp
     metrics[Metric.RESPONSE_LENGTH_MEAN] = tokens / responses
     metrics[Metric.PPO_ADVANTAGES_ABS_MAX] = all_max(float(batch.advantages.abs().max()), device)
-    metrics["perf/global_tokens"] = all_sum(float(batch.input_ids.numel()), device) / sp
     if collected.scores is not None:
         scores = float(collected.scores.sum())
         metrics[Metric.CRITIC_SCORE_MEAN] = all_sum(scores, device) / sp / responses
@@ -642,10 +645,11 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
 
     phase.enter("metrics")
     metrics.update(reduced_metrics(ctx, collected, trained, tokens))
+    global_tokens = all_sum(float(batch.input_ids.numel()), device) / ctx.sp
     metrics.update(
         {
             Metric.PERF_STEP_TIME_S: step_time,
-            Metric.PERF_TOKENS_PER_S: metrics.pop("perf/global_tokens") / step_time,
+            Metric.PERF_TOKENS_PER_S: global_tokens / step_time,
             Metric.PERF_PEAK_MEMORY_BYTES: peak_memory_bytes(device),
         }
     )

@@ -16,7 +16,8 @@ import torch
 from pytest_fsdp_turbo_engine.config import EngineConfig, PPOConfig
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch
 
-PREFIX = "verl:"
+from pytest_fsdp_turbo.vocab import VERL_PREFIX
+
 MODEL_TYPE = "language_model"  # verl's registry key for causal LMs with an LM head
 FP32_MIXED_PRECISION = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
@@ -53,7 +54,7 @@ class VerlEngineAdapter:
 
         self.config, self.device = config, device
         self.model_overrides = prepare(device.type)  # CPU shims; nothing on cuda or npu
-        self.name = config.backend.removeprefix(PREFIX)
+        self.name = config.backend.removeprefix(VERL_PREFIX)
         self.engine: Any = None
         self.module: torch.nn.Module | None = None
         self.stepped = False

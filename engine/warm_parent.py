@@ -33,7 +33,8 @@ import sys
 import threading
 import time
 
-PR_SET_PDEATHSIG = 1
+from pytest_fsdp_turbo.launch import die_with_parent
+
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # Read once at import by transformers / huggingface_hub, so they must be set before the parent
 # imports them (a rank would set them too late, after the fork); the launcher supplies defaults.
@@ -44,15 +45,6 @@ IMPORT_TIME_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",
 }
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _warm_up() -> None:
@@ -125,7 +117,7 @@ def _child(request: dict, inherited: list[int]) -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     os.setsid()
-    _die_with_parent()
+    die_with_parent()
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     out = request.get("stdout")
     os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if out else log, 1)
@@ -202,7 +194,7 @@ PRELOAD_KINDS = ("cpu",)
 def _zygote_main(conn: socket.socket, preload: str) -> None:
     """In the zygote: import the stack, say whether forking stays safe, then fork ranks on request
     and report their exits, exactly like the parent does."""
-    _die_with_parent()
+    die_with_parent()
     os.dup2(2, 1)  # stdout is the launcher's conversation: what an import prints goes to the log
     name, kind = preload.split(":")
     reason = None
@@ -448,7 +440,7 @@ def _listen(path: str) -> socket.socket | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _die_with_parent()
+    die_with_parent()
     start = time.monotonic()
     _warm_up()
     _exercise()

@@ -47,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
         from pytest_fsdp_turbo_engine.step import run_ppo_step
 
+        from pytest_fsdp_turbo.devices import BACKEND_BY_KIND
         from pytest_fsdp_turbo.vocab import Env
 
-        backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[spec["device_kind"]]
+        backend = BACKEND_BY_KIND[spec["device_kind"]]
         timeout_s = float(os.environ.get(Env.COLLECTIVE_TIMEOUT_S, "120"))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         assert dist.get_world_size() == world_size

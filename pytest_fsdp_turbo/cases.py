@@ -16,17 +16,17 @@ from pytest_fsdp_turbo_fixtures import DATA_DIR
 
 from pytest_fsdp_turbo.devices import KINDS
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.vocab import SyncPolicy, TwinKind
+from pytest_fsdp_turbo.vocab import VERL_PREFIX, SyncPolicy, TwinKind
 
 FIXTURES_DIR = DATA_DIR
 TINY_PREFIX = "tiny-"
 BUILTIN_BACKENDS = ("fsdp", "fsdp_turbo")
-VERL_PREFIX = "verl:"  # verl:<name>, a name in verl's EngineRegistry (verl:fsdp2, verl:fsdp_turbo)
 VERL_NAME = re.compile(r"^verl:[A-Za-z0-9_]+$")
 BACKEND_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 # Ids become test ids and folder names (goldens, artifacts): no separators, no "..", no spaces.
 CASE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 ENGINE_ENTRY_POINTS = "pytest_fsdp_turbo.engines"
+DEFAULT_CASES = Path("e2e") / "cases.toml"  # under the rootdir, unless an option or ini names one
 SYNC_POLICIES = tuple(SyncPolicy)
 DTYPES = ("auto", "fp32", "bf16")
 ROLLOUTS = ("hf", "vllm")

@@ -232,7 +232,7 @@ def check_twin(result: RunResult) -> None:
     diff = abs(mine[Metric.ACTOR_LOSS] - theirs[Metric.ACTOR_LOSS])
     if not diff <= atol + rtol * abs(theirs[Metric.ACTOR_LOSS]):
         raise CheckFailure(
-            f"{label}: actor/loss = {mine['actor/loss']:.6g}, twin {theirs['actor/loss']:.6g} "
+            f"{label}: actor/loss = {mine[Metric.ACTOR_LOSS]:.6g}, twin {theirs[Metric.ACTOR_LOSS]:.6g} "
             f"(difference {diff:.3g}, tolerance atol {atol:g} + rtol {rtol:g})"
         )
     tol = TWIN_GRAD_NORM_REL[dtype]

@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, LeaseTimeout, fail_line
-from pytest_fsdp_turbo.session import accelerator_of, artifacts_root, cases_of, settings_of
+from pytest_fsdp_turbo.session import (
+    accelerator_of,
+    artifacts_root,
+    cases_of,
+    goldens_dir,
+    settings_of,
+)
 
 if TYPE_CHECKING:  # the heavier modules load on first use, so installing the plugin costs nothing
     import psutil
@@ -19,6 +25,7 @@ if TYPE_CHECKING:  # the heavier modules load on first use, so installing the pl
     from pytest_fsdp_turbo.checkout import Checkout
     from pytest_fsdp_turbo.devices import Accelerator
     from pytest_fsdp_turbo.environ import CollectiveEnv
+    from pytest_fsdp_turbo.goldens import GoldenOutcome
     from pytest_fsdp_turbo.leases import DeviceLease, LeaseBook
     from pytest_fsdp_turbo.ppo_run import PPORun
     from pytest_fsdp_turbo.ray_driver import RayDriver
@@ -237,6 +244,39 @@ def ppo_run(
         progress=terminal_progress(config),
     )
     return PPORun(request, runner)
+
+
+@pytest.fixture
+def fsdp_turbo_golden(
+    pytestconfig: pytest.Config, accelerator: Accelerator
+) -> Callable[..., GoldenOutcome]:
+    """Check g for a downstream test: `fsdp_turbo_golden(result, case)` checks the run against
+    its recorded golden, or records it under --fsdp-turbo-record-golden, in the session's goldens
+    folder (never an installed package); strict turns a missing golden into a failure, otherwise
+    it warns. `case` is the `fsdp_turbo_case` parameter, or a Case run on this session's device."""
+    import warnings
+
+    from pytest_fsdp_turbo import goldens
+    from pytest_fsdp_turbo.vocab import GoldenStatus
+
+    settings = settings_of(pytestconfig)
+
+    def check(result, case) -> GoldenOutcome:
+        kind = getattr(case, "kind", accelerator.kind)
+        plain = getattr(case, "case", case)
+        outcome = goldens.check_or_record(
+            result,
+            plain,
+            kind,
+            goldens_dir(pytestconfig),
+            settings.record_golden,
+            strict=settings.strict,
+        )
+        if outcome.status == GoldenStatus.MISSING:
+            warnings.warn(f"golden {outcome}; record it: {goldens.RECORD_COMMAND}", stacklevel=2)
+        return outcome
+
+    return check
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_fsdp_turbo.cases import FIXTURES_DIR
 from pytest_fsdp_turbo.checks import CheckFailure
 from pytest_fsdp_turbo.vocab import GoldenStatus, Metric
 
@@ -33,12 +32,9 @@ GOLDEN_KEYS = (
 RECORD_COMMAND = "pytest -m <device>_e2e -k <case> --fsdp-turbo-record-golden"
 RELATIVE_TOL = 1e-3
 ABSOLUTE_FLOOR = 1e-6
-DEFAULT_DIR = FIXTURES_DIR / "goldens"
 
 
-def golden_path(
-    case_id: str, kind: str, dtype: str, world_size: int, root: Path = DEFAULT_DIR
-) -> Path:
+def golden_path(case_id: str, kind: str, dtype: str, world_size: int, root: Path) -> Path:
     return root / case_id / f"{kind}-{dtype}-ws{world_size}.json"
 
 
@@ -89,13 +85,14 @@ class GoldenOutcome:
 
 
 def check_or_record(
-    result, case, kind: str, root: Path | None, record: bool, strict: bool = False
+    result, case, kind: str, root: Path, record: bool, strict: bool = False
 ) -> GoldenOutcome:
     """Record the golden (with --fsdp-turbo-record-golden) or check it; says what happened.
-    Strict: a case with a golden tier and no golden for this hardware fails."""
+    Strict: a case with a golden tier and no golden for this hardware fails. In a test, the
+    `fsdp_turbo_golden` fixture calls this with the session's folder, kind and flags."""
     if case.golden_tier == "none":
         return GoldenOutcome(GoldenStatus.NOT_COMPARED)
-    path = golden_path(case.id, kind, case.dtype_on(kind), case.world_size, root or DEFAULT_DIR)
+    path = golden_path(case.id, kind, case.dtype_on(kind), case.world_size, root)
     if record:
         record_golden(path, result.metrics)
         return GoldenOutcome(GoldenStatus.RECORDED, path)

@@ -63,7 +63,8 @@ OPTIONS = (
     Option(
         "--fsdp-turbo-goldens",
         "PYTEST_FSDP_TURBO_GOLDENS",
-        "folder of hardware-keyed goldens (default fixtures/goldens)",
+        "folder of hardware-keyed goldens, read and recorded (default <rootdir>/fixtures/goldens)",
+        ini="fsdp_turbo_goldens",
     ),
     Option(
         "--fsdp-turbo-launcher",

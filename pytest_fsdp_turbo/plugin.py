@@ -17,6 +17,7 @@ from pytest_fsdp_turbo.fixtures import (  # noqa: F401
     free_port,
     fsdp_turbo_checkout,
     fsdp_turbo_env_guard,
+    fsdp_turbo_golden,
     fsdp_turbo_lease_book,
     no_leaked_processes,
     ppo_run,
@@ -89,8 +90,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     values = {opt.dest: config.getoption(opt.dest) for opt in OPTIONS}
-    if values["fsdp_turbo_cases"] is None and config.getini("fsdp_turbo_cases"):
-        values["fsdp_turbo_cases"] = str(config.rootpath / config.getini("fsdp_turbo_cases"))
+    for key in ("fsdp_turbo_cases", "fsdp_turbo_goldens"):  # ini paths: under the rootdir
+        if values[key] is None and config.getini(key):
+            values[key] = str(config.rootpath / config.getini(key))
     if any(values.values()) or env_given():
         # validated now, so bad input fails the session at start-up in one line; with nothing
         # given, settings_of() builds the defaults on first use and a suite that never asks

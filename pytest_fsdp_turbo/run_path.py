@@ -6,13 +6,19 @@ Ray, then its twin). Callers decide what an unavailable case means (skip, or fai
 
 from __future__ import annotations
 
-import configparser
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pytest_fsdp_turbo.cases import Case, CaseBook, CaseParam, load_cases, with_overrides
+from pytest_fsdp_turbo.cases import (
+    DEFAULT_CASES,
+    Case,
+    CaseBook,
+    CaseParam,
+    load_cases,
+    with_overrides,
+)
 from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.launch import RunResult
@@ -24,9 +30,6 @@ from pytest_fsdp_turbo.vocab import Launcher
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.ray_driver import RayDriver
-
-DEFAULT_CASES = Path("e2e") / "cases.toml"
-INI_FILES = ("pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 
 
 class Unavailable(Exception):
@@ -110,52 +113,45 @@ class CaseRunner:
         return self.launch(request)
 
 
-def find_rootdir(start: Path) -> Path:
-    """The nearest folder holding a pytest configuration file, as pytest finds its rootdir."""
-    for folder in (start, *start.parents):
-        if any((folder / name).is_file() for name in INI_FILES):
-            return folder
-    return start
+@dataclass(frozen=True)
+class IniConfig:
+    """The rootdir and the plugin's ini values, as pytest started in a folder would see them."""
+
+    rootdir: Path
+    cases: str  # fsdp_turbo_cases, "" when unset
+    engine_modules: tuple[str, ...]
 
 
-def read_ini(rootdir: Path) -> dict[str, object]:
-    """The plugin's ini values from the rootdir's pytest configuration, outside pytest."""
-    import tomllib
+def read_ini(start: Path) -> IniConfig:
+    """Let pytest itself find the configuration (its file precedence: an empty pytest.ini still
+    wins over pyproject.toml; its rootdir rules; PYTEST_ADDOPTS), stopping before it collects."""
+    import contextlib
+    import os
 
-    pyproject = rootdir / "pyproject.toml"
-    if pyproject.is_file():
-        options = tomllib.loads(pyproject.read_text()).get("tool", {}).get("pytest", {})
-        values = options.get("ini_options", {})
-        if values:
-            return values
-    for name, section in (
-        ("pytest.ini", "pytest"),
-        ("tox.ini", "pytest"),
-        ("setup.cfg", "tool:pytest"),
-    ):
-        parser = configparser.ConfigParser()
-        if (rootdir / name).is_file():
-            parser.read(rootdir / name)
-            if parser.has_section(section):
-                return dict(parser[section])
-    return {}
+    import pytest
 
+    class Reader:
+        found: IniConfig | None = None
 
-def _lines(value: object) -> list[str]:
-    if isinstance(value, list):
-        return [str(v) for v in value]
-    return [line.strip() for line in str(value or "").splitlines() if line.strip()]
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_cmdline_main(self, config: pytest.Config) -> int:
+            modules = tuple(config.getini("fsdp_turbo_engine_modules") or ())
+            Reader.found = IniConfig(config.rootpath, config.getini("fsdp_turbo_cases"), modules)
+            return 0  # nothing else runs: no configure hooks, no collection
+
+    with contextlib.chdir(start), contextlib.redirect_stdout(open(os.devnull, "w")):
+        pytest.main(["--noconftest", "-p", "no:cacheprovider"], plugins=[Reader()])
+    return Reader.found or IniConfig(start, "", ())
 
 
-def case_file(settings: Settings, rootdir: Path, ini: dict[str, object]) -> Path:
+def case_file(settings: Settings, ini: IniConfig) -> Path:
     """The option's case file, else the rootdir ini's fsdp_turbo_cases, else e2e/cases.toml."""
-    return settings.cases or rootdir / str(ini.get("fsdp_turbo_cases") or DEFAULT_CASES)
+    return settings.cases or ini.rootdir / (ini.cases or DEFAULT_CASES)
 
 
 def standalone_cases(settings: Settings, cwd: Path | None = None) -> CaseBook:
     """The case book `pytest-fsdp-turbo` verbs read, found as pytest would find it."""
-    rootdir = find_rootdir((cwd or Path.cwd()).resolve())
-    path = case_file(settings, rootdir, read_ini(rootdir))
+    path = case_file(settings, read_ini((cwd or Path.cwd()).resolve()))
     return CaseBook(path, load_cases(path))
 
 
@@ -167,9 +163,8 @@ def standalone_runner(
     the same gates and launchers as the fixture."""
     from pytest_fsdp_turbo.checkout import resolve_checkout
 
-    rootdir = find_rootdir((cwd or Path.cwd()).resolve())
-    ini = read_ini(rootdir)
-    path = case_file(settings, rootdir, ini)
+    ini = read_ini((cwd or Path.cwd()).resolve())
+    path = case_file(settings, ini)
     artifacts = (
         settings.artifacts if settings.artifacts.is_absolute() else Path.cwd() / settings.artifacts
     )
@@ -179,7 +174,7 @@ def standalone_runner(
         book=LeaseBook(),
         cases=lambda: CaseBook(path, load_cases(path)),
         artifacts_root=artifacts,
-        ini_engine_modules=_lines(ini.get("fsdp_turbo_engine_modules")),
+        ini_engine_modules=list(ini.engine_modules),
         checkout=lambda: resolve_checkout(settings.checkout),
         start_ray=lambda: _start_ray(settings, artifacts),
         progress=_stderr_progress,

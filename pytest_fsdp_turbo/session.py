@@ -15,7 +15,6 @@ if TYPE_CHECKING:
 SETTINGS_KEY = pytest.StashKey["Settings"]()
 ACCELERATOR_KEY = pytest.StashKey["Accelerator"]()
 CASES_KEY = pytest.StashKey["CaseBook"]()
-DEFAULT_CASES = Path("e2e") / "cases.toml"
 
 
 def settings_of(config: pytest.Config) -> Settings:
@@ -50,7 +49,15 @@ def accelerator_of(config: pytest.Config) -> Accelerator:
     return config.stash[ACCELERATOR_KEY]
 
 
+def goldens_dir(config: pytest.Config) -> Path:
+    """Where goldens are read and recorded: the option, variable or ini, else the rootdir's
+    fixtures/goldens; never inside an installed package."""
+    return settings_of(config).goldens or config.rootpath / "fixtures" / "goldens"
+
+
 def cases_path(config: pytest.Config) -> Path:
+    from pytest_fsdp_turbo.cases import DEFAULT_CASES  # the case machinery loads on first use
+
     return settings_of(config).cases or config.rootpath / DEFAULT_CASES
 
 

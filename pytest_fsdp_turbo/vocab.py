@@ -35,6 +35,10 @@ class TwinKind(StrEnum):
     NONE = "none"
 
 
+# verl:<name>: an engine from verl's own EngineRegistry (verl:fsdp2, verl:fsdp_turbo)
+VERL_PREFIX = "verl:"
+
+
 class GoldenStatus(StrEnum):
     MATCHED = "matched"
     RECORDED = "recorded"

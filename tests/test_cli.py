@@ -184,10 +184,14 @@ def test_run_takes_the_rootdirs_case_file_and_the_fixtures_gates(tmp_path):
     (project / "my_cases.toml").write_text(
         '[[case]]\nid = "vl"\nmodel = "tiny-qwen3"\nrollout = "vllm"\nworld_size = 1\n'
     )
-    from pytest_fsdp_turbo.run_path import find_rootdir, read_ini
+    from pytest_fsdp_turbo.run_path import read_ini
 
-    assert find_rootdir(project / "sub") == project
-    assert read_ini(project)["fsdp_turbo_engine_modules"] == ["nowhere_engines"]
+    ini = read_ini(project / "sub")
+    assert (ini.rootdir, ini.cases, ini.engine_modules) == (
+        project,
+        "my_cases.toml",
+        ("nowhere_engines",),
+    )
     gated = cli("run", "vl", "--device", "cpu", cwd=project / "sub")
     assert gated.returncode == 2
     assert gated.stderr.strip() == (
@@ -210,3 +214,22 @@ def test_compare_draws_a_per_rank_timeline(tmp_path):
     assert [r["phase"] for r in rows][:3] == ["init", "load", "rollout"]
     alone = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--timeline")
     assert alone.returncode == 2 and "compare --timeline: also give --png FILE" in alone.stderr
+
+
+def test_the_cli_finds_its_configuration_as_pytest_does(tmp_path):
+    """pytest.ini wins over pyproject.toml, even when it sets nothing; the CLI agrees with pytest."""
+    from pytest_fsdp_turbo.run_path import read_ini
+
+    project = tmp_path / "both"
+    (project / "deep").mkdir(parents=True)
+    (project / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\nfsdp_turbo_cases = "from_pyproject.toml"\n'
+    )
+    (project / "pytest.ini").write_text("[pytest]\nfsdp_turbo_cases = from_pytest_ini.toml\n")
+    assert read_ini(project / "deep").cases == "from_pytest_ini.toml"
+    (project / "pytest.ini").write_text("")  # an empty pytest.ini is still pytest's config file
+    ini = read_ini(project / "deep")
+    assert (ini.rootdir, ini.cases) == (project, "")
+    ran = cli("run", "any", "--device", "cpu", cwd=project / "deep")  # falls back to e2e/cases.toml
+    assert ran.returncode == 2
+    assert f"case file {project / 'e2e' / 'cases.toml'} does not exist" in ran.stderr

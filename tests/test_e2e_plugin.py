@@ -6,6 +6,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from pytest_fsdp_turbo.cases import FIXTURES_DIR
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -40,7 +42,6 @@ def test_record_golden_then_check_and_junit_properties(tmp_path):
         "-k",
         "test_ppo_one_step",
         f"--fsdp-turbo-cases={tmp_path / 'cases.toml'}",
-        f"--fsdp-turbo-goldens={tmp_path / 'goldens'}",
         f"--fsdp-turbo-artifacts={tmp_path / 'art'}",
         str(tmp_path / "test_ppo_e2e.py"),
         f"--rootdir={tmp_path}",
@@ -48,8 +49,10 @@ def test_record_golden_then_check_and_junit_properties(tmp_path):
     junit = tmp_path / "junit.xml"
     first = pytest_run(*common, "--fsdp-turbo-record-golden", f"--junitxml={junit}", cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-2000:]
-    golden = tmp_path / "goldens" / "one" / "cpu-fp32-ws1.json"
+    # under the rootdir's fixtures/goldens by default, never in the installed package
+    golden = tmp_path / "fixtures" / "goldens" / "one" / "cpu-fp32-ws1.json"
     assert golden.is_file()
+    assert not (FIXTURES_DIR / "goldens" / "one").exists()
     props = {p.get("name"): p.get("value") for p in ET.parse(junit).iter("property")}
     assert float(props["actor/grad_norm"]) > 0
     assert props["fsdp_turbo/run"] == "completed"
