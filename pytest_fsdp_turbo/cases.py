@@ -6,8 +6,10 @@ Every problem is a ConfigError naming the file, the case id, the field and what 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from pytest_fsdp_turbo_fixtures import DATA_DIR
 
 from pytest_fsdp_turbo.devices import KINDS
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.vocab import VERL_PREFIX, SyncPolicy, TwinKind
+from pytest_fsdp_turbo.vocab import VERL_PREFIX, Env, SyncPolicy, TwinKind
 
 FIXTURES_DIR = DATA_DIR
 TINY_PREFIX = "tiny-"
@@ -119,12 +121,50 @@ def _base_type(annotation) -> type:
 _TYPES = {name: _base_type(hint) for name, hint in typing.get_type_hints(Case).items()}
 
 
-def known_backends() -> tuple[str, ...]:
-    """Built-ins plus downstream engines announced by entry point (names only, nothing loaded)."""
+ANNOUNCED_WHERE = (
+    f"engines are announced by the {ENGINE_ENTRY_POINTS} entry points, the ini "
+    f"fsdp_turbo_engine_modules or {Env.ENGINE_MODULES}"
+)
+
+
+def known_backends(engine_modules: Iterable[str] = ()) -> tuple[str, ...]:
+    """Built-ins, downstream engines announced by entry point, and the backends that announced
+    engine modules (ini, environment) register, read from their source: nothing is imported."""
     from importlib import metadata
 
-    extra = tuple(ep.name for ep in metadata.entry_points(group=ENGINE_ENTRY_POINTS))
-    return BUILTIN_BACKENDS + extra
+    modules = [*engine_modules, *filter(None, os.environ.get(Env.ENGINE_MODULES, "").split(","))]
+    # an entry point's module is read too, so a typo in its @register is refused here, not in a rank
+    entry_points = metadata.entry_points(group=ENGINE_ENTRY_POINTS)
+    names = [n for ep in entry_points for n in registered_backends(ep.module) or [ep.name]]
+    names += [name for module in modules for name in registered_backends(module.strip())]
+    return tuple(dict.fromkeys((*BUILTIN_BACKENDS, *names)))
+
+
+def registered_backends(module: str) -> list[str]:
+    """The backend names a module passes to @register(backend=...), from its source text (the
+    module imports torch, which the pytest process never does); [] when it cannot be found."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return []
+    if spec is None or not (spec.origin or "").endswith(".py"):
+        return []
+    names = []
+    for node in ast.walk(ast.parse(Path(spec.origin).read_text())):
+        func = getattr(node, "func", None)
+        if (
+            isinstance(node, ast.Call)
+            and getattr(func, "id", getattr(func, "attr", "")) == "register"
+        ):
+            names += [
+                kw.value.value
+                for kw in node.keywords
+                if kw.arg == "backend" and isinstance(getattr(kw.value, "value", None), str)
+            ]
+    return names
 
 
 def tiny_specs(fixtures_dir: Path = FIXTURES_DIR) -> list[str]:
@@ -160,7 +200,11 @@ def _choice(where: _Where, name: str, value: str, allowed: tuple[str, ...]) -> N
 
 
 def validate_case(
-    raw: dict, path: Path | str, specs: list[str], open_backends: bool = False
+    raw: dict,
+    path: Path | str,
+    specs: list[str],
+    open_backends: bool = False,
+    backends: tuple[str, ...] | None = None,
 ) -> Case:
     """Every rule for a case, wherever it is made (case file or ppo_run overrides).
     open_backends: engine modules will register engines the pytest process cannot see, so any
@@ -190,8 +234,10 @@ def validate_case(
                 "backend", "verl:<name> with a name from verl's EngineRegistry", case.backend
             )
     else:
-        if not (open_backends and BACKEND_NAME.match(case.backend)):
-            _choice(where, "backend", case.backend, (*known_backends(), "verl:<name>"))
+        allowed = (*(backends if backends is not None else known_backends()), "verl:<name>")
+        if not (open_backends and BACKEND_NAME.match(case.backend)) and case.backend not in allowed:
+            expected = f"one of {', '.join(allowed)} ({ANNOUNCED_WHERE})"
+            raise where.error("backend", expected, case.backend)
     _choice(where, "dtype", case.dtype, DTYPES)
     _choice(where, "gradient_sync", case.gradient_sync, SYNC_POLICIES)
     _choice(where, "rollout", case.rollout, ROLLOUTS)
@@ -270,7 +316,10 @@ def with_overrides(case: Case, overrides: dict, open_backends: bool = False) -> 
     return validate_case(raw, "ppo_run overrides", tiny_specs(), open_backends)
 
 
-def load_cases(path: Path, fixtures_dir: Path = FIXTURES_DIR) -> list[Case]:
+def load_cases(
+    path: Path, fixtures_dir: Path = FIXTURES_DIR, engine_modules: Iterable[str] = ()
+) -> list[Case]:
+    """The case file, every case validated; backends may be any engine announced for the ranks."""
     import tomllib
 
     if not path.is_file():
@@ -286,11 +335,12 @@ def load_cases(path: Path, fixtures_dir: Path = FIXTURES_DIR) -> list[Case]:
     if not isinstance(defaults, dict):
         raise ConfigError(f"{path}: [defaults] must be a table")
     specs = tiny_specs(fixtures_dir)
+    backends = known_backends(engine_modules)
     cases, seen = [], set()
     for row in rows:
         if not isinstance(row, dict):
             raise ConfigError(f"{path}: every [[case]] entry must be a table")
-        case = validate_case({**defaults, **row}, path, specs)
+        case = validate_case({**defaults, **row}, path, specs, backends=backends)
         if case.id in seen:
             raise ConfigError(
                 f"{path}: case {case.id!r}: field 'id': expected a unique id; got a duplicate"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
@@ -263,6 +264,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         raise pytest.UsageError(message)
 
 
+def _case_param(item: pytest.Item):
+    return getattr(getattr(item, "callspec", None), "params", {}).get(CASE_FIXTURE)
+
+
 def _missing_for_selection(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
     """What the selected cases need that this environment lacks (packages, model folders), found
     at collection, before any case starts; the FSDPTurbo checkout is provisioned when a case
@@ -273,8 +278,8 @@ def _missing_for_selection(config: pytest.Config, items: list[pytest.Item]) -> l
     settings = settings_of(config)
     lines = []
     for item in items:
-        param = getattr(getattr(item, "callspec", None), "params", {}).get(CASE_FIXTURE)
-        if param is None or _HARDWARE_SKIP in item.stash:
+        param = _case_param(item)
+        if param is None or isinstance(param, BrokenCaseFile) or _HARDWARE_SKIP in item.stash:
             continue
         needs = case_needs(param.case, param.kind)
         for need in missing_packages(needs):
@@ -289,12 +294,22 @@ def _missing_for_selection(config: pytest.Config, items: list[pytest.Item]) -> l
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    param = _case_param(item)
+    if isinstance(param, BrokenCaseFile):
+        fail_line(param.message)
     message = item.config.stash.get(_STRICT_BLOCK, None)
     if message and _is_e2e(item):
         fail_line(message)
 
 
 CASE_FIXTURE = "fsdp_turbo_case"
+
+
+@dataclass(frozen=True)
+class BrokenCaseFile:
+    """The parameter a test that takes a case gets when the case file is invalid."""
+
+    message: str
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -304,7 +319,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     try:
         book = cases_of(metafunc.config)
     except ConfigError as exc:
-        fail_line(str(exc))
+        # the tests that take a case each fail with the one line at setup; every other test of
+        # the module and the session still runs, and any e2e selection keeps the error in view
+        broken = BrokenCaseFile(str(exc))
+        marks = [pytest.mark.e2e, *(getattr(pytest.mark, m) for m in KIND_BY_MARKER)]
+        metafunc.parametrize(
+            CASE_FIXTURE, [pytest.param(broken, id="case-file-error", marks=marks)]
+        )
+        return
     params = [
         pytest.param(
             param,

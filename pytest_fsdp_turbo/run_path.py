@@ -151,8 +151,9 @@ def case_file(settings: Settings, ini: IniConfig) -> Path:
 
 def standalone_cases(settings: Settings, cwd: Path | None = None) -> CaseBook:
     """The case book `pytest-fsdp-turbo` verbs read, found as pytest would find it."""
-    path = case_file(settings, read_ini((cwd or Path.cwd()).resolve()))
-    return CaseBook(path, load_cases(path))
+    ini = read_ini((cwd or Path.cwd()).resolve())
+    path = case_file(settings, ini)
+    return CaseBook(path, load_cases(path, engine_modules=ini.engine_modules))
 
 
 def standalone_runner(
@@ -172,7 +173,7 @@ def standalone_runner(
         settings=settings,
         accelerator=accelerator,
         book=LeaseBook(),
-        cases=lambda: CaseBook(path, load_cases(path)),
+        cases=lambda: CaseBook(path, load_cases(path, engine_modules=ini.engine_modules)),
         artifacts_root=artifacts,
         ini_engine_modules=list(ini.engine_modules),
         checkout=lambda: resolve_checkout(settings.checkout),

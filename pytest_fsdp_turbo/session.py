@@ -67,7 +67,8 @@ def cases_of(config: pytest.Config) -> CaseBook:
         from pytest_fsdp_turbo.cases import CaseBook, load_cases
 
         path = cases_path(config)
-        config.stash[CASES_KEY] = CaseBook(path, load_cases(path))
+        modules = config.getini("fsdp_turbo_engine_modules")
+        config.stash[CASES_KEY] = CaseBook(path, load_cases(path, engine_modules=modules))
     return config.stash[CASES_KEY]
 
 

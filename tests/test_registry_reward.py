@@ -105,5 +105,43 @@ def test_entry_point_engines_are_loaded_and_their_backends_known(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "ep_engine" in known_backends()  # case files may name it; nothing imported yet
+    typo = tmp_path / "ep_engines_typo.py"  # a typo in @register is refused at collection
+    typo.write_text((tmp_path / "ep_engines_mod.py").read_text().replace("ep_engine'", "ep_engin'"))
+    (dist / "entry_points.txt").write_text(
+        "[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_typo\n"
+    )
+    assert "ep_engin" in known_backends() and "ep_engine" not in known_backends()
+    (dist / "entry_points.txt").write_text(
+        "[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_mod\n"
+    )
     registry.load_engine_plugins()
     assert registry.lookup("llama", "ep_engine", "cpu").__name__ == "FromEntryPoint"
+
+
+def test_an_engine_named_only_in_the_ini_is_a_backend_case_files_may_name(tmp_path, monkeypatch):
+    """Its backends are read from the module's source: the pytest process imports nothing."""
+    import sys
+
+    from pytest_fsdp_turbo.cases import load_cases
+    from pytest_fsdp_turbo.errors import ConfigError
+
+    (tmp_path / "ini_engines_mod.py").write_text(
+        "import torch  # never imported by the pytest process\n"
+        "from pytest_fsdp_turbo_engine.registry import register\n"
+        "@register(model_type='qwen3', backend='ini_engine', device=['cpu'])\n"
+        "class FromIni: pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = tmp_path / "cases.toml"
+    cases.write_text('[[case]]\nid = "c"\nmodel = "tiny-qwen3"\nbackend = "ini_engine"\n')
+    (case,) = load_cases(cases, engine_modules=["ini_engines_mod"])
+    assert case.backend == "ini_engine" and "ini_engines_mod" not in sys.modules
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_ENGINE_MODULES", "ini_engines_mod")  # the variable too
+    assert load_cases(cases)[0].backend == "ini_engine"
+    monkeypatch.delenv("PYTEST_FSDP_TURBO_ENGINE_MODULES")
+    with pytest.raises(ConfigError) as unknown:
+        load_cases(cases)
+    message = str(unknown.value)
+    assert "field 'backend': expected one of fsdp, fsdp_turbo" in message
+    assert "got 'ini_engine'" in message and "\n" not in message
+    assert "the ini fsdp_turbo_engine_modules or PYTEST_FSDP_TURBO_ENGINE_MODULES" in message
