@@ -127,17 +127,32 @@ ANNOUNCED_WHERE = (
 )
 
 
-def known_backends(engine_modules: Iterable[str] = ()) -> tuple[str, ...]:
-    """Built-ins, downstream engines announced by entry point, and the backends that announced
-    engine modules (ini, environment) register, read from their source: nothing is imported."""
+def announced_engines(engine_modules: Iterable[str] = ()) -> list[tuple[str | None, str]]:
+    """(backend, where it was announced) for every engine a case may name: built-ins, entry
+    points, and the modules named in the ini or the environment, whose backends are read from
+    their source (nothing is imported). A module whose source shows none has backend None."""
     from importlib import metadata
 
-    modules = [*engine_modules, *filter(None, os.environ.get(Env.ENGINE_MODULES, "").split(","))]
+    found: list[tuple[str | None, str]] = [(name, "built in") for name in BUILTIN_BACKENDS]
     # an entry point's module is read too, so a typo in its @register is refused here, not in a rank
-    entry_points = metadata.entry_points(group=ENGINE_ENTRY_POINTS)
-    names = [n for ep in entry_points for n in registered_backends(ep.module) or [ep.name]]
-    names += [name for module in modules for name in registered_backends(module.strip())]
-    return tuple(dict.fromkeys((*BUILTIN_BACKENDS, *names)))
+    for ep in metadata.entry_points(group=ENGINE_ENTRY_POINTS):
+        where = f"entry point {ep.name} = {ep.value}"
+        found += [(name, where) for name in registered_backends(ep.module) or [ep.name]]
+    env = filter(None, os.environ.get(Env.ENGINE_MODULES, "").split(","))
+    for origin, modules in (
+        ("ini fsdp_turbo_engine_modules", engine_modules),
+        (Env.ENGINE_MODULES, env),
+    ):
+        for module in (m.strip() for m in modules):
+            names = registered_backends(module)
+            found += [(name, f"{origin}: {module}") for name in names or [None]]
+    return found
+
+
+def known_backends(engine_modules: Iterable[str] = ()) -> tuple[str, ...]:
+    """The backend names a case may use (announced_engines without where)."""
+    names = (name for name, _ in announced_engines(engine_modules) if name is not None)
+    return tuple(dict.fromkeys(names))
 
 
 def registered_backends(module: str) -> list[str]:

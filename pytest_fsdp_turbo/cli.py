@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from importlib import metadata
+from pathlib import Path
 
 from pytest_fsdp_turbo.checkout import resolve_checkout
 from pytest_fsdp_turbo.devices import KINDS, detect
@@ -103,6 +104,7 @@ def doctor(args: argparse.Namespace) -> int:
     except CheckoutUnavailable as exc:
         hint = "" if args.clone else " (pass --clone to fetch it now)"
         print(f"FSDPTurbo: not available: {exc}{hint}")
+    _describe_cases_and_engines(settings)
     print("versions:  " + ", ".join(f"{d} {_version(d)}" for d in VERSIONED))
     mismatches = torch_pin_mismatches()
     for line in mismatches:
@@ -116,6 +118,21 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"doctor --require {args.require}: no devices found", file=sys.stderr)
         return 1
     return 0
+
+
+def _describe_cases_and_engines(settings) -> None:
+    """The case file the rootdir's configuration selects and every engine announced to the ranks."""
+    from pytest_fsdp_turbo.cases import announced_engines
+    from pytest_fsdp_turbo.run_path import case_file, read_ini
+
+    ini = read_ini(Path.cwd())
+    source = "option" if settings.cases else "ini fsdp_turbo_cases" if ini.cases else "default"
+    path = case_file(settings, ini)
+    state = "" if path.is_file() else ", missing"
+    print(f"cases:     {path} ({source}{state})")
+    for name, where in announced_engines(ini.engine_modules):
+        shown = name or "(no @register(backend=...) found from here)"
+        print(f"engine:    {shown}  [{where}]")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("case_id")
     one.add_argument("--cases", help="case file (default e2e/cases.toml)")
     one.add_argument("--device", help="override detection: cpu|cuda|npu[:N]")
-    one.add_argument("--artifacts", help="artifact folder (default ./fsdp-turbo-artifacts)")
+    one.add_argument("--artifacts", help="artifact folder (default <rootdir>/fsdp-turbo-artifacts)")
     one.set_defaults(func=run)
     cfg = verbs.add_parser("config", help="the exact turbo_config a rank hands fsdp_turbo")
     cfg.add_argument("case_id")

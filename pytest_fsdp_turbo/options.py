@@ -55,7 +55,7 @@ OPTIONS = (
     Option(
         "--fsdp-turbo-artifacts",
         "PYTEST_FSDP_TURBO_ARTIFACTS",
-        "folder for per-case logs and metrics (default ./fsdp-turbo-artifacts)",
+        "folder for per-case logs and metrics (default <rootdir>/fsdp-turbo-artifacts)",
     ),
     Option(
         "--fsdp-turbo-record-golden", None, "write goldens instead of checking them", is_flag=True

@@ -25,6 +25,7 @@ from pytest_fsdp_turbo.launch import RunResult
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
 from pytest_fsdp_turbo.runs import RunRequest, run_case, run_case_on_ray, run_with_twin
+from pytest_fsdp_turbo.session import resolve_artifacts
 from pytest_fsdp_turbo.settings import Settings
 from pytest_fsdp_turbo.vocab import Launcher
 
@@ -166,9 +167,7 @@ def standalone_runner(
 
     ini = read_ini((cwd or Path.cwd()).resolve())
     path = case_file(settings, ini)
-    artifacts = (
-        settings.artifacts if settings.artifacts.is_absolute() else Path.cwd() / settings.artifacts
-    )
+    artifacts = resolve_artifacts(settings.artifacts, Path.cwd(), ini.rootdir)
     return CaseRunner(
         settings=settings,
         accelerator=accelerator,

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from pytest_fsdp_turbo.devices import Accelerator
     from pytest_fsdp_turbo.settings import Settings
 
+DEFAULT_ARTIFACTS = "fsdp-turbo-artifacts"
 SETTINGS_KEY = pytest.StashKey["Settings"]()
 ACCELERATOR_KEY = pytest.StashKey["Accelerator"]()
 CASES_KEY = pytest.StashKey["CaseBook"]()
@@ -73,5 +74,14 @@ def cases_of(config: pytest.Config) -> CaseBook:
 
 
 def artifacts_root(config: pytest.Config) -> Path:
-    root = settings_of(config).artifacts
-    return root if root.is_absolute() else config.invocation_params.dir / root
+    """The option or variable (relative to where pytest started), else the rootdir's
+    fsdp-turbo-artifacts, wherever under the rootdir pytest was started."""
+    return resolve_artifacts(
+        settings_of(config).artifacts, config.invocation_params.dir, config.rootpath
+    )
+
+
+def resolve_artifacts(given: Path | None, invocation_dir: Path, rootdir: Path) -> Path:
+    if given is None:
+        return rootdir / DEFAULT_ARTIFACTS
+    return given if given.is_absolute() else invocation_dir / given

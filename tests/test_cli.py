@@ -233,3 +233,29 @@ def test_the_cli_finds_its_configuration_as_pytest_does(tmp_path):
     ran = cli("run", "any", "--device", "cpu", cwd=project / "deep")  # falls back to e2e/cases.toml
     assert ran.returncode == 2
     assert f"case file {project / 'e2e' / 'cases.toml'} does not exist" in ran.stderr
+
+
+def test_doctor_names_the_case_file_and_every_announced_engine_with_its_origin(tmp_path):
+    project = tmp_path / "downstream"
+    (project / "tests").mkdir(parents=True)
+    (project / "pytest.ini").write_text(
+        "[pytest]\nfsdp_turbo_cases = tests/cases.toml\nfsdp_turbo_engine_modules = my_engines\n"
+    )
+    (project / "my_engines.py").write_text(
+        "import torch\nfrom pytest_fsdp_turbo_engine.registry import register\n"
+        "@register(model_type='qwen3', backend='mine', device=['cpu'])\nclass Mine: ...\n"
+    )
+    shown = cli("doctor", cwd=project / "tests", env={"PYTHONPATH": str(project)})
+    lines = shown.stdout.splitlines()
+    assert f"cases:     {project / 'tests' / 'cases.toml'} (ini fsdp_turbo_cases, missing)" in lines
+    assert "engine:    fsdp  [built in]" in lines
+    assert "engine:    mine  [ini fsdp_turbo_engine_modules: my_engines]" in lines
+
+
+def test_artifacts_default_to_the_rootdir_wherever_pytest_starts(tmp_path):
+    from pytest_fsdp_turbo.session import resolve_artifacts
+
+    root, deep = tmp_path, tmp_path / "tests" / "e2e"
+    assert resolve_artifacts(None, deep, root) == root / "fsdp-turbo-artifacts"
+    assert resolve_artifacts(Path("mine"), deep, root) == deep / "mine"  # as given on the line
+    assert resolve_artifacts(tmp_path / "abs", deep, root) == tmp_path / "abs"
