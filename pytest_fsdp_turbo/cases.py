@@ -182,8 +182,19 @@ def registered_backends(module: str) -> list[str]:
     return names
 
 
-def tiny_specs(fixtures_dir: Path = FIXTURES_DIR) -> list[str]:
-    return sorted(p.stem for p in (fixtures_dir / "models").glob("*.json"))
+def tiny_spec_dirs(extra: Path | None = None, fixtures_dir: Path = FIXTURES_DIR) -> list[Path]:
+    """Where tiny model specs are looked up: a downstream's own folder first
+    (--fsdp-turbo-tiny-models), then the ones that ship with the plugin."""
+    return [*([extra] if extra else []), fixtures_dir / "models"]
+
+
+def tiny_spec_path(name: str, dirs: list[Path]) -> Path | None:
+    return next((d / f"{name}.json" for d in dirs if (d / f"{name}.json").is_file()), None)
+
+
+def tiny_specs(extra: Path | None = None, fixtures_dir: Path = FIXTURES_DIR) -> list[str]:
+    dirs = tiny_spec_dirs(extra, fixtures_dir)
+    return sorted({p.stem for d in dirs for p in d.glob("*.json")})
 
 
 class _Where:
@@ -241,7 +252,9 @@ def validate_case(
     case = Case(**values)
     if case.is_tiny and case.model not in specs:
         raise where.error(
-            "model", "a tiny spec in fixtures/models (" + ", ".join(specs) + ")", case.model
+            "model",
+            "a tiny spec (" + ", ".join(specs) + ") from --fsdp-turbo-tiny-models or the plugin's",
+            case.model,
         )
     if case.backend.startswith(VERL_PREFIX):
         if not VERL_NAME.match(case.backend):
@@ -323,16 +336,21 @@ def validate_case(
     return case
 
 
-def with_overrides(case: Case, overrides: dict, open_backends: bool = False) -> Case:
+def with_overrides(
+    case: Case, overrides: dict, open_backends: bool = False, tiny_models: Path | None = None
+) -> Case:
     """`ppo_run(case, **overrides)`: the same rules as the case file, the same one-line errors."""
     raw = {k: v for k, v in dataclasses.asdict(case).items() if v is not None}
     raw.update(overrides)
     raw = {k: v for k, v in raw.items() if v is not None}  # None: back to the field's default
-    return validate_case(raw, "ppo_run overrides", tiny_specs(), open_backends)
+    return validate_case(raw, "ppo_run overrides", tiny_specs(tiny_models), open_backends)
 
 
 def load_cases(
-    path: Path, fixtures_dir: Path = FIXTURES_DIR, engine_modules: Iterable[str] = ()
+    path: Path,
+    fixtures_dir: Path = FIXTURES_DIR,
+    engine_modules: Iterable[str] = (),
+    tiny_models: Path | None = None,
 ) -> list[Case]:
     """The case file, every case validated; backends may be any engine announced for the ranks."""
     import tomllib
@@ -349,7 +367,7 @@ def load_cases(
     defaults = data.get("defaults", {})
     if not isinstance(defaults, dict):
         raise ConfigError(f"{path}: [defaults] must be a table")
-    specs = tiny_specs(fixtures_dir)
+    specs = tiny_specs(tiny_models, fixtures_dir)
     backends = known_backends(engine_modules)
     cases, seen = [], set()
     for row in rows:

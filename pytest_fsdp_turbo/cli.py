@@ -202,7 +202,7 @@ def config(args: argparse.Namespace) -> int:
         return 2
     kind = args.device or next(k for k in case.devices if k != "cpu")
     try:
-        model = resolve_model(case.model, settings.models)
+        model = resolve_model(case.model, settings.models, tiny_models=settings.tiny_models)
     except ModelUnavailable as exc:
         print(f"pytest-fsdp-turbo config: {exc}", file=sys.stderr)
         return 2

@@ -174,13 +174,13 @@ def session_checkout(config: pytest.Config) -> Checkout:
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> Callable[[str], Path]:
+def tiny_model(pytestconfig: pytest.Config) -> Callable[[str], Path]:
     """Factory: tiny spec name -> HF model directory (built once, shared by xdist workers)."""
     from pytest_fsdp_turbo.models import ModelUnavailable, build_tiny_model
 
     def build(name: str) -> Path:
         try:
-            return build_tiny_model(name)
+            return build_tiny_model(name, tiny_models=settings_of(pytestconfig).tiny_models)
         except (ModelUnavailable, ConfigError) as exc:
             fail_line(str(exc))
 

@@ -13,7 +13,13 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from pytest_fsdp_turbo.cases import FIXTURES_DIR, TINY_PREFIX
+from pytest_fsdp_turbo.cases import (
+    FIXTURES_DIR,
+    TINY_PREFIX,
+    tiny_spec_dirs,
+    tiny_spec_path,
+    tiny_specs,
+)
 from pytest_fsdp_turbo.private_dirs import private_dir
 from pytest_fsdp_turbo.warm import run_module
 
@@ -38,8 +44,8 @@ def _version(dist: str) -> str:
         return "none"
 
 
-def tiny_model_key(name: str, fixtures_dir: Path = FIXTURES_DIR) -> str:
-    spec = (fixtures_dir / "models" / f"{name}.json").read_bytes()
+def tiny_model_key(name: str, spec_path: Path) -> str:
+    spec = spec_path.read_bytes()
     builder = Path(importlib.util.find_spec("pytest_fsdp_turbo_engine.tiny_models").origin)
     digest = hashlib.sha256(
         spec
@@ -51,15 +57,21 @@ def tiny_model_key(name: str, fixtures_dir: Path = FIXTURES_DIR) -> str:
 
 
 def build_tiny_model(
-    name: str, cache_dir: Path | None = None, fixtures_dir: Path = FIXTURES_DIR
+    name: str,
+    cache_dir: Path | None = None,
+    tiny_models: Path | None = None,
+    fixtures_dir: Path = FIXTURES_DIR,
 ) -> Path:
-    """Build (once per spec, transformers and torch version) and return the HF model directory."""
-    spec_path = fixtures_dir / "models" / f"{name}.json"
-    if not spec_path.is_file():
-        known = sorted(p.stem for p in (fixtures_dir / "models").glob("*.json"))
-        raise ModelUnavailable(f"tiny model spec {spec_path} does not exist; known: {known}")
+    """Build (once per spec, transformers and torch version) and return the HF model directory;
+    the spec comes from the downstream's --fsdp-turbo-tiny-models folder, else the built-ins."""
+    dirs = tiny_spec_dirs(tiny_models, fixtures_dir)
+    spec_path = tiny_spec_path(name, dirs)
+    if spec_path is None:
+        known = tiny_specs(tiny_models, fixtures_dir)
+        where = ", ".join(str(d) for d in dirs)
+        raise ModelUnavailable(f"tiny model spec {name}.json is in none of {where}; known: {known}")
     cache = private_dir(cache_dir or default_model_cache(), "tiny model cache", "XDG_CACHE_HOME")
-    final = cache / tiny_model_key(name, fixtures_dir)
+    final = cache / tiny_model_key(name, spec_path)
     with FileLock(str(final) + ".lock"):
         if (final / "config.json").is_file():
             return final
@@ -106,7 +118,9 @@ def model_type_of(path: Path) -> str:
         raise ModelUnavailable(f"{path / 'config.json'}: unreadable: {exc}") from None
 
 
-def resolve_model(name: str, models_dir: Path | None, cache_dir: Path | None = None) -> Path:
+def resolve_model(
+    name: str, models_dir: Path | None, cache_dir: Path | None = None, tiny_models=None
+) -> Path:
     if name.startswith(TINY_PREFIX):
-        return build_tiny_model(name, cache_dir)
+        return build_tiny_model(name, cache_dir, tiny_models)
     return local_model_dir(name, models_dir)

@@ -53,6 +53,12 @@ OPTIONS = (
         "folder holding local real-model directories",
     ),
     Option(
+        "--fsdp-turbo-tiny-models",
+        "PYTEST_FSDP_TURBO_TINY_MODELS",
+        "folder of your own tiny model specs (<name>.json), looked up before the built-in ones",
+        ini="fsdp_turbo_tiny_models",
+    ),
+    Option(
         "--fsdp-turbo-artifacts",
         "PYTEST_FSDP_TURBO_ARTIFACTS",
         "folder for per-case logs and metrics (default <rootdir>/fsdp-turbo-artifacts)",

@@ -91,7 +91,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     values = {opt.dest: config.getoption(opt.dest) for opt in OPTIONS}
-    for key in ("fsdp_turbo_cases", "fsdp_turbo_goldens"):  # ini paths: under the rootdir
+    for key in ("fsdp_turbo_cases", "fsdp_turbo_goldens", "fsdp_turbo_tiny_models"):
         if values[key] is None and config.getini(key):
             values[key] = str(config.rootpath / config.getini(key))
     if any(values.values()) or env_given():

@@ -54,13 +54,18 @@ class CaseRunner:
             case = case.case
         elif isinstance(case, str):
             case = self.cases().get(case)
-        return with_overrides(case, overrides, open_backends=bool(modules)) if overrides else case
+        if not overrides:
+            return case
+        tiny = self.settings.tiny_models
+        return with_overrides(case, overrides, open_backends=bool(modules), tiny_models=tiny)
 
     def gate(self, case: Case, checkout: Checkout | None) -> tuple[Path, Checkout | None]:
         from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
 
         try:
-            model = resolve_model(case.model, self.settings.models)
+            model = resolve_model(
+                case.model, self.settings.models, tiny_models=self.settings.tiny_models
+            )
         except ModelUnavailable as exc:
             raise Unavailable(f"case {case.id}: {exc}") from None
         for need in missing_packages(case_needs(case, self.accelerator.kind)):
@@ -154,7 +159,8 @@ def standalone_cases(settings: Settings, cwd: Path | None = None) -> CaseBook:
     """The case book `pytest-fsdp-turbo` verbs read, found as pytest would find it."""
     ini = read_ini((cwd or Path.cwd()).resolve())
     path = case_file(settings, ini)
-    return CaseBook(path, load_cases(path, engine_modules=ini.engine_modules))
+    cases = load_cases(path, engine_modules=ini.engine_modules, tiny_models=settings.tiny_models)
+    return CaseBook(path, cases)
 
 
 def standalone_runner(
@@ -172,7 +178,10 @@ def standalone_runner(
         settings=settings,
         accelerator=accelerator,
         book=LeaseBook(),
-        cases=lambda: CaseBook(path, load_cases(path, engine_modules=ini.engine_modules)),
+        cases=lambda: CaseBook(
+            path,
+            load_cases(path, engine_modules=ini.engine_modules, tiny_models=settings.tiny_models),
+        ),
         artifacts_root=artifacts,
         ini_engine_modules=list(ini.engine_modules),
         checkout=lambda: resolve_checkout(settings.checkout),

@@ -69,7 +69,9 @@ def cases_of(config: pytest.Config) -> CaseBook:
 
         path = cases_path(config)
         modules = config.getini("fsdp_turbo_engine_modules")
-        config.stash[CASES_KEY] = CaseBook(path, load_cases(path, engine_modules=modules))
+        tiny = settings_of(config).tiny_models
+        cases = load_cases(path, engine_modules=modules, tiny_models=tiny)
+        config.stash[CASES_KEY] = CaseBook(path, cases)
     return config.stash[CASES_KEY]
 
 

@@ -31,6 +31,7 @@ class Settings:
     checkout: CheckoutRequest = CheckoutRequest()
     cases: Path | None = None
     models: Path | None = None
+    tiny_models: Path | None = None  # a downstream's own tiny model specs, beside the built-ins
     artifacts: Path | None = None  # None: <rootdir>/fsdp-turbo-artifacts
     record_golden: bool = False
     goldens: Path | None = None
@@ -81,6 +82,7 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
         checkout=CheckoutRequest(path=raw["fsdp_turbo_path"], repo=repo, ref=ref),
         cases=Path(raw["fsdp_turbo_cases"]) if raw["fsdp_turbo_cases"] else None,
         models=Path(raw["fsdp_turbo_models"]) if raw["fsdp_turbo_models"] else None,
+        tiny_models=Path(raw["fsdp_turbo_tiny_models"]) if raw["fsdp_turbo_tiny_models"] else None,
         artifacts=Path(raw["fsdp_turbo_artifacts"]) if raw["fsdp_turbo_artifacts"] else None,
         record_golden=bool(raw["fsdp_turbo_record_golden"]),
         goldens=Path(raw["fsdp_turbo_goldens"]) if raw["fsdp_turbo_goldens"] else None,

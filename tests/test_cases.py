@@ -150,7 +150,7 @@ def test_bad_fields_name_file_case_field_and_expectation(tmp_path, extra, field,
 def test_unknown_tiny_spec(tmp_path):
     path = write(tmp_path, GOOD.replace("tiny-qwen3", "tiny-gpt9"))
     with pytest.raises(
-        ConfigError, match=r"field 'model': expected a tiny spec in fixtures/models"
+        ConfigError, match=r"field 'model': expected a tiny spec \(tiny-llama, .*; got 'tiny-gpt9'"
     ):
         load_cases(path)
 
@@ -286,3 +286,19 @@ def test_a_single_twin_differs_from_its_case_in_every_dimension_under_test():
         every.micro_batches,
     )
     assert twin.gradient_sync == "every_micro_batch" != every.gradient_sync
+
+
+def test_a_downstream_tiny_spec_folder_sits_beside_the_built_in_specs(tmp_path):
+    from pytest_fsdp_turbo.cases import FIXTURES_DIR
+
+    mine = tmp_path / "specs"
+    mine.mkdir()
+    built_in = (FIXTURES_DIR / "models" / "tiny-qwen3.json").read_text()
+    (mine / "tiny-mine.json").write_text(built_in)
+    path = write(tmp_path, GOOD.replace('"tiny-qwen3"', '"tiny-mine"'))
+    (case,) = load_cases(path, tiny_models=mine)
+    assert case.model == "tiny-mine"
+    (tmp_path / "b").mkdir()
+    assert load_cases(write(tmp_path / "b", GOOD), tiny_models=mine)[0].model == "tiny-qwen3"
+    with pytest.raises(ConfigError, match=r"field 'model': expected a tiny spec \(.*tiny-qwen3"):
+        load_cases(path)  # without the folder, the spec is unknown

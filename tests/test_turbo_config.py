@@ -509,7 +509,7 @@ def test_config_verb_refuses_a_module_patch_the_loaded_model_lacks(tmp_path, mon
     (tmp_path / "fixtures" / "models").mkdir(parents=True)
     (tmp_path / "fixtures" / "models" / "text-only.json").write_text(json.dumps(text_only))
     (tmp_path / "models").mkdir()
-    built = build_tiny_model("text-only", tmp_path / "cache", tmp_path / "fixtures")
+    built = build_tiny_model("text-only", tmp_path / "cache", tmp_path / "fixtures" / "models")
     (tmp_path / "models" / "Qwen3.5-2B").symlink_to(built)
     monkeypatch.delenv("PYTEST_FSDP_TURBO_MODELS", raising=False)
     code, err = _config_verb_on_the_npu_sp2_case(tmp_path / "models", capsys)
