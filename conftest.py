@@ -27,7 +27,9 @@ def pytest_configure(config):
 # The suite's longest tests (see --durations), started first under xdist so the other worker fills
 # in around them instead of waiting on one at the end of the run (with --dist worksteal, the idle
 # worker then takes what is left from the busy one's queue: measured 225 s against 244-248 s with
-# the default load scheduling, same code, same box).
+# the default load scheduling, same code, same box). Three workers on the two cores: a third of the
+# suite waits (Ray start-up, timeouts, stalls), and a third worker fills that time (220 s against
+# 239 s with two, consecutive runs of the same code).
 LONGEST_FIRST = (
     "tests/test_session_safety.py::test_faults_end_tests_never_the_session",
     "tests/test_ray_launcher.py",

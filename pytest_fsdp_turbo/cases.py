@@ -155,14 +155,18 @@ def known_backends(engine_modules: Iterable[str] = ()) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def registered_backends(module: str) -> list[str]:
+def registered_backends(module: str, pythonpath: Iterable[str] = ()) -> list[str]:
     """The backend names a module passes to @register(backend=...), from its source text (the
-    module imports torch, which the pytest process never does); [] when it cannot be found."""
+    module imports torch, which the pytest process never does); [] when it cannot be found.
+    `pythonpath`: folders the ranks will have on their path (ppo_run's pythonpath)."""
     import ast
+    import importlib.machinery
     import importlib.util
 
+    paths = [str(p) for p in pythonpath]
     try:
-        spec = importlib.util.find_spec(module)
+        spec = importlib.machinery.PathFinder.find_spec(module, paths) if paths else None
+        spec = spec or importlib.util.find_spec(module)
     except (ImportError, ValueError):
         return []
     if spec is None or not (spec.origin or "").endswith(".py"):

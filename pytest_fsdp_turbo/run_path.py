@@ -12,15 +12,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pytest_fsdp_turbo.cases import (
+    ANNOUNCED_WHERE,
     DEFAULT_CASES,
     Case,
     CaseBook,
     CaseParam,
+    known_backends,
     load_cases,
+    registered_backends,
     with_overrides,
 )
 from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.devices import Accelerator
+from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.launch import RunResult
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
@@ -49,7 +53,13 @@ class CaseRunner:
     start_ray: Callable[[], RayDriver] = field(default=lambda: None)
     progress: Callable | None = None  # (case_id, world_size, timeout_s, artifacts) -> Progress
 
-    def resolve(self, case: Case | CaseParam | str, modules: list[str], overrides: dict) -> Case:
+    def resolve(
+        self,
+        case: Case | CaseParam | str,
+        modules: list[str],
+        overrides: dict,
+        pythonpath: Sequence[str] = (),
+    ) -> Case:
         if isinstance(case, CaseParam):
             case = case.case
         elif isinstance(case, str):
@@ -57,7 +67,10 @@ class CaseRunner:
         if not overrides:
             return case
         tiny = self.settings.tiny_models
-        return with_overrides(case, overrides, open_backends=bool(modules), tiny_models=tiny)
+        resolved = with_overrides(case, overrides, open_backends=bool(modules), tiny_models=tiny)
+        if "backend" in overrides and modules and not resolved.is_verl:
+            refuse_unregistered_backend(resolved.backend, modules, pythonpath)
+        return resolved
 
     def gate(self, case: Case, checkout: Checkout | None) -> tuple[Path, Checkout | None]:
         from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
@@ -102,7 +115,7 @@ class CaseRunner:
         **overrides: object,
     ) -> RunResult:
         modules = [*self.ini_engine_modules, *engine_modules]
-        resolved = self.resolve(case, modules, overrides)
+        resolved = self.resolve(case, modules, overrides, pythonpath)
         model, found = self.gate(resolved, checkout)
         request = RunRequest(
             case=resolved,
@@ -117,6 +130,20 @@ class CaseRunner:
             progress=self.progress,
         )
         return self.launch(request)
+
+
+def refuse_unregistered_backend(backend: str, modules: Sequence[str], pythonpath: Sequence[str]):
+    """Before any rank starts: when the source of every engine module can be read, the backend
+    must be one they (or the plugin, or an entry point) register; one line, once, if not."""
+    found = [registered_backends(module, pythonpath) for module in modules]
+    if not all(found):
+        return  # a module the pytest process cannot see: the ranks' registry will say
+    allowed = dict.fromkeys((*known_backends(), *(name for names in found for name in names)))
+    if backend not in allowed:
+        raise ConfigError(
+            f"ppo_run overrides: field 'backend': expected one of {', '.join(allowed)} "
+            f"({ANNOUNCED_WHERE}; engine modules read: {', '.join(modules)}); got {backend!r}"
+        )
 
 
 @dataclass(frozen=True)

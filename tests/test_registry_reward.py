@@ -145,3 +145,23 @@ def test_an_engine_named_only_in_the_ini_is_a_backend_case_files_may_name(tmp_pa
     assert "field 'backend': expected one of fsdp, fsdp_turbo" in message
     assert "got 'ini_engine'" in message and "\n" not in message
     assert "the ini fsdp_turbo_engine_modules or PYTEST_FSDP_TURBO_ENGINE_MODULES" in message
+
+
+def test_a_backend_no_engine_module_registers_is_refused_before_any_rank_starts(ppo_run, tmp_path):
+    (tmp_path / "real_engines.py").write_text(
+        "import torch\nfrom pytest_fsdp_turbo_engine.registry import register\n"
+        "@register(backend='real', device=['cpu'])\nclass Real: ...\n"
+    )
+    with pytest.raises(pytest.fail.Exception) as failed:  # a typo: no rank is started for it
+        ppo_run(
+            "tiny-qwen3-single-rank",
+            backend="rael",
+            engine_modules=["real_engines"],
+            pythonpath=[str(tmp_path)],
+        )
+    message = str(failed.value)
+    assert message.startswith(
+        "ppo_run overrides: field 'backend': expected one of fsdp, fsdp_turbo"
+    )
+    assert ", real (" in message and "engine modules read: real_engines); got 'rael'" in message
+    assert "\n" not in message
