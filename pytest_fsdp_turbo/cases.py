@@ -18,7 +18,7 @@ from pytest_fsdp_turbo_fixtures import DATA_DIR
 
 from pytest_fsdp_turbo.devices import KINDS
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.vocab import VERL_PREFIX, Env, SyncPolicy, TwinKind
+from pytest_fsdp_turbo.vocab import VERL_PREFIX, DeviceKind, Env, SyncPolicy, TwinKind
 
 FIXTURES_DIR = DATA_DIR
 TINY_PREFIX = "tiny-"
@@ -87,7 +87,7 @@ class Case:
     def dtype_on(self, kind: str) -> str:
         if self.dtype != "auto":
             return self.dtype
-        return "fp32" if kind == "cpu" else "bf16"
+        return "fp32" if kind == DeviceKind.CPU else "bf16"
 
     def with_reference_checks(self) -> bool:
         return self.is_tiny if self.reference_checks is None else self.reference_checks
@@ -275,7 +275,7 @@ def validate_case(
     _choice(where, "rollout", case.rollout, ROLLOUTS)
     _choice(where, "golden_tier", case.golden_tier, GOLDEN_TIERS)
     _choice(where, "twin", case.twin_kind(), TWINS)
-    if case.twin_kind() == "every_micro_batch" and case.gradient_sync != "deferred":
+    if case.twin_kind() == TwinKind.EVERY_MICRO_BATCH and case.gradient_sync != SyncPolicy.DEFERRED:
         raise where.error(
             "twin", "single or none when gradient_sync is already every_micro_batch", case.twin
         )

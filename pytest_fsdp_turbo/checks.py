@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_fsdp_turbo.launch import RunResult
-from pytest_fsdp_turbo.vocab import Metric
+from pytest_fsdp_turbo.vocab import Metric, SyncPolicy
 
 # Tolerances by compute dtype; measured margins: benchmarks/check_margins.py (README). fp32 gradient
 # parity per parameter allows for reduction-order differences in long reductions (gated delta-net
@@ -350,7 +350,7 @@ def expected_reduce_scatters(
     """One reduce-scatter per FSDP unit that ran forward, per synced backward (none when a unit is
     sharded over one rank: FSDP2 skips the collective); deferred syncs only the last micro-batch."""
     per_sync = units if shard_group_size > 1 else 0
-    if policy == "deferred":
+    if policy == SyncPolicy.DEFERRED:
         return [0] * (micro_batches - 1) + [per_sync]
     return [per_sync] * micro_batches
 
@@ -388,7 +388,7 @@ def check_sync_contract(result: RunResult) -> None:
                     f"once, measured {seen} on rank {rank} (sync/layer_tokens)"
                 )
     for rank, retained in _per_rank(result, Metric.SYNC_RETAINED_GRAD_BYTES):
-        holds = policy == "deferred" and micro_batches > 1
+        holds = policy == SyncPolicy.DEFERRED and micro_batches > 1
         if holds and not retained > 0:
             raise CheckFailure(
                 f"{head}: expected unsharded gradients held between micro-batches, measured "

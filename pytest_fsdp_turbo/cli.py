@@ -14,6 +14,7 @@ from pytest_fsdp_turbo.environ import build_collective_env, mask_secrets
 from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError
 from pytest_fsdp_turbo.leases import hccl_port_ranges
 from pytest_fsdp_turbo.settings import resolve
+from pytest_fsdp_turbo.vocab import DeviceKind
 
 VERSIONED = (
     "torch",
@@ -91,7 +92,7 @@ def doctor(args: argparse.Namespace) -> int:
         accel.ids[:world],
         29500,
         world_size=world,
-        port_ranges=hccl_port_ranges(0) if accel.kind == "npu" else None,
+        port_ranges=hccl_port_ranges(0) if accel.kind == DeviceKind.NPU else None,
     )
     print(f"env for a {world}-rank group ({accel.backend}):")
     for name, value in sorted(mask_secrets(group.env).items()):
@@ -200,7 +201,7 @@ def config(args: argparse.Namespace) -> int:
     if not case.is_turbo:
         print(f"case {case.id}: backend {case.backend} takes no turbo_config", file=sys.stderr)
         return 2
-    kind = args.device or next(k for k in case.devices if k != "cpu")
+    kind = args.device or next(k for k in case.devices if k != DeviceKind.CPU)
     try:
         model = resolve_model(case.model, settings.models, tiny_models=settings.tiny_models)
     except ModelUnavailable as exc:

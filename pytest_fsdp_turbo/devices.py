@@ -51,7 +51,7 @@ class Accelerator:
         return VISIBLE_DEVICES_VAR.get(self.kind)
 
     def describe(self) -> str:
-        unit = "rank slots" if self.kind == "cpu" else "devices"
+        unit = "rank slots" if self.kind == DeviceKind.CPU else "devices"
         name = f" ({self.names[0]})" if self.names else ""
         return f"{self.kind}: {self.count} {unit}{name}, backend {self.backend}, via {self.source}"
 
@@ -198,14 +198,16 @@ def detect(
     detectors = {"cuda": detect_cuda, "npu": detect_npu}
     if override:
         kind, count = parse_device_override(override, override_origin)
-        if kind == "cpu":
+        if kind == DeviceKind.CPU:
             return _cpu(count or cpu_slots, f"{override_origin}={override}")
         if count is not None:
             return Accelerator(kind, tuple(range(count)), (), f"{override_origin}={override}")
         found = detectors[kind](env, root)
         if found is None:
             looked = (
-                "nvidia-smi -L, /proc/driver/nvidia" if kind == "cuda" else "npu-smi, /dev/davinci*"
+                "nvidia-smi -L, /proc/driver/nvidia"
+                if kind == DeviceKind.CUDA
+                else "npu-smi, /dev/davinci*"
             )
             return Accelerator(kind, (), (), f"{override_origin}={override}; none found ({looked})")
         return found

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.vocab import Env
+from pytest_fsdp_turbo.vocab import DeviceKind, Env
 
 COLLECTIVE_TIMEOUT_VAR = Env.COLLECTIVE_TIMEOUT_S
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
@@ -87,9 +87,9 @@ def _profile(
         "OMP_NUM_THREADS": str(max(1, cpu_count // max(1, world_size))),
         COLLECTIVE_TIMEOUT_VAR: f"{timeouts.collective_s:g}",
     }
-    if kind == "cuda":
+    if kind == DeviceKind.CUDA:
         profile["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
-    elif kind == "npu":
+    elif kind == DeviceKind.NPU:
         profile["HCCL_CONNECT_TIMEOUT"] = str(DEFAULT_HCCL_CONNECT_TIMEOUT_S)
         profile["HCCL_EXEC_TIMEOUT"] = str(max(1, int(timeouts.collective_s)))
         profile["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] = "1"

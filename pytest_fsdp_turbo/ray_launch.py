@@ -35,6 +35,7 @@ from pytest_fsdp_turbo.launch import (
     worker_command,
     wrote_results,
 )
+from pytest_fsdp_turbo.vocab import DeviceKind
 
 RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
 PLACEMENT_TIMEOUT_S = 120
@@ -154,9 +155,9 @@ def launch_ray(
                     group, placement_group_bundle_index=index
                 ),
             }
-            if kind == "cuda":
+            if kind == DeviceKind.CUDA:
                 options["num_gpus"] = 1
-            elif kind == "npu":
+            elif kind == DeviceKind.NPU:
                 options["resources"] = {"NPU": 1}
             actors.append(RankActor.options(**options).remote())
         address, port = ray.get(actors[0].node_address.remote(), timeout=CALL_TIMEOUT_S)

@@ -20,7 +20,7 @@ from pytest_fsdp_turbo.launch import RunResult, launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
 from pytest_fsdp_turbo.progress import Progress
-from pytest_fsdp_turbo.vocab import Env
+from pytest_fsdp_turbo.vocab import DeviceKind, Env, Launcher, TwinKind
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.ray_driver import RayDriver
@@ -144,7 +144,9 @@ def run_case_on_ray(request: RunRequest, driver: RayDriver) -> RunResult:
     """Ray places the ranks and assigns their devices; rank 0's node gives the rendezvous."""
     case, kind = request.case, request.accelerator.kind
     out = _prepare(request)
-    overrides = _env_overrides(request, (), 0, hccl_port_ranges(0) if kind == "npu" else None)
+    overrides = _env_overrides(
+        request, (), 0, hccl_port_ranges(0) if kind == DeviceKind.NPU else None
+    )
     for name in ("MASTER_ADDR", "MASTER_PORT"):  # rank 0's node decides these
         overrides.pop(name)
     (out / "env.json").write_text(json.dumps(mask_secrets(overrides), indent=1, sort_keys=True))
@@ -175,11 +177,11 @@ def run_case(
     case, accel = request.case, request.accelerator
     out = _prepare(request)
     lease = book.devices(accel.kind, accel.ids, case.world_size, timeout_s=lease_timeout_s)
-    slot, ranges = book.port_ranges() if accel.kind == "npu" else (None, None)
+    slot, ranges = book.port_ranges() if accel.kind == DeviceKind.NPU else (None, None)
     notes: list[str] = []
     progress = _progress(request, out)
     parent = None
-    if request.launcher == "local":
+    if request.launcher == Launcher.LOCAL:
         from pytest_fsdp_turbo.warm import warm_parent
 
         parent, why = warm_parent(book.state_dir)
@@ -231,10 +233,10 @@ def twin_case(case: Case) -> Case | None:
     all at once, and a bug tied to any of them cannot repeat in it. every_micro_batch: the same
     engine and layout, syncing every micro-batch (a policy comparison, not an independent one)."""
     kind = case.twin_kind()
-    if kind == "none":
+    if kind == TwinKind.NONE:
         return None
     common = {"id": f"{case.id}-twin", "twin": "none", "reference_checks": False}
-    if kind == "every_micro_batch":
+    if kind == TwinKind.EVERY_MICRO_BATCH:
         return replace(case, gradient_sync="every_micro_batch", **common)
     return replace(
         case,
