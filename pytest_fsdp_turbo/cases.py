@@ -9,7 +9,7 @@ import dataclasses
 import os
 import re
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,6 +235,7 @@ def validate_case(
     specs: list[str],
     open_backends: bool = False,
     backends: tuple[str, ...] | None = None,
+    announced: str = ANNOUNCED_WHERE,
 ) -> Case:
     """Every rule for a case, wherever it is made (case file or ppo_run overrides).
     open_backends: engine modules will register engines the pytest process cannot see, so any
@@ -268,7 +269,7 @@ def validate_case(
     else:
         allowed = (*(backends if backends is not None else known_backends()), "verl:<name>")
         if not (open_backends and BACKEND_NAME.match(case.backend)) and case.backend not in allowed:
-            expected = f"one of {', '.join(allowed)} ({ANNOUNCED_WHERE})"
+            expected = f"one of {', '.join(allowed)} ({announced})"
             raise where.error("backend", expected, case.backend)
     _choice(where, "dtype", case.dtype, DTYPES)
     _choice(where, "gradient_sync", case.gradient_sync, SYNC_POLICIES)
@@ -341,13 +342,28 @@ def validate_case(
 
 
 def with_overrides(
-    case: Case, overrides: dict, open_backends: bool = False, tiny_models: Path | None = None
+    case: Case,
+    overrides: dict,
+    engine_modules: Sequence[str] = (),
+    pythonpath: Sequence[str] = (),
+    tiny_models: Path | None = None,
 ) -> Case:
-    """`ppo_run(case, **overrides)`: the same rules as the case file, the same one-line errors."""
+    """`ppo_run(case, **overrides)`: the same rules as the case file, the same one-line errors.
+    The backend may be one the engine modules register, read from their source (with ppo_run's
+    pythonpath) before any rank starts; where a module's source shows no engine from here, any
+    plain name is left to the ranks' registry."""
     raw = {k: v for k, v in dataclasses.asdict(case).items() if v is not None}
     raw.update(overrides)
     raw = {k: v for k, v in raw.items() if v is not None}  # None: back to the field's default
-    return validate_case(raw, "ppo_run overrides", tiny_specs(tiny_models), open_backends)
+    found = [registered_backends(module, pythonpath) for module in engine_modules]
+    backends = tuple(dict.fromkeys((*known_backends(), *(n for names in found for n in names))))
+    announced = ANNOUNCED_WHERE
+    if engine_modules:
+        announced += f"; engine modules read: {', '.join(engine_modules)}"
+    specs = tiny_specs(tiny_models)
+    return validate_case(
+        raw, "ppo_run overrides", specs, not all(found), backends, announced=announced
+    )
 
 
 def load_cases(

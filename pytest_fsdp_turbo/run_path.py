@@ -12,19 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pytest_fsdp_turbo.cases import (
-    ANNOUNCED_WHERE,
     DEFAULT_CASES,
     Case,
     CaseBook,
     CaseParam,
-    known_backends,
     load_cases,
-    registered_backends,
     with_overrides,
 )
 from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.devices import Accelerator
-from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.launch import RunResult
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
@@ -66,11 +62,7 @@ class CaseRunner:
             case = self.cases().get(case)
         if not overrides:
             return case
-        tiny = self.settings.tiny_models
-        resolved = with_overrides(case, overrides, open_backends=bool(modules), tiny_models=tiny)
-        if "backend" in overrides and modules and not resolved.is_verl:
-            refuse_unregistered_backend(resolved.backend, modules, pythonpath)
-        return resolved
+        return with_overrides(case, overrides, modules, pythonpath, self.settings.tiny_models)
 
     def gate(self, case: Case, checkout: Checkout | None) -> tuple[Path, Checkout | None]:
         from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
@@ -132,20 +124,6 @@ class CaseRunner:
         return self.launch(request)
 
 
-def refuse_unregistered_backend(backend: str, modules: Sequence[str], pythonpath: Sequence[str]):
-    """Before any rank starts: when the source of every engine module can be read, the backend
-    must be one they (or the plugin, or an entry point) register; one line, once, if not."""
-    found = [registered_backends(module, pythonpath) for module in modules]
-    if not all(found):
-        return  # a module the pytest process cannot see: the ranks' registry will say
-    allowed = dict.fromkeys((*known_backends(), *(name for names in found for name in names)))
-    if backend not in allowed:
-        raise ConfigError(
-            f"ppo_run overrides: field 'backend': expected one of {', '.join(allowed)} "
-            f"({ANNOUNCED_WHERE}; engine modules read: {', '.join(modules)}); got {backend!r}"
-        )
-
-
 @dataclass(frozen=True)
 class IniConfig:
     """The rootdir and the plugin's ini values, as pytest started in a folder would see them."""
@@ -172,7 +150,7 @@ def read_ini(start: Path) -> IniConfig:
             Reader.found = IniConfig(config.rootpath, config.getini("fsdp_turbo_cases"), modules)
             return 0  # nothing else runs: no configure hooks, no collection
 
-    with contextlib.chdir(start), contextlib.redirect_stdout(open(os.devnull, "w")):
+    with open(os.devnull, "w") as sink, contextlib.chdir(start), contextlib.redirect_stdout(sink):
         pytest.main(["--noconftest", "-p", "no:cacheprovider"], plugins=[Reader()])
     return Reader.found or IniConfig(start, "", ())
 

@@ -250,8 +250,15 @@ def test_overrides_obey_the_case_rules_with_the_same_one_line_errors():
             f"ppo_run overrides: case 'tiny-qwen3-single-rank': field '{field}'"
         )
         assert expected in message and "\n" not in message
-    # engine modules register backends the pytest process cannot see: a plain name is accepted
-    assert with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, open_backends=True).backend
+    # engine modules whose source the pytest process cannot see: a plain name is left to the ranks
+    unseen = with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, ["not_importable_here"])
+    assert unseen.backend == "fsdp_off_by_one_sync"
+    # ones it can read (through ppo_run's pythonpath) name their backends, and nothing else passes
+    e2e = [str(REPO / "e2e")]
+    read = with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, ["broken_engines"], e2e)
+    assert read.backend == "fsdp_off_by_one_sync"
+    with pytest.raises(ConfigError, match=r"engine modules read: broken_engines\); got 'fsdp_of"):
+        with_overrides(case, {"backend": "fsdp_of_by_one_sync"}, ["broken_engines"], e2e)
 
 
 def test_a_single_twin_differs_from_its_case_in_every_dimension_under_test():

@@ -161,7 +161,9 @@ def test_a_backend_no_engine_module_registers_is_refused_before_any_rank_starts(
         )
     message = str(failed.value)
     assert message.startswith(
-        "ppo_run overrides: field 'backend': expected one of fsdp, fsdp_turbo"
+        "ppo_run overrides: case 'tiny-qwen3-single-rank': field 'backend': expected one of fsdp, "
+        "fsdp_turbo"
     )
-    assert ", real (" in message and "engine modules read: real_engines); got 'rael'" in message
+    assert ", real, verl:<name> (" in message
+    assert "engine modules read: real_engines); got 'rael'" in message
     assert "\n" not in message
