@@ -144,6 +144,8 @@ def _child(request: dict, inherited: list[int]) -> None:
         else:
             from pytest_fsdp_turbo_engine import worker
 
+            preloaded = sorted({name.partition(".")[0] for name in sys.modules} & set(PRELOADS))
+            print(f"[warm fork] stacks already imported: {', '.join(preloaded) or 'none'}")
             code = worker.main([request["spec"]])
     finally:
         sys.stdout.flush()

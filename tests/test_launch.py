@@ -62,9 +62,8 @@ def test_crashing_rank_fails_fast_with_traceback_and_phase(ppo_run, no_leaked_pr
     crashed = result.ranks[1]
     assert crashed.error["phase"] == "rollout"
     assert crashed.error["type"] == "InjectedFault"
-    assert (
-        result.ranks[0].duration_s - crashed.duration_s < 10
-    )  # stopped at once, not at the timeout
+    # stopped by the supervisor's signal, not left to fail at a collective or the case timeout
+    assert result.ranks[0].exit_code < 0 and not result.timed_out, result.ranks[0]
     text = result.failure_text()
     assert "phase rollout: InjectedFault: injected crash in rank 1 at phase rollout" in text
     assert "Traceback (most recent call last)" in text
