@@ -62,8 +62,10 @@ def test_crashing_rank_fails_fast_with_traceback_and_phase(ppo_run, no_leaked_pr
     crashed = result.ranks[1]
     assert crashed.error["phase"] == "rollout"
     assert crashed.error["type"] == "InjectedFault"
-    # stopped by the supervisor's signal, not left to fail at a collective or the case timeout
-    assert result.ranks[0].exit_code < 0 and not result.timed_out, result.ranks[0]
+    # stopped at once (the supervisor's signal, or gloo seeing its peer gone), never at a timeout
+    peer = result.ranks[0]
+    assert not result.timed_out and peer.exit_code != 0, peer
+    assert peer.exit_code < 0 or "timeout" not in peer.error["message"].lower(), peer.error
     text = result.failure_text()
     assert "phase rollout: InjectedFault: injected crash in rank 1 at phase rollout" in text
     assert "Traceback (most recent call last)" in text
