@@ -15,10 +15,10 @@ import tempfile
 from pathlib import Path
 
 from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo.contract import Metric
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.run_path import standalone_runner
 from pytest_fsdp_turbo.settings import resolve
-from pytest_fsdp_turbo.vocab import Metric
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def rel(a: float, b: float) -> float:
 def margins(result, twin_result, dtype: str) -> list[tuple[str, float, float]]:
     ref, main, twin = result.metrics, twin_result.metrics, twin_result.twin.metrics
     worst_step = max(r.metrics[Metric.SYNC_STEP_MAX_ERR_LR] for r in result.ranks)
-    worst_l2 = max(r.metrics["sync/step_rel_l2_err"] for r in result.ranks)
+    worst_l2 = max(r.metrics[Metric.SYNC_STEP_REL_L2_ERR] for r in result.ranks)
     atol, rtol = checks.TWIN_LOSS_TOL[dtype]
     worst_adamw = max(r.metrics[Metric.SYNC_ADAMW_STEP_MAX_ERR_LR] for r in result.ranks)
     return [
@@ -56,7 +56,7 @@ def margins(result, twin_result, dtype: str) -> list[tuple[str, float, float]]:
         ),
         (
             "c gradients vs reference (relative L2)",
-            ref["sync/grad_rel_l2_err"],
+            ref[Metric.SYNC_GRAD_REL_L2_ERR],
             checks.GRAD_PARITY_L2_TOL[dtype],
         ),
         (
@@ -107,7 +107,7 @@ def main() -> None:
                     raise SystemExit(result.failure_text())
                 runs.append(result)
             print(f"\n{dtype}: {'measured':>10}  {'tolerance':>10}  {'headroom':>8}  what")
-            print(f"      worst parameter: {runs[0].metrics['sync/grad_max_rel_err_param']}")
+            print(f"      worst parameter: {runs[0].metrics[Metric.SYNC_GRAD_MAX_REL_ERR_PARAM]}")
             for what, value, tol in margins(*runs, dtype):
                 if tol is None:
                     print(f"      {value:10.3g}  {'-':>10}  {'-':>8}  {what} (not checked)")

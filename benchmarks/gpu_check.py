@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.cases import load_cases
+from pytest_fsdp_turbo.contract import Metric
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.models import resolve_model
@@ -60,12 +61,12 @@ def main() -> int:
             rows.append(
                 (
                     case.id,
-                    m.get("case/dtype", "?"),
-                    f"{m.get('actor/grad_norm', float('nan')):.4g}",
-                    f"{m.get('actor/pg_loss', float('nan')):.4g}",
-                    f"{m.get('sync/rollout_logprob_max_abs_diff', float('nan')):.3g}",
-                    f"{m.get('perf/peak_memory_bytes', 0) / 2**20:.0f}",
-                    f"{m.get('perf/step_time_s', float('nan')):.2f}",
+                    m.get(Metric.CASE_DTYPE, "?"),
+                    f"{m.get(Metric.ACTOR_GRAD_NORM, float('nan')):.4g}",
+                    f"{m.get(Metric.ACTOR_PG_LOSS, float('nan')):.4g}",
+                    f"{m.get(Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF, float('nan')):.3g}",
+                    f"{m.get(Metric.PERF_PEAK_MEMORY_BYTES, 0) / 2**20:.0f}",
+                    f"{m.get(Metric.PERF_STEP_TIME_S, float('nan')):.2f}",
                     f"{wall:.1f}",
                     verdict,
                 )

@@ -16,11 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from pytest_fsdp_turbo.contract import Metric, RunFolder
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env
 from pytest_fsdp_turbo.launch import WORKER_MODULE
 from pytest_fsdp_turbo.run_path import standalone_runner
-from pytest_fsdp_turbo.runs import RunRequest, worker_spec
+from pytest_fsdp_turbo.runs import RunRequest, rank_spec
 from pytest_fsdp_turbo.settings import resolve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,7 +49,7 @@ def main() -> None:
                 else:
                     request = RunRequest(case, model, out, accel)
                     out.mkdir()
-                    (out / "spec.json").write_text(json.dumps(worker_spec(request)))
+                    rank_spec(request).write(RunFolder(out).spec)
                     port = book.port()
                     env = build_collective_env(
                         "cpu",
@@ -66,7 +67,7 @@ def main() -> None:
                             f"--nproc-per-node={case.world_size}",
                             "-m",
                             WORKER_MODULE,
-                            str(out / "spec.json"),
+                            str(RunFolder(out).spec),
                         ],
                         env={**env, "PYTHONPATH": os.pathsep.join(sys.path)},
                         capture_output=True,
@@ -80,8 +81,8 @@ def main() -> None:
                 (ours if mode == "launcher" else bare).append(elapsed)
                 if mode == "launcher":
                     for rank in range(case.world_size):
-                        metrics = json.loads((out / f"rank{rank}.metrics.json").read_text())
-                        rss.append(metrics["perf/peak_memory_bytes"])
+                        metrics = json.loads(RunFolder(out).metrics(rank).read_text())
+                        rss.append(metrics[Metric.PERF_PEAK_MEMORY_BYTES])
     a, b = statistics.median(ours), statistics.median(bare)
     print(
         f"{case.id} ({case.world_size} ranks, cpu), median of {args.rounds}: launcher {a:.2f}s, "

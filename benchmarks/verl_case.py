@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pytest_fsdp_turbo.contract import Metric
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.run_path import standalone_runner
 from pytest_fsdp_turbo.settings import resolve
@@ -40,7 +41,7 @@ def main() -> None:
                 if not result.ok:
                     raise SystemExit(result.failure_text())
                 times[name].append(time.perf_counter() - start)
-                steps[name].append(result.metrics["perf/step_time_s"])
+                steps[name].append(result.metrics[Metric.PERF_STEP_TIME_S])
     med = {name: statistics.median(values) for name, values in times.items()}
     step = {name: statistics.median(values) for name, values in steps.items()}
     print(f"case {verl.id} ({verl.world_size} ranks, {args.rounds} rounds, medians)")

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pytest_fsdp_turbo.contract import Metric
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.run_path import standalone_runner
 from pytest_fsdp_turbo.settings import resolve
@@ -61,7 +62,7 @@ def case_wall_and_step(rounds: int) -> tuple[float, float]:
                 raise SystemExit(result.failure_text())
             if round_:
                 walls.append(wall)
-                steps.append(result.metrics["perf/step_time_s"])
+                steps.append(result.metrics[Metric.PERF_STEP_TIME_S])
     return statistics.median(walls), statistics.median(steps)
 
 

@@ -22,9 +22,8 @@ import pytest
 
 from pytest_fsdp_turbo import checks, goldens
 from pytest_fsdp_turbo.checkout import Checkout
-from pytest_fsdp_turbo.launch import RunResult
+from pytest_fsdp_turbo.contract import REFERENCE_METRICS, Metric, RunResult
 from pytest_fsdp_turbo.session import cases_of, goldens_dir
-from pytest_fsdp_turbo.vocab import REFERENCE_METRICS, Metric
 
 HERE = Path(__file__).parent
 # The engine bugs below are model-agnostic, so they run on the quickest two-rank case; the

@@ -39,10 +39,22 @@ from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
 from pytest_fsdp_turbo_engine.ulysses_lift import library_patches_lifted
 from pytest_fsdp_turbo_engine.worker import PARTIAL_METRICS_ATTR
 
-from pytest_fsdp_turbo.vocab import Env, Metric, timing_key
+from pytest_fsdp_turbo.contract import (
+    CaseRecord,
+    LossRecord,
+    Metric,
+    OptimizerRecord,
+    PerfRecord,
+    PostStepRecord,
+    RankSpec,
+    ReferenceRecord,
+    RunFolder,
+    StepMetrics,
+    TrainRecord,
+    timing_key,
+)
+from pytest_fsdp_turbo.vocab import Env
 
-BATCH_FILE = "batch.pt"  # the global training batch, for a twin to replay
-POST_STEP_FILE = "post_step.pt"  # the global post-step logprobs on that batch
 ADAMW_EPS = 1e-8  # torch's AdamW default, which every engine here keeps
 SUMMED_PARTS = (
     Metric.ACTOR_LOSS,
@@ -113,7 +125,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 class Rank:
     """What every phase of one rank shares: its configs, device, engine and data-parallel place."""
 
-    spec: dict
+    spec: RankSpec
     rank: int
     phase: Phase
     out: Path
@@ -145,13 +157,11 @@ class Rank:
 # --- phases ---------------------------------------------------------------------------------------
 
 
-def load(spec: dict, rank: int, phase: Phase, out: Path) -> Rank:
+def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
     from pytest_fsdp_turbo_engine.registry import VERL_PREFIX, load_engine_plugins, lookup
     from transformers import AutoTokenizer
 
-    engine_cfg = EngineConfig(**spec["engine"])
-    cfg = PPOConfig(**spec["ppo"])
-    kind = spec["device_kind"]
+    engine_cfg, cfg, kind = spec.engine, spec.ppo, spec.device_kind
     device = device_for(kind, int(os.environ.get("LOCAL_RANK", rank)))
     torch.manual_seed(cfg.seed)
     ctx = Rank(spec, rank, phase, out, engine_cfg, cfg, device)
@@ -161,14 +171,14 @@ def load(spec: dict, rank: int, phase: Phase, out: Path) -> Rank:
         from pytest_fsdp_turbo_engine.verl_cpu_platform import prepare
 
         prepare(kind)  # before any engine module imports verl
-    load_engine_plugins(spec.get("engine_modules", ()))
-    engine = lookup(spec["model_type"], engine_cfg.backend, kind)(engine_cfg, device)
+    load_engine_plugins(spec.engine_modules)
+    engine = lookup(spec.model_type, engine_cfg.backend, kind)(engine_cfg, device)
     ctx.engine = engine
-    ctx.tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    engine.build(spec["model_path"])
+    ctx.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
+    engine.build(spec.model_path)
     if not ctx.replaying:
-        ctx.reference_module = engine.build(spec["model_path"], trainable=False)
-        ctx.rollout = make_rollout(cfg, engine_cfg, spec["model_path"], device, ctx.tokenizer)
+        ctx.reference_module = engine.build(spec.model_path, trainable=False)
+        ctx.rollout = make_rollout(cfg, engine_cfg, spec.model_path, device, ctx.tokenizer)
     ctx.dp_rank, ctx.dp_size = engine.data_parallel_rank(), engine.data_parallel_size()
     ctx.sp = max(1, engine_cfg.sp_size)
     return ctx
@@ -231,7 +241,7 @@ def collect(ctx: Rank) -> Collected:
 def replayed(ctx: Rank) -> Collected:
     """This rank's share of the main run's global batch (ranks hold equal, contiguous blocks)."""
     ctx.phase.enter("replay")
-    whole = TrainBatch.load(Path(ctx.cfg.replay) / BATCH_FILE)
+    whole = TrainBatch.load(RunFolder(Path(ctx.cfg.replay)).batch)
     block = whole.size // ctx.dp_size
     rows = torch.arange(ctx.dp_rank * block, (ctx.dp_rank + 1) * block)
     return Collected(whole.rows(rows).to(ctx.device), None)
@@ -346,7 +356,7 @@ def single_process_copy(ctx: Rank) -> torch.nn.Module:
         return ctx.rollout.model
     from pytest_fsdp_turbo_engine.hf_model import load_pretrained
 
-    model = load_pretrained(ctx.spec["model_path"], dtype=torch.float32)
+    model = load_pretrained(ctx.spec.model_path, dtype=torch.float32)
     return model.to(ctx.device)
 
 
@@ -498,13 +508,12 @@ def replica_max_abs_diff(engine, device: torch.device) -> float | None:
     return all_max(float(worst), device)
 
 
-def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> dict[str, float]:
+def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> float:
     """Twin only: post-step logprobs against the main run's, on the same global batch."""
     group = ctx.engine.data_parallel_group()
     mine, mask = gather_rows(logprobs, group), gather_rows(batch.mask, group)
-    main = torch.load(Path(ctx.cfg.replay) / POST_STEP_FILE, weights_only=True)
-    diff = float(((mine - main["logprobs"]).abs() * mask).max())
-    return {Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF: diff}
+    main = torch.load(RunFolder(Path(ctx.cfg.replay)).post_step, weights_only=True)
+    return float(((mine - main["logprobs"]).abs() * mask).max())
 
 
 # --- the step -------------------------------------------------------------------------------------
@@ -512,34 +521,39 @@ def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> dic
 
 @dataclass
 class StepOutput:
-    metrics: dict[str, Any]
+    metrics: StepMetrics
     grads_fingerprint: dict | None = None
 
 
-def reduced_metrics(ctx: Rank, collected: Collected, trained: Trained, tokens: float) -> dict:
+def reduced_loss(ctx: Rank, collected: Collected, trained: Trained, tokens: float) -> LossRecord:
     """Per-rank sums and maxima reduced to the whole run (sequence-parallel ranks counted once)."""
     device, sp, batch = ctx.device, ctx.sp, collected.batch
-    metrics = {key: all_sum(trained.parts.get(key, 0.0), device) / sp for key in SUMMED_PARTS}
+    summed = {key: all_sum(trained.parts.get(key, 0.0), device) / sp for key in SUMMED_PARTS}
     first = trained.first_micro_batch
-    for key, part in (
-        (Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH, Metric.ACTOR_PPO_KL),
-        (Metric.ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH, Metric.ACTOR_PG_CLIPFRAC),
-    ):
-        metrics[key] = all_max(abs(first[part]), device)
-    key = Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH
-    metrics[key] = all_max(first[key], device)
     responses = all_sum(float(batch.size), device) / sp
-    metrics[Metric.RESPONSE_LENGTH_MEAN] = tokens / responses
-    metrics[Metric.PPO_ADVANTAGES_ABS_MAX] = all_max(float(batch.advantages.abs().max()), device)
+    score_mean = None
     if collected.scores is not None:
-        scores = float(collected.scores.sum())
-        metrics[Metric.CRITIC_SCORE_MEAN] = all_sum(scores, device) / sp / responses
-    return metrics
+        score_mean = all_sum(float(collected.scores.sum()), device) / sp / responses
+    key = Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH
+    return LossRecord(
+        loss=summed[Metric.ACTOR_LOSS],
+        pg_loss=summed[Metric.ACTOR_PG_LOSS],
+        pg_clipfrac=summed[Metric.ACTOR_PG_CLIPFRAC],
+        ppo_kl=summed[Metric.ACTOR_PPO_KL],
+        kl_loss=summed[Metric.ACTOR_KL_LOSS],
+        entropy=summed[Metric.ACTOR_ENTROPY],
+        ppo_kl_first_micro_batch=all_max(abs(first[Metric.ACTOR_PPO_KL]), device),
+        pg_clipfrac_first_micro_batch=all_max(abs(first[Metric.ACTOR_PG_CLIPFRAC]), device),
+        ppo_log_ratio_abs_max_first_micro_batch=all_max(first[key], device),
+        response_length_mean=tokens / responses,
+        advantages_abs_max=all_max(float(batch.advantages.abs().max()), device),
+        score_mean=score_mean,
+    )
 
 
-def run_ppo_step(spec: dict, rank: int, phase: Phase, out: Path) -> StepOutput:
-    """Metrics measured so far ride on any exception as `partial_metrics`, so nothing is lost."""
-    metrics: dict[str, Any] = {}
+def run_ppo_step(spec: RankSpec, rank: int, phase: Phase, out: Path) -> StepOutput:
+    """What was measured so far rides on any exception as `partial_metrics`, so nothing is lost."""
+    metrics = StepMetrics()
     try:
         return _run(spec, rank, phase, out, metrics)
     except BaseException as exc:
@@ -547,24 +561,20 @@ def run_ppo_step(spec: dict, rank: int, phase: Phase, out: Path) -> StepOutput:
         raise
 
 
-def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepOutput:
+def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetrics) -> StepOutput:
     ctx = load(spec, rank, phase, out)
-    cfg, device = ctx.cfg, ctx.device
+    cfg, device, folder = ctx.cfg, ctx.device, RunFolder(out)
     replicas = ctx.engine.replicate_group()
-    metrics.update(
-        {
-            Metric.CASE_SYNC_POLICY: ctx.engine_cfg.sync_policy,
-            Metric.CASE_WORLD_SIZE: ctx.engine_cfg.world_size,
-            Metric.CASE_MICRO_BATCHES: cfg.micro_batches,
-            Metric.CASE_DTYPE: ctx.engine_cfg.dtype,
-            Metric.CASE_DEVICE: spec["device_kind"],
-            Metric.CASE_REFERENCE: cfg.reference_checks and not ctx.replaying,
-            Metric.CASE_MEMORY_BUDGET_MB: spec.get("memory_budget_mb"),
-            Metric.CASE_REPLICAS: 1
-            if replicas is None
-            else torch.distributed.get_world_size(replicas),
-            "rank": rank,
-        }
+    metrics.case = CaseRecord(
+        rank=rank,
+        device=spec.device_kind,
+        dtype=ctx.engine_cfg.dtype,
+        sync_policy=ctx.engine_cfg.sync_policy,
+        world_size=ctx.engine_cfg.world_size,
+        micro_batches=cfg.micro_batches,
+        reference=cfg.reference_checks and not ctx.replaying,
+        memory_budget_mb=spec.memory_budget_mb,
+        replicas=1 if replicas is None else torch.distributed.get_world_size(replicas),
     )
     step_start = time.perf_counter()
     collected = replayed(ctx) if ctx.replaying else collect(ctx)
@@ -574,23 +584,21 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
     tokens = all_sum(float(batch.mask.sum()), device, group)
     global_batch = batch.gather(group) if not ctx.replaying else None
     if global_batch is not None and rank == 0:
-        global_batch.save(out / BATCH_FILE)
+        global_batch.save(folder.batch)
 
     trained = train(ctx, batch, tokens)
-    metrics.update(
-        {
-            Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH: trained.reduce_scatters_by_micro_batch,
-            Metric.COMM_REDUCE_SCATTER_CALLS: sum(trained.reduce_scatters_by_micro_batch),
-            Metric.COMM_ALL_GATHER_CALLS: trained.all_gathers,
-            Metric.COMM_FSDP_UNITS: trained.fsdp_units,
-            Metric.COMM_SHARD_GROUP_SIZE: trained.shard_group_size,
-            Metric.SYNC_LAYER_TOKENS: trained.layer_tokens,
-            Metric.SYNC_SEQ_LEN: int(batch.input_ids.shape[1]),
-            # rows of the largest micro-batch: both loops split as torch.chunk does
-            Metric.SYNC_MICRO_BATCH_ROWS: -(-batch.size // ctx.cfg.micro_batches),
-            Metric.CASE_SP_SIZE: ctx.sp,
-            Metric.SYNC_RETAINED_GRAD_BYTES: trained.retained_grad_bytes,
-        }
+    metrics.train = TrainRecord(
+        reduce_scatter_calls_by_micro_batch=trained.reduce_scatters_by_micro_batch,
+        reduce_scatter_calls=sum(trained.reduce_scatters_by_micro_batch),
+        all_gather_calls=trained.all_gathers,
+        fsdp_units=trained.fsdp_units,
+        shard_group_size=trained.shard_group_size,
+        layer_tokens=trained.layer_tokens,
+        seq_len=int(batch.input_ids.shape[1]),
+        # rows of the largest micro-batch: both loops split as torch.chunk does
+        micro_batch_rows=-(-batch.size // ctx.cfg.micro_batches),
+        sp_size=ctx.sp,
+        retained_grad_bytes=trained.retained_grad_bytes,
     )
 
     ref, copy = None, None
@@ -598,61 +606,61 @@ def _run(spec: dict, rank: int, phase: Phase, out: Path, metrics: dict) -> StepO
         with ctx.unsharded():
             copy = single_process_copy(ctx)
             ref = reference(ctx, global_batch, tokens, copy)
-        metrics[Metric.SYNC_GRAD_MAX_REL_ERR] = ref.grad_max_rel_err
-        metrics[Metric.SYNC_GRAD_MAX_REL_ERR_PARAM] = ref.grad_max_rel_err_param
-        metrics[Metric.SYNC_REFERENCE_GRAD_NORM] = ref.norm
-        metrics[Metric.SYNC_GRAD_REL_L2_ERR] = ref.grad_rel_l2_err
+        metrics.reference = ReferenceRecord(
+            grad_max_rel_err=ref.grad_max_rel_err,
+            grad_max_rel_err_param=ref.grad_max_rel_err_param,
+            reference_grad_norm=ref.norm,
+            grad_rel_l2_err=ref.grad_rel_l2_err,
+        )
 
     stepped = optimizer(ctx)
     step_time = time.perf_counter() - step_start
     finite = math.isfinite(stepped.reported_norm)
-    metrics.update(
-        {
-            Metric.ACTOR_GRAD_NORM: stepped.reported_norm,
-            Metric.ACTOR_GRAD_NORM_FINITE: finite,
-            Metric.SYNC_GRAD_NORM_MEASURED: stepped.measured_norm,
-            Metric.ACTOR_PARAM_UPDATE_MAX_ABS: stepped.update_max_abs,
-            Metric.ACTOR_UPDATE_L2: stepped.update_l2,
-            Metric.ACTOR_LOCAL_PARAM_NUMEL: stepped.local_numel,
-            Metric.SYNC_ADAMW_STEP_MAX_ERR_LR: stepped.adamw_step_err_lr,
-        }
+    metrics.optimizer = OptimizerRecord(
+        grad_norm=stepped.reported_norm,
+        grad_norm_finite=finite,
+        grad_norm_measured=stepped.measured_norm,
+        param_update_max_abs=stepped.update_max_abs,
+        update_l2=stepped.update_l2,
+        local_param_numel=stepped.local_numel,
+        adamw_step_max_err_lr=stepped.adamw_step_err_lr,
     )
 
     after = post_step(ctx, batch, ref, copy, finite)
-    metrics[Metric.SYNC_REPLICA_MAX_ABS_DIFF] = after.replica_max_abs_diff
-    metrics[Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF] = after.rollout_logprob_max_abs_diff
     # token means over the global batch (sequence-parallel ranks counted once)
-    mean = all_sum(float((after.logprobs * batch.mask).sum()), device) / ctx.sp / tokens
-    metrics[Metric.ACTOR_POST_STEP_LOGPROB_MEAN] = mean
+    post_mean = all_sum(float((after.logprobs * batch.mask).sum()), device) / ctx.sp / tokens
+    record = PostStepRecord(
+        replica_max_abs_diff=after.replica_max_abs_diff,
+        rollout_logprob_max_abs_diff=after.rollout_logprob_max_abs_diff,
+        post_step_logprob_mean=post_mean,
+        step_max_err_lr=after.step_max_err,
+        step_rel_l2_err=after.step_rel_l2_err,
+    )
     if after.rollout_logprob_sum is not None:
-        mean = all_sum(after.rollout_logprob_sum, device) / ctx.sp / tokens
-        metrics[Metric.SYNC_ROLLOUT_LOGPROB_MEAN] = mean
+        rollout_sum = all_sum(after.rollout_logprob_sum, device)
+        record.rollout_logprob_mean = rollout_sum / ctx.sp / tokens
     if after.handoff is not None:
-        metrics[Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF] = after.handoff.max_abs_diff
-        metrics[Metric.SYNC_HANDOFF_WEIGHT_WORST] = after.handoff.worst
-        metrics[Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF] = after.served.max_abs_diff
-        metrics[Metric.SYNC_ROLLOUT_WEIGHT_WORST] = after.served.worst
-        metrics[Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED] = after.served.compared
-    if after.step_max_err is not None:
-        metrics[Metric.SYNC_STEP_MAX_ERR_LR] = after.step_max_err
-        metrics[Metric.SYNC_STEP_REL_L2_ERR] = after.step_rel_l2_err
+        record.handoff_weight_max_abs_diff = after.handoff.max_abs_diff
+        record.handoff_weight_worst = after.handoff.worst
+        record.rollout_weight_max_abs_diff = after.served.max_abs_diff
+        record.rollout_weight_worst = after.served.worst
+        record.rollout_weights_compared = after.served.compared
     if ctx.replaying:
-        metrics.update(twin_comparison(ctx, batch, after.logprobs))
+        record.twin_post_step_logprob_max_abs_diff = twin_comparison(ctx, batch, after.logprobs)
     else:
         logprobs = gather_rows(after.logprobs, group)
         if rank == 0:
-            torch.save({"logprobs": logprobs}, out / POST_STEP_FILE)
+            torch.save({"logprobs": logprobs}, folder.post_step)
+    metrics.post_step = record
 
     phase.enter("metrics")
-    metrics.update(reduced_metrics(ctx, collected, trained, tokens))
+    metrics.loss = reduced_loss(ctx, collected, trained, tokens)
     global_tokens = all_sum(float(batch.input_ids.numel()), device) / ctx.sp
-    metrics.update(
-        {
-            Metric.PERF_STEP_TIME_S: step_time,
-            Metric.PERF_TOKENS_PER_S: global_tokens / step_time,
-            Metric.PERF_PEAK_MEMORY_BYTES: peak_memory_bytes(device),
-        }
+    metrics.perf = PerfRecord(
+        step_time_s=step_time,
+        tokens_per_s=global_tokens / step_time,
+        peak_memory_bytes=peak_memory_bytes(device),
     )
     launched = os.environ.get(Env.LAUNCHED_AT)
-    metrics.update(phase.timings(float(launched) if launched else None))
+    metrics.timings = phase.timings(float(launched) if launched else None)
     return StepOutput(metrics, ref.fingerprint if ref else None)

@@ -57,7 +57,9 @@ def _pin_version_sensitive_init(model) -> None:
                 param.copy_(torch.linspace(1.0, 16.0, param.numel()).log().view_as(param))
 
 
-def tiny_config(spec: dict, vocab_size: int, eos_id: int | None = None, pad_id: int | None = None):
+def tiny_config(
+    recipe: dict, vocab_size: int, eos_id: int | None = None, pad_id: int | None = None
+):
     """The HF config of a spec. A vision-language spec (a `text_config` inside) gets the vocabulary
     and special tokens in its text config, where the language model reads them."""
     from transformers import AutoConfig
@@ -65,11 +67,11 @@ def tiny_config(spec: dict, vocab_size: int, eos_id: int | None = None, pad_id: 
     tokens = {"vocab_size": vocab_size}
     if eos_id is not None:
         tokens.update(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=eos_id)
-    fields = dict(spec["config"])
+    fields = dict(recipe["config"])
     if "text_config" in fields:
         fields["text_config"] = {**fields["text_config"], **tokens}
-        return AutoConfig.for_model(spec["model_type"], **fields)
-    return AutoConfig.for_model(spec["model_type"], **tokens, **fields)
+        return AutoConfig.for_model(recipe["model_type"], **fields)
+    return AutoConfig.for_model(recipe["model_type"], **tokens, **fields)
 
 
 def build_tiny_model(name: str, out_dir: Path, spec_dir: Path | None = None) -> Path:

@@ -10,6 +10,8 @@ from pytest_fsdp_turbo_engine import ppo
 from pytest_fsdp_turbo_engine.config import PPOConfig
 from pytest_fsdp_turbo_engine.reductions import gather_rows
 
+from pytest_fsdp_turbo.contract import Metric
+
 TENSOR_FIELDS = ("input_ids", "mask", "advantages", "old_logprobs", "ref_logprobs")
 
 
@@ -69,14 +71,14 @@ def ppo_loss(
     kl_loss = ppo.token_sum(ppo.low_var_kl(logprobs, mb.ref_logprobs), mb.mask) / tokens
     loss = pg_loss + cfg.kl_coef * kl_loss
     parts = {
-        "actor/pg_loss": pg_loss,
-        "actor/pg_clipfrac": clipfrac,
-        "actor/ppo_kl": ppo_kl,
-        "actor/kl_loss": kl_loss,
+        Metric.ACTOR_PG_LOSS: pg_loss,
+        Metric.ACTOR_PG_CLIPFRAC: clipfrac,
+        Metric.ACTOR_PPO_KL: ppo_kl,
+        Metric.ACTOR_KL_LOSS: kl_loss,
     }
     if entropy is not None:
         ent = ppo.token_sum(entropy, mb.mask) / tokens
         loss = loss - cfg.entropy_coef * ent
-        parts["actor/entropy"] = ent
-    parts["actor/loss"] = loss
+        parts[Metric.ACTOR_ENTROPY] = ent
+    parts[Metric.ACTOR_LOSS] = loss
     return loss, {k: v.detach() for k, v in parts.items()}

@@ -16,6 +16,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from pytest_fsdp_turbo.contract import RankError, RankSpec, RunFolder
+
 PARTIAL_METRICS_ATTR = "partial_metrics"  # what a failed step measured, carried on its exception
 
 
@@ -28,8 +30,9 @@ def _write_json(path: Path, payload: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec_path = Path(argv[0])
-    spec = json.loads(spec_path.read_text())
+    spec = RankSpec.read(spec_path)
     out = spec_path.parent
+    folder = RunFolder(out)
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from pytest_fsdp_turbo_engine.faults import Fault
     from pytest_fsdp_turbo_engine.step import Phase
 
-    phase = Phase(rank, report=out / f"rank{rank}.phases.jsonl")
+    phase = Phase(rank, report=folder.phases(rank))
     try:
         phase.fault = Fault.from_env()
         phase.enter("init")
@@ -50,34 +53,25 @@ def main(argv: list[str] | None = None) -> int:
         from pytest_fsdp_turbo.devices import BACKEND_BY_KIND
         from pytest_fsdp_turbo.vocab import Env
 
-        backend = BACKEND_BY_KIND[spec["device_kind"]]
+        backend = BACKEND_BY_KIND[spec.device_kind]
         timeout_s = float(os.environ.get(Env.COLLECTIVE_TIMEOUT_S, "120"))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         assert dist.get_world_size() == world_size
         output = run_ppo_step(spec, rank, phase, out)
         phase.enter("write")
         if output.grads_fingerprint is not None:
-            _write_json(out / f"rank{rank}.grads.json", output.grads_fingerprint)
-        _write_json(out / f"rank{rank}.metrics.json", output.metrics)
+            _write_json(folder.grads(rank), output.grads_fingerprint)
+        _write_json(folder.metrics(rank), output.metrics.to_json())
         dist.barrier()
         dist.destroy_process_group()
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported, then exit
         text = traceback.format_exc()
-        _write_json(
-            out / f"rank{rank}.error.json",
-            {
-                "rank": rank,
-                "phase": phase.name,
-                "type": type(exc).__name__,
-                "message": str(exc),
-                "traceback": text,
-                "time": time.time(),
-            },
-        )
+        error = RankError(rank, phase.name, type(exc).__name__, str(exc), text, time.time())
+        _write_json(folder.error(rank), error.to_json())
         partial = getattr(exc, PARTIAL_METRICS_ATTR, None)
-        if partial:
-            _write_json(out / f"rank{rank}.partial-metrics.json", partial)
+        if partial is not None and partial.to_json():
+            _write_json(folder.partial_metrics(rank), partial.to_json())
         print(text, file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)

@@ -16,6 +16,7 @@ from typing import Any
 
 from pytest_fsdp_turbo_fixtures import DATA_DIR
 
+from pytest_fsdp_turbo.contract import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo.devices import KINDS
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.vocab import VERL_PREFIX, DeviceKind, Env, SyncPolicy, TwinKind
@@ -96,6 +97,47 @@ class Case:
         if self.twin is not None:
             return self.twin
         return "none" if self.with_reference_checks() else "single"
+
+    def rank_spec(
+        self,
+        kind: str,
+        *,
+        model_path: str,
+        model_type: str,
+        engine_modules: Sequence[str] = (),
+        turbo_config: dict | None = None,
+        replay: str = "",
+    ) -> RankSpec:
+        """What every rank of this case is asked to do on `kind` (spec.json)."""
+        engine = EngineSpec(
+            world_size=self.world_size,
+            fsdp_size=self.shard_size,
+            backend=self.backend,
+            sp_size=self.sp_size,
+            dtype=self.dtype_on(kind),
+            sync_policy=self.gradient_sync,
+            lr=self.lr,
+            turbo_config=turbo_config or {},
+        )
+        ppo = PPOSpec(
+            num_prompts=self.num_prompts,
+            n=self.n,
+            max_new_tokens=self.max_new_tokens,
+            micro_batches=self.micro_batches,
+            rollout=self.rollout,
+            reference_checks=self.with_reference_checks(),
+            replay=replay,
+        )
+        return RankSpec(
+            case_id=self.id,
+            model_path=model_path,
+            model_type=model_type,
+            device_kind=kind,
+            engine=engine,
+            ppo=ppo,
+            memory_budget_mb=self.memory_budget_mb,
+            engine_modules=tuple(engine_modules),
+        )
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Case)}

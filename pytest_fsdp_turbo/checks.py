@@ -22,10 +22,9 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-from pytest_fsdp_turbo.launch import RunResult
-from pytest_fsdp_turbo.vocab import Metric, SyncPolicy
+from pytest_fsdp_turbo.contract import Metric, RunResult
+from pytest_fsdp_turbo.vocab import SyncPolicy
 
 # Tolerances by compute dtype; measured margins: benchmarks/check_margins.py (README). fp32 gradient
 # parity per parameter allows for reduction-order differences in long reductions (gated delta-net
@@ -131,13 +130,13 @@ def check_grad_norm(result: RunResult) -> None:
     for rank, value in norms:
         if value is None or not math.isfinite(value):
             raise CheckFailure(
-                f"check a: rank {rank}: actor/grad_norm = {value}, expected a finite value"
+                f"check a: rank {rank}: {Metric.ACTOR_GRAD_NORM} = {value}, expected a finite value"
             )
     base_rank, base = norms[0]
     for rank, value in norms[1:]:
         if abs(value - base) > NORM_AGREEMENT_REL * max(abs(base), 1e-12):
             raise CheckFailure(
-                f"check a: rank {rank}: actor/grad_norm = {value!r} differs from rank {base_rank}'s "
+                f"check a: rank {rank}: {Metric.ACTOR_GRAD_NORM} = {value!r} differs from rank {base_rank}'s "
                 f"{base!r} beyond relative tolerance {NORM_AGREEMENT_REL:g}"
             )
     tol = GRAD_NORM_TRUE_REL[dtype]
@@ -146,22 +145,22 @@ def check_grad_norm(result: RunResult) -> None:
     ):
         if not _rel(reported, measured) <= tol:
             raise CheckFailure(
-                f"check a: rank {rank}: actor/grad_norm = {reported:.6g} but the global L2 norm of "
+                f"check a: rank {rank}: {Metric.ACTOR_GRAD_NORM} = {reported:.6g} but the global L2 norm of "
                 f"the sharded gradients is {measured:.6g} (relative difference "
                 f"{_rel(reported, measured):.3g}, tolerance {tol:g})"
             )
     advantages = result.metrics.get(Metric.PPO_ADVANTAGES_ABS_MAX, 0.0)
     if base == 0 and advantages > 0:
         raise CheckFailure(
-            f"check a: rank {base_rank}: actor/grad_norm = 0 on a step whose advantages are not "
-            f"all zero (ppo/advantages_abs_max = {advantages:.3g}): no gradient reached the shards"
+            f"check a: rank {base_rank}: {Metric.ACTOR_GRAD_NORM} = 0 on a step whose advantages are not "
+            f"all zero ({Metric.PPO_ADVANTAGES_ABS_MAX} = {advantages:.3g}): no gradient reached the shards"
         )
     reference = result.metrics.get(Metric.SYNC_REFERENCE_GRAD_NORM)
     if reference is not None:
         tol = GRAD_NORM_REFERENCE_REL[dtype]
         if not _rel(base, reference) <= tol:
             raise CheckFailure(
-                f"check a: rank {base_rank}: actor/grad_norm = {base:.6g}, the single-process "
+                f"check a: rank {base_rank}: {Metric.ACTOR_GRAD_NORM} = {base:.6g}, the single-process "
                 f"reference gradients' norm is {reference:.6g} (relative difference "
                 f"{_rel(base, reference):.3g}, tolerance {tol:g})"
             )
@@ -183,13 +182,13 @@ def check_on_policy(result: RunResult) -> None:
     for rank, value in _per_rank(result, Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH):
         if not abs(value) <= tol:
             raise CheckFailure(
-                f"check b: rank {rank}: actor/ppo_kl on the first micro-batch = {value:.3g}, "
+                f"check b: rank {rank}: {Metric.ACTOR_PPO_KL} on the first micro-batch = {value:.3g}, "
                 f"expected |value| <= {tol:g} (old logprobs must come from the same weights)"
             )
     for rank, value in _per_rank(result, Metric.ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH):
         if value != 0:
             raise CheckFailure(
-                f"check b: rank {rank}: actor/pg_clipfrac on the first micro-batch = {value:.3g}, expected 0"
+                f"check b: rank {rank}: {Metric.ACTOR_PG_CLIPFRAC} on the first micro-batch = {value:.3g}, expected 0"
             )
 
 
@@ -213,7 +212,7 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
     if over := _first_above(result, Metric.SYNC_GRAD_REL_L2_ERR, tol):
         raise CheckFailure(
             f"check c: rank {over[0]}: gradients differ from the single-process reference by "
-            f"relative L2 error {over[1]:.3g} (sync/grad_rel_l2_err), tolerance {tol:g} "
+            f"relative L2 error {over[1]:.3g} ({Metric.SYNC_GRAD_REL_L2_ERR}), tolerance {tol:g} "
             f"[sync policy {policy}]"
         )
 
@@ -232,14 +231,14 @@ def check_twin(result: RunResult) -> None:
     diff = abs(mine[Metric.ACTOR_LOSS] - theirs[Metric.ACTOR_LOSS])
     if not diff <= atol + rtol * abs(theirs[Metric.ACTOR_LOSS]):
         raise CheckFailure(
-            f"{label}: actor/loss = {mine[Metric.ACTOR_LOSS]:.6g}, twin {theirs[Metric.ACTOR_LOSS]:.6g} "
+            f"{label}: {Metric.ACTOR_LOSS} = {mine[Metric.ACTOR_LOSS]:.6g}, twin {theirs[Metric.ACTOR_LOSS]:.6g} "
             f"(difference {diff:.3g}, tolerance atol {atol:g} + rtol {rtol:g})"
         )
     tol = TWIN_GRAD_NORM_REL[dtype]
     a, b = mine[Metric.ACTOR_GRAD_NORM], theirs[Metric.ACTOR_GRAD_NORM]
     if not (math.isfinite(a) and _rel(a, b) <= tol):
         raise CheckFailure(
-            f"{label}: actor/grad_norm = {a:.6g}, twin {b:.6g} (relative difference "
+            f"{label}: {Metric.ACTOR_GRAD_NORM} = {a:.6g}, twin {b:.6g} (relative difference "
             f"{_rel(a, b):.3g}, tolerance {tol:g})"
         )
     tol = TWIN_LOGPROB_TOL[dtype]
@@ -247,12 +246,12 @@ def check_twin(result: RunResult) -> None:
     if not lp <= tol:
         raise CheckFailure(
             f"{label}: post-step logprobs on the batch differ from the twin's by up to {lp:.3g} "
-            f"(twin/post_step_logprob_max_abs_diff), tolerance {tol:g}"
+            f"({Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF}), tolerance {tol:g}"
         )
 
 
 def load_gradient_fingerprint(result: RunResult) -> dict:
-    path = Path(result.artifacts_dir) / "rank0.grads.json"
+    path = result.folder.grads(0)
     if not path.is_file():
         raise CheckFailure(f"check c: no gradient fingerprint at {path} (reference_checks off?)")
     return json.loads(path.read_text())
@@ -339,7 +338,7 @@ def check_memory(result: RunResult, budget_mb: float | None) -> None:
     for rank, value in _per_rank(result, Metric.PERF_PEAK_MEMORY_BYTES):
         if value > budget_mb * 2**20:
             raise CheckFailure(
-                f"check f: rank {rank}: perf/peak_memory_bytes = {value / 2**20:.1f} MiB, "
+                f"check f: rank {rank}: {Metric.PERF_PEAK_MEMORY_BYTES} = {value / 2**20:.1f} MiB, "
                 f"budget {budget_mb:g} MiB"
             )
 
@@ -372,7 +371,7 @@ def check_sync_contract(result: RunResult) -> None:
             raise CheckFailure(
                 f"{head} over {units} FSDP units that ran, sharded {shards} ways: expected reduce-scatters "
                 f"per micro-batch {want}, "
-                f"measured {calls} on rank {rank} (comm/reduce_scatter_calls_by_micro_batch)"
+                f"measured {calls} on rank {rank} ({Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH})"
             )
     sp = m.get(Metric.CASE_SP_SIZE) or 1
     if sp > 1:  # sequence parallelism: each rank's decoder layers see only its chunk
@@ -385,19 +384,19 @@ def check_sync_contract(result: RunResult) -> None:
                 raise CheckFailure(
                     f"{head}: declared sp_size {sp} over micro-batches of {rows} x {seq} tokens: "
                     f"expected each rank's decoder layers to be handed {low}..{high} tokens at "
-                    f"once, measured {seen} on rank {rank} (sync/layer_tokens)"
+                    f"once, measured {seen} on rank {rank} ({Metric.SYNC_LAYER_TOKENS})"
                 )
     for rank, retained in _per_rank(result, Metric.SYNC_RETAINED_GRAD_BYTES):
         holds = policy == SyncPolicy.DEFERRED and micro_batches > 1
         if holds and not retained > 0:
             raise CheckFailure(
                 f"{head}: expected unsharded gradients held between micro-batches, measured "
-                f"sync/retained_grad_bytes = {retained} on rank {rank}"
+                f"{Metric.SYNC_RETAINED_GRAD_BYTES} = {retained} on rank {rank}"
             )
         if not holds and retained != 0:
             raise CheckFailure(
                 f"{head}: expected no unsharded gradients held between micro-batches, measured "
-                f"sync/retained_grad_bytes = {retained} on rank {rank}"
+                f"{Metric.SYNC_RETAINED_GRAD_BYTES} = {retained} on rank {rank}"
             )
 
 
@@ -412,12 +411,12 @@ def check_optimizer_step(result: RunResult) -> None:
     for rank, moved in _per_rank(result, Metric.ACTOR_PARAM_UPDATE_MAX_ABS):
         if finite and numel[rank] and not moved > 0:
             raise CheckFailure(
-                f"check i: rank {rank}: actor/param_update_max_abs = {moved}, expected this rank's "
+                f"check i: rank {rank}: {Metric.ACTOR_PARAM_UPDATE_MAX_ABS} = {moved}, expected this rank's "
                 f"{numel[rank]} parameters to change in the optimizer step"
             )
         if not finite and moved != 0:
             raise CheckFailure(
-                f"check i: rank {rank}: actor/param_update_max_abs = {moved} after a non-finite "
+                f"check i: rank {rank}: {Metric.ACTOR_PARAM_UPDATE_MAX_ABS} = {moved} after a non-finite "
                 "gradient norm, expected the step to be skipped (parameters bit-identical)"
             )
     tol = ADAMW_STEP_TOL_LR[_dtype(result)]
@@ -425,7 +424,7 @@ def check_optimizer_step(result: RunResult) -> None:
         raise CheckFailure(
             f"check i: rank {over[0]}: post-step parameters differ from AdamW's first step "
             f"(computed from the gradients, parameters, lr, eps and weight decay the harness read) "
-            f"by {over[1]:.3g} x lr (sync/adamw_step_max_err_lr), tolerance {tol:g}"
+            f"by {over[1]:.3g} x lr ({Metric.SYNC_ADAMW_STEP_MAX_ERR_LR}), tolerance {tol:g}"
         )
     if Metric.SYNC_STEP_MAX_ERR_LR not in result.metrics:
         return
@@ -434,13 +433,13 @@ def check_optimizer_step(result: RunResult) -> None:
     if over := _first_above(result, Metric.SYNC_STEP_REL_L2_ERR, tol):
         raise CheckFailure(
             f"check i: rank {over[0]}: the update differs from the single-process reference "
-            f"step's by relative L2 error {over[1]:.3g} (sync/step_rel_l2_err), tolerance {tol:g}"
+            f"step's by relative L2 error {over[1]:.3g} ({Metric.SYNC_STEP_REL_L2_ERR}), tolerance {tol:g}"
         )
     tol = STEP_TOL_LR.get(dtype)
     if tol is not None and (over := _first_above(result, Metric.SYNC_STEP_MAX_ERR_LR, tol)):
         raise CheckFailure(
             f"check i: rank {over[0]}: post-step parameters differ from the single-process "
-            f"reference step by {over[1]:.3g} x lr (sync/step_max_err_lr), tolerance {tol:g}"
+            f"reference step by {over[1]:.3g} x lr ({Metric.SYNC_STEP_MAX_ERR_LR}), tolerance {tol:g}"
         )
 
 

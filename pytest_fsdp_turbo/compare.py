@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from pytest_fsdp_turbo.contract import Metric, RunFolder
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.goldens import GOLDEN_KEYS, within
 from pytest_fsdp_turbo.report import read_case_artifacts
-from pytest_fsdp_turbo.vocab import Metric
 
 COMPARED_KEYS = (
     *GOLDEN_KEYS,
@@ -42,8 +42,8 @@ def _case_folders(root: Path) -> dict[str, Path]:
         raise ConfigError(f"compare: {root} is not a folder of run artifacts")
     folders = (
         [root]
-        if (root / "case.json").is_file()
-        else sorted(p for p in root.iterdir() if (p / "case.json").is_file())
+        if RunFolder(root).case.is_file()
+        else sorted(p for p in root.iterdir() if RunFolder(p).case.is_file())
     )
     if not folders:
         raise ConfigError(f"compare: {root} holds no case artifacts (no case.json found)")
@@ -115,12 +115,11 @@ def _pyplot():
 def write_timeline_png(runs: list[tuple[str, Path]], path: Path) -> None:
     """Per-rank phase timelines (from each case folder's timeline.json), one panel per case and
     run, so a slow case shows where its time went."""
-    from pytest_fsdp_turbo.progress import TIMELINE_FILE
 
     panels = []
     for label, root in runs:
         for case_id, folder in sorted(_case_folders(root).items()):
-            timeline = folder / TIMELINE_FILE
+            timeline = RunFolder(folder).timeline
             if not timeline.is_file():
                 raise ConfigError(f"compare --timeline: {timeline} does not exist")
             panels.append((f"{label}: {case_id}", json.loads(timeline.read_text())))

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_fsdp_turbo.checks import CheckFailure
-from pytest_fsdp_turbo.vocab import GoldenStatus, Metric
+from pytest_fsdp_turbo.contract import Metric
+from pytest_fsdp_turbo.vocab import GoldenStatus
 
 GOLDEN_KEYS = (
     Metric.ACTOR_GRAD_NORM,

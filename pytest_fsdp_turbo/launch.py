@@ -8,113 +8,26 @@ the group started outlives it: every process tree is killed through psutil.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import psutil
 
+from pytest_fsdp_turbo.contract import RankResult, RunFolder, RunResult
 from pytest_fsdp_turbo.vocab import Env
 
 WORKER_MODULE = "pytest_fsdp_turbo_engine.worker"
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 STACK_DUMP_WAIT_S = 1.0
-LOG_TAIL_LINES = 30
 PR_SET_PDEATHSIG = 1
 WATCH_EVERY_S = 0.5
 LAUNCHED_AT_VAR = Env.LAUNCHED_AT  # wall clock at launch: start-up time per rank
-
-
-@dataclass
-class RankResult:
-    rank: int
-    exit_code: int | None
-    duration_s: float
-    log_path: Path
-    metrics: dict | None = None
-    error: dict | None = None
-
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
-@dataclass
-class RunResult:
-    case_id: str
-    world_size: int
-    ranks: list[RankResult]
-    artifacts_dir: Path
-    duration_s: float
-    timed_out: bool = False
-    timeout_s: float = 0.0
-    first_failure: int | None = None
-    notes: list[str] = field(default_factory=list)
-    twin: RunResult | None = None  # the replay twin's run, when the case has one
-    twin_kind: str = ""  # single | every_micro_batch
-    failure: str = ""  # why the group as a whole failed (its launcher died), when it did
-
-    @classmethod
-    def launcher_failed(
-        cls, case_id: str, world_size: int, artifacts_dir: Path, why: str, duration_s: float = 0.0
-    ) -> RunResult:
-        """A run whose ranks never reported: the launcher (warm parent, Ray driver) is gone."""
-        ranks = [
-            RankResult(
-                rank,
-                None,
-                duration_s,
-                artifacts_dir / f"rank{rank}.log",
-                error=_read_json(artifacts_dir / f"rank{rank}.error.json"),
-            )
-            for rank in range(world_size)
-        ]
-        return cls(case_id, world_size, ranks, artifacts_dir, duration_s, failure=why)
-
-    @property
-    def ok(self) -> bool:
-        return not self.timed_out and all(r.exit_code == 0 and r.metrics for r in self.ranks)
-
-    @property
-    def metrics(self) -> dict:
-        """Rank 0's metrics (every key is reduced across ranks where it needs to be)."""
-        return self.ranks[0].metrics or {}
-
-    def failure_text(self) -> str:
-        if self.ok:
-            return ""
-        if self.failure:
-            head = f"case {self.case_id}: {self.failure}"
-        elif self.timed_out:
-            head = (
-                f"case {self.case_id}: timed out after {self.timeout_s:g}s; Python stacks of "
-                "every rank are in the log tails below"
-            )
-        else:
-            head = f"case {self.case_id}: rank {self.first_failure} failed first"
-        parts = [head, f"artifacts: {self.artifacts_dir}"]
-        for rank in self.ranks:
-            if rank.exit_code == 0 and rank.metrics and not self.timed_out:
-                continue
-            parts.append(f"--- rank {rank.rank}: exit {rank.exit_code}, log {rank.log_path}")
-            if rank.exit_code == 0 and not rank.metrics:
-                parts.append("exited with code 0 without writing its results (did it call exit?)")
-            if rank.error:
-                parts.append(
-                    f"phase {rank.error.get('phase')}: {rank.error.get('type')}: "
-                    f"{rank.error.get('message')}\n{rank.error.get('traceback', '')}".rstrip()
-                )
-            parts.append("log tail:\n" + rank.log_tail())
-        return "\n".join(parts)
 
 
 def rank_env(base: Mapping[str, str], rank: int, world_size: int) -> dict[str, str]:
@@ -169,13 +82,6 @@ def kill_trees(children: Sequence[subprocess.Popen]) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout=5)
     psutil.wait_procs(descendants, timeout=5)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 class RankHandle(Protocol):
@@ -306,24 +212,18 @@ def collect_result(
 
     write_timeline(artifacts_dir, len(handles))  # what every rank did when, kept with the logs
     now = time.monotonic()
+    folder = RunFolder(artifacts_dir)
     ranks = [
-        RankResult(
-            rank=h.rank,
-            exit_code=h.poll(),
-            duration_s=ends.get(h.rank, now) - start,
-            log_path=h.log_path,
-            metrics=_read_json(artifacts_dir / f"rank{h.rank}.metrics.json"),
-            error=_read_json(artifacts_dir / f"rank{h.rank}.error.json"),
-        )
+        RankResult.read(folder, h.rank, h.poll(), ends.get(h.rank, now) - start, h.log_path)
         for h in handles
     ]
-    reported = [r for r in ranks if r.error and isinstance(r.error.get("time"), int | float)]
+    reported = [r for r in ranks if r.error and r.error.time is not None]
     # a rank that exited 0 without its results left without a word: its peers' errors follow it
     vanished = [r for r in ranks if r.exit_code == 0 and not r.metrics and not r.error]
     if vanished:
         first_failure = min(vanished, key=lambda r: r.duration_s).rank
     elif reported:  # the rank that raised first, not the peer that noticed it
-        first_failure = min(reported, key=lambda r: r.error["time"]).rank
+        first_failure = min(reported, key=lambda r: r.error.time).rank
     return RunResult(
         case_id=case_id,
         world_size=len(handles),
@@ -338,11 +238,11 @@ def collect_result(
 
 def wrote_results(artifacts_dir: Path) -> Callable[[RankHandle], bool]:
     """The engine worker's success marker: a rank's metrics file (written before it exits 0)."""
-    return lambda handle: (artifacts_dir / f"rank{handle.rank}.metrics.json").is_file()
+    return lambda handle: RunFolder(artifacts_dir).metrics(handle.rank).is_file()
 
 
 def worker_command(artifacts_dir: Path, python: str = sys.executable) -> list[str]:
-    return [python, "-m", WORKER_MODULE, str(artifacts_dir / "spec.json")]
+    return [python, "-m", WORKER_MODULE, str(RunFolder(artifacts_dir).spec)]
 
 
 def launch_local(
@@ -367,10 +267,10 @@ def launch_local(
     start = time.monotonic()
     try:
         for rank in range(world_size):
-            log_path = artifacts_dir / f"rank{rank}.log"
+            log_path = RunFolder(artifacts_dir).log(rank)
             rank_vars = {**rank_env(env, rank, world_size), LAUNCHED_AT_VAR: f"{time.time():.6f}"}
             if warm_parent is not None:
-                spec = artifacts_dir / "spec.json"
+                spec = RunFolder(artifacts_dir).spec
                 handles.append(ForkedRank(warm_parent, rank, rank_vars, spec, log_path, preload))
             else:
                 handles.append(LocalRank(rank, command, rank_vars, log_path))

@@ -13,7 +13,7 @@ from pytest_fsdp_turbo.errors import ConfigError, LeaseTimeout, fail_line, skip_
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.cases import Case, CaseParam
-    from pytest_fsdp_turbo.launch import RunResult
+    from pytest_fsdp_turbo.contract import RunResult
     from pytest_fsdp_turbo.progress import Progress
 
 

@@ -16,11 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TIMELINE_FILE = "timeline.json"
-
-
-def phases_file(artifacts_dir: Path, rank: int) -> Path:
-    return artifacts_dir / f"rank{rank}.phases.jsonl"
+from pytest_fsdp_turbo.contract import RunFolder
 
 
 def read_phases(path: Path) -> list[tuple[str, float]]:
@@ -41,7 +37,7 @@ def read_phases(path: Path) -> list[tuple[str, float]]:
 def timeline(artifacts_dir: Path, world_size: int, end: float) -> list[dict]:
     rows = []
     for rank in range(world_size):
-        entries = read_phases(phases_file(artifacts_dir, rank))
+        entries = read_phases(RunFolder(artifacts_dir).phases(rank))
         for (phase, start), nxt in zip(entries, [*entries[1:], (None, end)]):
             rows.append({"rank": rank, "phase": phase, "start": start, "end": nxt[1]})
     return rows
@@ -49,7 +45,7 @@ def timeline(artifacts_dir: Path, world_size: int, end: float) -> list[dict]:
 
 def write_timeline(artifacts_dir: Path, world_size: int) -> None:
     rows = timeline(artifacts_dir, world_size, time.time())
-    (artifacts_dir / TIMELINE_FILE).write_text(json.dumps(rows, indent=1))
+    RunFolder(artifacts_dir).timeline.write_text(json.dumps(rows, indent=1))
 
 
 def group_ranks(phases: dict[int, str]) -> str:
@@ -84,7 +80,7 @@ class Progress:
     def current(self) -> dict[int, tuple[str, float]]:
         out = {}
         for rank in range(self.world_size):
-            entries = read_phases(phases_file(self.artifacts_dir, rank))
+            entries = read_phases(RunFolder(self.artifacts_dir).phases(rank))
             out[rank] = entries[-1] if entries else ("starting", 0.0)
         return out
 
@@ -157,22 +153,22 @@ class ArtifactWatcher:
     def scan(self) -> None:
         if not self.root.is_dir():
             return
-        for spec in self.root.glob("**/spec.json"):
+        for spec in self.root.glob(f"**/{RunFolder.SPEC}"):
             folder = spec.parent
-            if (folder / TIMELINE_FILE).exists() or spec.stat().st_mtime < self.since:
+            if RunFolder(folder).timeline.exists() or spec.stat().st_mtime < self.since:
                 self.running.pop(folder, None)
                 continue
             progress = self.running.get(folder) or self._follow(folder)
-            entries = read_phases(phases_file(folder, 0))
+            entries = read_phases(RunFolder(folder).phases(0))
             if progress is not None and entries:
                 progress.tick(time.time() - entries[0][1])
 
     def _follow(self, folder: Path) -> Progress | None:
         try:
-            case = json.loads((folder / "case.json").read_text())
+            case = json.loads(RunFolder(folder).case.read_text())
         except (OSError, json.JSONDecodeError):
             return None
-        if not phases_file(folder, 0).exists():
+        if not RunFolder(folder).phases(0).exists():
             return None
         progress = Progress(
             case["id"],

@@ -25,10 +25,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pytest_fsdp_turbo.contract import RunFolder, RunResult
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.launch import (
     WATCH_EVERY_S,
-    RunResult,
     collect_result,
     die_with_parent,
     kill_pid_tree,
@@ -232,7 +232,7 @@ class RayDriver:
             raise ConfigError(f"case {case_id}: Ray launcher: {reply['error']}")
         codes = {int(rank): code for rank, code in reply["codes"].items()}
         handles = [
-            EndedRank(rank, artifacts_dir / f"rank{rank}.log", codes.get(rank))
+            EndedRank(rank, RunFolder(artifacts_dir).log(rank), codes.get(rank))
             for rank in range(world_size)
         ]
         ends = {int(rank): t for rank, t in reply["ends"].items()}

@@ -25,6 +25,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pytest_fsdp_turbo.contract import RunFolder
 from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.launch import (
@@ -84,7 +85,7 @@ class RankActor:
             env[var] = ",".join(self.visible_devices(kind))
             env["LOCAL_RANK"] = "0"
         folder = Path(out)
-        self.rank = LocalRank(rank, worker_command(folder), env, folder / f"rank{rank}.log")
+        self.rank = LocalRank(rank, worker_command(folder), env, RunFolder(folder).log(rank))
         return self.rank.proc.pid
 
     def poll(self) -> int | None:
@@ -173,7 +174,7 @@ def launch_ray(
             timeout=CALL_TIMEOUT_S,
         )
         handles = [
-            RayRank(rank, actor, out / f"rank{rank}.log") for rank, actor in enumerate(actors)
+            RayRank(rank, actor, RunFolder(out).log(rank)) for rank, actor in enumerate(actors)
         ]
         actors = []  # owned by the handles now: supervise() kills them
         timed_out, first_failure, ends = supervise(

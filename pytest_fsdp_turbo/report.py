@@ -10,10 +10,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pytest_fsdp_turbo.vocab import SUMMARY_PROPERTY, Metric  # noqa: F401
+from pytest_fsdp_turbo.contract import Metric, RunFolder, read_json
+from pytest_fsdp_turbo.vocab import SUMMARY_PROPERTY  # noqa: F401
 
 if TYPE_CHECKING:
-    from pytest_fsdp_turbo.launch import RunResult
+    from pytest_fsdp_turbo.contract import RunResult
 
 COLUMNS = (
     "case",
@@ -79,10 +80,8 @@ def summary_row(result: RunResult) -> str:
 
 def _spec_device(result: RunResult) -> str:
     """A run that failed before its metrics still has the spec it was launched with."""
-    try:
-        return json.loads((result.artifacts_dir / "spec.json").read_text())["device_kind"]
-    except (OSError, ValueError, KeyError):
-        return "?"
+    spec = result.spec()
+    return spec.device_kind if spec is not None else "?"
 
 
 def _not_applicable(result: RunResult) -> list[str]:
@@ -130,15 +129,8 @@ def render_table(rows: list[tuple[dict, str]]) -> list[str]:
 
 def read_case_artifacts(folder: Path) -> dict:
     """One case folder -> {'case': case.json, 'spec': spec.json, 'ranks': [metrics...]}."""
-    ranks = sorted(
-        folder.glob("rank*.metrics.json"), key=lambda p: int(re.findall(r"\d+", p.name)[0])
-    )
-    return {
-        "case": json.loads((folder / "case.json").read_text())
-        if (folder / "case.json").is_file()
-        else {},
-        "spec": json.loads((folder / "spec.json").read_text())
-        if (folder / "spec.json").is_file()
-        else {},
-        "ranks": [json.loads(p.read_text()) for p in ranks],
-    }
+    run = RunFolder(folder)
+    ranks = []
+    while run.metrics(len(ranks)).is_file():
+        ranks.append(json.loads(run.metrics(len(ranks)).read_text()))
+    return {"case": read_json(run.case) or {}, "spec": read_json(run.spec) or {}, "ranks": ranks}

@@ -20,8 +20,8 @@ from pytest_fsdp_turbo.cases import (
     with_overrides,
 )
 from pytest_fsdp_turbo.checkout import Checkout
+from pytest_fsdp_turbo.contract import RunResult
 from pytest_fsdp_turbo.devices import Accelerator
-from pytest_fsdp_turbo.launch import RunResult
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
 from pytest_fsdp_turbo.runs import RunRequest, run_case, run_case_on_ray, run_with_twin

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 
 from pytest_fsdp_turbo.cases import Case
 from pytest_fsdp_turbo.checkout import Checkout
+from pytest_fsdp_turbo.contract import RankSpec, RunFolder, RunResult
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
 from pytest_fsdp_turbo.faults import FAULT_VAR, parse_fault
-from pytest_fsdp_turbo.launch import RunResult, launch_local
+from pytest_fsdp_turbo.launch import launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
 from pytest_fsdp_turbo.progress import Progress
@@ -46,42 +47,22 @@ class RunRequest:
     progress: Callable[..., Progress] | None = None  # live status while the ranks run
 
 
-def worker_spec(request: RunRequest) -> dict:
-    case, kind = request.case, request.accelerator.kind
-    return {
-        "case_id": case.id,
-        "model_path": str(request.model_path),
-        "model_type": model_type_of(request.model_path),
-        "device_kind": kind,
-        "memory_budget_mb": case.memory_budget_mb,
-        "engine_modules": request.engine_modules,
-        "engine": {
-            "backend": case.backend,
-            "world_size": case.world_size,
-            "fsdp_size": case.shard_size,
-            "sp_size": case.sp_size,
-            "dtype": case.dtype_on(kind),
-            "sync_policy": case.gradient_sync,
-            "lr": case.lr,
-            "turbo_config": request.turbo_config or {},
-        },
-        "ppo": {
-            "num_prompts": case.num_prompts,
-            "n": case.n,
-            "max_new_tokens": case.max_new_tokens,
-            "micro_batches": case.micro_batches,
-            "rollout": case.rollout,
-            "reference_checks": case.with_reference_checks(),
-            "replay": str(request.replay) if request.replay else "",
-        },
-    }
+def rank_spec(request: RunRequest) -> RankSpec:
+    return request.case.rank_spec(
+        request.accelerator.kind,
+        model_path=str(request.model_path),
+        model_type=model_type_of(request.model_path),
+        engine_modules=request.engine_modules,
+        turbo_config=request.turbo_config,
+        replay=str(request.replay) if request.replay else "",
+    )
 
 
 def _port_clash(result: RunResult) -> bool:
     if result.ok:
         return False
     for rank in result.ranks:
-        text = (rank.error or {}).get("message", "") + rank.log_tail(80)
+        text = (rank.error.message if rank.error else "") + rank.log_tail(80)
         if PORT_CLASH.search(text):
             return True
     return False
@@ -113,7 +94,7 @@ def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[st
 
 def _set_aside(out: Path, folder: Path) -> None:
     folder.mkdir()
-    for path in out.glob("rank*"):
+    for path in out.glob(RunFolder.RANK_FILES):
         path.rename(folder / path.name)
 
 
@@ -121,8 +102,9 @@ def _prepare(request: RunRequest) -> Path:
     out = request.artifacts_dir
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    (out / "spec.json").write_text(json.dumps(worker_spec(request), indent=1))
-    (out / "case.json").write_text(json.dumps(asdict(request.case), indent=1, default=list))
+    folder = RunFolder(out)
+    rank_spec(request).write(folder.spec)
+    folder.case.write_text(json.dumps(asdict(request.case), indent=1, default=list))
     return out
 
 
@@ -149,7 +131,7 @@ def run_case_on_ray(request: RunRequest, driver: RayDriver) -> RunResult:
     )
     for name in ("MASTER_ADDR", "MASTER_PORT"):  # rank 0's node decides these
         overrides.pop(name)
-    (out / "env.json").write_text(json.dumps(mask_secrets(overrides), indent=1, sort_keys=True))
+    RunFolder(out).env.write_text(json.dumps(mask_secrets(overrides), indent=1, sort_keys=True))
     progress = _progress(request, out)
     result = driver.launch(
         case_id=case.id,
@@ -192,7 +174,7 @@ def run_case(
             port = book.port()
             try:
                 env = {**os.environ, **_env_overrides(request, lease.ids, port, ranges)}
-                (out / "env.json").write_text(
+                RunFolder(out).env.write_text(
                     json.dumps(mask_secrets(env), indent=1, sort_keys=True)
                 )
                 result = launch_local(
@@ -216,7 +198,7 @@ def run_case(
                 f"(attempt {attempt + 1} of {port_attempts}); the failed attempt's logs are in {kept}"
             )
             notes.append(note)
-            with open(out / "launcher.log", "a") as log:
+            with open(RunFolder(out).launcher_log, "a") as log:
                 log.write(note + "\n")
         result.notes = notes + result.notes
         return _finish(progress, result)
@@ -275,7 +257,7 @@ def run_with_twin(request: RunRequest, launch: Callable[[RunRequest], RunResult]
     twin_request = replace(
         request,
         case=twin,
-        artifacts_dir=request.artifacts_dir / "twin",
+        artifacts_dir=RunFolder(request.artifacts_dir).twin.path,
         checkout=request.checkout if twin.is_turbo else None,
         turbo_config=None,
         replay=request.artifacts_dir,

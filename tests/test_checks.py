@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pytest_fsdp_turbo import checks
-from pytest_fsdp_turbo.launch import RankResult, RunResult
+from pytest_fsdp_turbo.contract import RankResult, RunResult
 
 
 def healthy(rank: int, **changes) -> dict:

@@ -30,7 +30,7 @@ def test_fsdp_turbo_backend_passes_every_check_on_the_standin(ppo_run, layout):
         extra_env=ALLOW_CPU,
     )
     assert checks.check_all(result).not_applicable() == ["d: no replicas"]
-    config = json.loads((result.artifacts_dir / "spec.json").read_text())["engine"]["turbo_config"]
+    config = result.spec().engine.turbo_config
     plan = config["distributed"]["fsdp_plan"]
     assert plan["apply_modules"] == {
         "model.language_model.layers.{*}": {},

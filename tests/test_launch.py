@@ -60,16 +60,16 @@ def test_crashing_rank_fails_fast_with_traceback_and_phase(ppo_run, no_leaked_pr
     )
     assert not result.ok and result.first_failure == 1
     crashed = result.ranks[1]
-    assert crashed.error["phase"] == "rollout"
-    assert crashed.error["type"] == "InjectedFault"
+    assert crashed.error.phase == "rollout"
+    assert crashed.error.type == "InjectedFault"
     # stopped at once (the supervisor's signal, or gloo seeing its peer gone), never at a timeout
     peer = result.ranks[0]
     assert not result.timed_out and peer.exit_code != 0, peer
-    assert peer.exit_code < 0 or "timeout" not in peer.error["message"].lower(), peer.error
+    assert peer.exit_code < 0 or "timeout" not in peer.error.message.lower(), peer.error
     text = result.failure_text()
     assert "phase rollout: InjectedFault: injected crash in rank 1 at phase rollout" in text
     assert "Traceback (most recent call last)" in text
-    assert crashed.log_path.is_file() and (result.artifacts_dir / "spec.json").is_file()
+    assert crashed.log_path.is_file() and result.folder.spec.is_file()
 
 
 def test_leak_check_tolerates_a_child_that_exits_during_its_scan():

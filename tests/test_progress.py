@@ -4,13 +4,14 @@ import json
 import time
 from pathlib import Path
 
-from pytest_fsdp_turbo.progress import Progress, group_ranks, phases_file
+from pytest_fsdp_turbo.contract import RunFolder
+from pytest_fsdp_turbo.progress import Progress, group_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def write_phase(folder: Path, rank: int, phase: str, at: float) -> None:
-    with open(phases_file(folder, rank), "a") as out:
+    with open(RunFolder(folder).phases(rank), "a") as out:
         out.write(json.dumps({"phase": phase, "t": at}) + "\n")
 
 

@@ -14,7 +14,7 @@ import pytest
 from pytest_fsdp_turbo.cases import CaseBook, load_cases
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.runs import RunRequest, worker_spec
+from pytest_fsdp_turbo.runs import RunRequest, rank_spec
 from pytest_fsdp_turbo.turbo_config import (
     CORE_ATTENTION,
     FUNCTION_PATCHES,
@@ -272,9 +272,9 @@ def test_spec_carries_the_config_the_run_path_made(book, tmp_path):
     request = RunRequest(
         case, model, tmp_path, Accelerator("npu", tuple(range(8))), turbo_config=config
     )
-    spec = worker_spec(request)
-    assert spec["engine"]["turbo_config"] == config
-    assert spec["engine"]["sp_size"] == 2 and spec["engine"]["fsdp_size"] == 4
+    engine = rank_spec(request).engine
+    assert engine.turbo_config == config
+    assert engine.sp_size == 2 and engine.fsdp_size == 4
 
 
 def test_contradiction_between_case_and_turbo_config_is_an_error(book):
@@ -504,8 +504,8 @@ def test_config_verb_refuses_a_module_patch_the_loaded_model_lacks(tmp_path, mon
     The harness says so before launch, from the real (tiny, meta) model."""
     from pytest_fsdp_turbo.models import FIXTURES_DIR, build_tiny_model
 
-    spec = json.loads((FIXTURES_DIR / "models" / "tiny-qwen3_5.json").read_text())
-    text_only = {"model_type": "qwen3_5_text", "config": spec["config"]["text_config"]}
+    qwen3_5 = json.loads((FIXTURES_DIR / "models" / "tiny-qwen3_5.json").read_text())
+    text_only = {"model_type": "qwen3_5_text", "config": qwen3_5["config"]["text_config"]}
     (tmp_path / "fixtures" / "models").mkdir(parents=True)
     (tmp_path / "fixtures" / "models" / "text-only.json").write_text(json.dumps(text_only))
     (tmp_path / "models").mkdir()

@@ -66,11 +66,11 @@ def provided_imports(job: Job) -> set[str]:
     return {IMPORTS.get(d, d.replace("-", "_")) for d in dists}
 
 
-def parse_job(name: str, spec: dict) -> Job:
-    labels = spec["runs-on"] if isinstance(spec["runs-on"], list) else [spec["runs-on"]]
+def parse_job(name: str, job_yaml: dict) -> Job:
+    labels = job_yaml["runs-on"] if isinstance(job_yaml["runs-on"], list) else [job_yaml["runs-on"]]
     kind = "cuda" if "gpu" in labels else "npu" if "npu" in labels else "cpu"
     extras, torch, selections = set(), None, []
-    for step in spec["steps"]:
+    for step in job_yaml["steps"]:
         for line in step.get("run", "").splitlines():
             words = shlex.split(line)
             if "install" in words and "pip" in " ".join(words):
@@ -83,7 +83,9 @@ def parse_job(name: str, spec: dict) -> Job:
             if strict and any(w.endswith("pytest") for w in words):
                 start = next(i for i, w in enumerate(words) if w.endswith("pytest")) + 1
                 selections.append(tuple(words[start:]))
-    return Job(name, kind, frozenset(extras), torch, dict(spec.get("env", {})), tuple(selections))
+    return Job(
+        name, kind, frozenset(extras), torch, dict(job_yaml.get("env", {})), tuple(selections)
+    )
 
 
 def all_jobs() -> list[Job]:

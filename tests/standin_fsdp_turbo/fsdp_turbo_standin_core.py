@@ -370,15 +370,15 @@ def _callable(dotted):
     return found
 
 
-def _apply_module_patch(model: torch.nn.Module, spec: dict) -> int:
+def _apply_module_patch(model: torch.nn.Module, patch: dict) -> int:
     """A module-level callable is replaced in its module; `module.Class.member` is replaced on
     every instance of Class in the model (bound to it). Returns how many places matched."""
-    replacement = _callable(spec["replacement"])
-    namespace = _namespace_member(spec["target"])
+    replacement = _callable(patch["replacement"])
+    namespace = _namespace_member(patch["target"])
     if namespace is not None:
         setattr(*namespace, replacement)
         return 1
-    class_path, _, member = spec["target"].rpartition(".")
+    class_path, _, member = patch["target"].rpartition(".")
     module_path, _, class_name = class_path.rpartition(".")
     cls = getattr(importlib.import_module(module_path), class_name, None)
     if not isinstance(cls, type):
@@ -387,7 +387,7 @@ def _apply_module_patch(model: torch.nn.Module, spec: dict) -> int:
     for module in model.modules():
         if isinstance(module, cls):
             if not callable(getattr(module, member)):  # a missing member raises, as there
-                raise TypeError(f"Target member {spec['target']!r} is not a callable.")
+                raise TypeError(f"Target member {patch['target']!r} is not a callable.")
             setattr(module, member, types.MethodType(replacement, module))
             matched += 1
     return matched
