@@ -21,7 +21,7 @@ class OffByOneSyncEngine(FSDPEngineWithLMHead):
     left in the unsharded accumulators and never reach the optimizer."""
 
     @contextmanager
-    def _gradient_sync_context(self, is_last_micro_batch: bool):
+    def gradient_sync_context(self, is_last_micro_batch: bool):
         self._set_gradient_sync(not is_last_micro_batch)
         try:
             yield
@@ -35,7 +35,7 @@ class NoOpSyncContextEngine(FSDPEngineWithLMHead):
     micro-batch reduce-scatters. Same gradients, the memory and communication of the other policy."""
 
     @contextmanager
-    def _gradient_sync_context(self, is_last_micro_batch: bool):
+    def gradient_sync_context(self, is_last_micro_batch: bool):
         yield
 
 
@@ -54,8 +54,8 @@ class GradientsDividedTwiceEngine(FSDPEngineWithLMHead):
     the step; only a norm compared with an independent truth can see it."""
 
     @contextmanager
-    def _gradient_sync_context(self, is_last_micro_batch: bool):
-        with super()._gradient_sync_context(is_last_micro_batch):
+    def gradient_sync_context(self, is_last_micro_batch: bool):
+        with super().gradient_sync_context(is_last_micro_batch):
             yield
         if is_last_micro_batch:
             for param in self.module.parameters():
@@ -223,8 +223,8 @@ class NormWeightGradientSummedEngine(FSDPEngineWithLMHead):
     at all; only per-parameter parity against an independent reference can see it."""
 
     @contextmanager
-    def _gradient_sync_context(self, is_last_micro_batch: bool):
-        with super()._gradient_sync_context(is_last_micro_batch):
+    def gradient_sync_context(self, is_last_micro_batch: bool):
+        with super().gradient_sync_context(is_last_micro_batch):
             yield
         if is_last_micro_batch:
             for name, param in self.module.named_parameters():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,11 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
 
 @register(backend="fsdp", device=["cpu", "cuda", "npu"])
 class FSDPEngineWithLMHead:
+    """Our FSDP2 engine; it meets engine/protocol.py's HarnessLoopEngine."""
+
+    # the harness runs the micro-batch loop, asking gradient_sync_context per micro-batch
+    drives_micro_batches: ClassVar[bool] = False
+
     def __init__(self, config: EngineConfig, device: torch.device):
         if config.sync_policy not in SYNC_POLICIES:
             raise ValueError(
@@ -125,7 +131,7 @@ class FSDPEngineWithLMHead:
         self.module.set_requires_gradient_sync(enabled)
 
     @contextmanager
-    def _gradient_sync_context(self, is_last_micro_batch: bool) -> Iterator[None]:
+    def gradient_sync_context(self, is_last_micro_batch: bool) -> Iterator[None]:
         """deferred: reduce-scatter only on the last micro-batch; every_micro_batch: always.
 
         Sync is switched back on when the body ends, even when the backward raised, so a failed

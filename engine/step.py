@@ -108,7 +108,7 @@ def device_for(kind: str, local_rank: int) -> torch.device:
     if kind == "npu":
         import torch_npu  # noqa: F401  registers the npu device
 
-        torch.npu.set_device(local_rank)
+        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]  # torch_npu adds it
         return torch.device("npu", local_rank)
     return torch.device("cpu")
 
@@ -117,7 +117,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     if device.type == "npu":
-        return int(torch.npu.max_memory_allocated(device))
+        return int(torch.npu.max_memory_allocated(device))  # type: ignore[attr-defined]
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
@@ -132,7 +132,7 @@ class Rank:
     engine_cfg: EngineConfig
     cfg: PPOConfig
     device: torch.device
-    engine: Any = None
+    engine: Any = None  # an engine/protocol.py Engine, once loaded
     tokenizer: Any = None
     reference_module: torch.nn.Module | None = None  # frozen initial policy, for ref logprobs
     rollout: Any = None
@@ -158,6 +158,7 @@ class Rank:
 
 
 def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
+    from pytest_fsdp_turbo_engine.protocol import require_protocol
     from pytest_fsdp_turbo_engine.registry import VERL_PREFIX, load_engine_plugins, lookup
     from transformers import AutoTokenizer
 
@@ -172,7 +173,10 @@ def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
 
         prepare(kind)  # before any engine module imports verl
     load_engine_plugins(spec.engine_modules)
-    engine = lookup(spec.model_type, engine_cfg.backend, kind)(engine_cfg, device)
+    engine_class = require_protocol(
+        lookup(spec.model_type, engine_cfg.backend, kind), engine_cfg.backend
+    )
+    engine = engine_class(engine_cfg, device)
     ctx.engine = engine
     ctx.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     engine.build(spec.model_path)
@@ -305,7 +309,7 @@ def harness_micro_batches(ctx: Rank, batch: TrainBatch, tokens: float, probe: Mi
     chunks = torch.arange(batch.size).chunk(ctx.cfg.micro_batches)
     for i, rows in enumerate(chunks):
         mb = batch.rows(rows)
-        with engine._gradient_sync_context(is_last_micro_batch=i == len(chunks) - 1):
+        with engine.gradient_sync_context(is_last_micro_batch=i == len(chunks) - 1):
             logprobs, entropy = engine.forward_logprobs(
                 mb.input_ids, mb.prompt_len, with_entropy=True
             )
@@ -321,7 +325,7 @@ def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
     engine, module = ctx.engine, ctx.engine.module
     with fsdp_probe.CollectiveCounter() as counter, fsdp_probe.UnitsThatRan(module) as ran:
         probe = MicroBatchProbe(module, tokens, ctx.cfg, counter)
-        if getattr(engine, "drives_micro_batches", False):
+        if engine.drives_micro_batches:
             engine.forward_backward(batch, tokens, ctx.cfg, probe)
         else:
             harness_micro_batches(ctx, batch, tokens, probe)
@@ -449,7 +453,8 @@ def post_step(
 ) -> PostStep:
     ctx.phase.enter("checks")
     engine = ctx.engine
-    trainer = full = None
+    trainer: dict[str, torch.Tensor] = {}
+    full: dict[str, torch.Tensor] = {}
     if ref is not None or ctx.rollout is not None:  # a replay twin has neither: no gathering
         # the parameters as the harness reads them off the module (aliases: every name of a tied
         # one), and one name per tied group
@@ -602,7 +607,7 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
     )
 
     ref, copy = None, None
-    if cfg.reference_checks and not ctx.replaying:
+    if cfg.reference_checks and global_batch is not None:  # not when replaying
         with ctx.unsharded():
             copy = single_process_copy(ctx)
             ref = reference(ctx, global_batch, tokens, copy)
@@ -639,7 +644,7 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
     if after.rollout_logprob_sum is not None:
         rollout_sum = all_sum(after.rollout_logprob_sum, device)
         record.rollout_logprob_mean = rollout_sum / ctx.sp / tokens
-    if after.handoff is not None:
+    if after.handoff is not None and after.served is not None:
         record.handoff_weight_max_abs_diff = after.handoff.max_abs_diff
         record.handoff_weight_worst = after.handoff.worst
         record.rollout_weight_max_abs_diff = after.served.max_abs_diff

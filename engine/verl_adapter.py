@@ -10,7 +10,7 @@ The harness's measurements reach verl's micro-batch loop through the loss functi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pytest_fsdp_turbo_engine.config import EngineConfig, PPOConfig
@@ -47,7 +47,9 @@ class _InitialPolicy:
 
 
 class VerlEngineAdapter:
-    drives_micro_batches = True  # verl runs its own micro-batch loop (forward_backward_batch)
+    drives_micro_batches: ClassVar[bool] = (
+        True  # verl runs its own micro-batch loop (forward_backward_batch)
+    )
 
     def __init__(self, config: EngineConfig, device: torch.device):
         from pytest_fsdp_turbo_engine.verl_cpu_platform import prepare

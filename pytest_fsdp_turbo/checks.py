@@ -22,6 +22,7 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from pytest_fsdp_turbo.contract import Metric, RunResult
 from pytest_fsdp_turbo.vocab import SyncPolicy
@@ -99,11 +100,17 @@ def _dtype(result: RunResult) -> str:
     return str(result.metrics.get(Metric.CASE_DTYPE, "fp32"))
 
 
-def _per_rank(result: RunResult, key: str) -> Iterator[tuple[int, object]]:
+def _per_rank(result: RunResult, key: str) -> Iterator[tuple[int, Any]]:
     for rank in result.ranks:
-        if rank.metrics is None or key not in rank.metrics:
-            raise CheckFailure(f"rank {rank.rank}: metric {key!r} missing (log {rank.log_path})")
-        yield rank.rank, rank.metrics[key]
+        yield rank.rank, _on_rank(result, rank.rank, key)
+
+
+def _on_rank(result: RunResult, rank: int, key: str) -> Any:
+    metrics = result.ranks[rank].metrics
+    if metrics is None or key not in metrics:
+        log = result.ranks[rank].log_path
+        raise CheckFailure(f"rank {rank}: metric {key!r} missing (log {log})")
+    return metrics[key]
 
 
 def _first_above(result: RunResult, key: str, tolerance: float) -> tuple[int, float] | None:
@@ -202,7 +209,7 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
     # fp32: per parameter first, so the message names the parameter
     if tol is not None and (over := _first_above(result, Metric.SYNC_GRAD_MAX_REL_ERR, tol)):
         rank, err = over
-        param = result.ranks[rank].metrics[Metric.SYNC_GRAD_MAX_REL_ERR_PARAM]
+        param = _on_rank(result, rank, Metric.SYNC_GRAD_MAX_REL_ERR_PARAM)
         raise CheckFailure(
             f"check c: rank {rank}: parameter {param}: gradient differs from the single-process "
             f"reference by {err:.3g} (relative to its largest entry), tolerance {tol:g} "
@@ -311,14 +318,14 @@ def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None
         )
     for rank, diff in _per_rank(result, Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF):
         if diff != 0:
-            worst = result.ranks[rank].metrics[Metric.SYNC_HANDOFF_WEIGHT_WORST]
+            worst = _on_rank(result, rank, Metric.SYNC_HANDOFF_WEIGHT_WORST)
             problems.append(
                 f"rank {rank}: the engine hands the rollout {worst!r} {diff:.3g} away from its "
                 f"own parameter ({Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF})"
             )
             break
     for rank, diff in _per_rank(result, Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF):
-        metrics = result.ranks[rank].metrics
+        metrics = result.ranks[rank].metrics or {}
         compared = metrics[Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED]
         if diff != 0 or compared == 0:
             problems.append(
@@ -358,14 +365,15 @@ def check_sync_contract(result: RunResult) -> None:
     """h. What the declared gradient-sync policy promises is what the ranks measured; with
     sequence parallelism, each rank's decoder layers saw only its chunk of the sequence."""
     m = result.metrics
-    policy, micro_batches = m.get(Metric.CASE_SYNC_POLICY), m.get(Metric.CASE_MICRO_BATCHES)
+    policy = _on_rank(result, 0, Metric.CASE_SYNC_POLICY)
+    micro_batches = _on_rank(result, 0, Metric.CASE_MICRO_BATCHES)
     head = (
         f"check h: case {result.case_id}: declared gradient_sync {policy!r} with "
         f"{micro_batches} micro-batches"
     )
     for rank, calls in _per_rank(result, Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH):
-        units = result.ranks[rank].metrics[Metric.COMM_FSDP_UNITS]
-        shards = result.ranks[rank].metrics[Metric.COMM_SHARD_GROUP_SIZE]
+        units = _on_rank(result, rank, Metric.COMM_FSDP_UNITS)
+        shards = _on_rank(result, rank, Metric.COMM_SHARD_GROUP_SIZE)
         want = expected_reduce_scatters(policy, micro_batches, units, shards)
         if calls != want:
             raise CheckFailure(
@@ -435,11 +443,11 @@ def check_optimizer_step(result: RunResult) -> None:
             f"check i: rank {over[0]}: the update differs from the single-process reference "
             f"step's by relative L2 error {over[1]:.3g} ({Metric.SYNC_STEP_REL_L2_ERR}), tolerance {tol:g}"
         )
-    tol = STEP_TOL_LR.get(dtype)
-    if tol is not None and (over := _first_above(result, Metric.SYNC_STEP_MAX_ERR_LR, tol)):
+    tol_lr = STEP_TOL_LR.get(dtype)
+    if tol_lr is not None and (over := _first_above(result, Metric.SYNC_STEP_MAX_ERR_LR, tol_lr)):
         raise CheckFailure(
             f"check i: rank {over[0]}: post-step parameters differ from the single-process "
-            f"reference step by {over[1]:.3g} x lr ({Metric.SYNC_STEP_MAX_ERR_LR}), tolerance {tol:g}"
+            f"reference step by {over[1]:.3g} x lr ({Metric.SYNC_STEP_MAX_ERR_LR}), tolerance {tol_lr:g}"
         )
 
 

@@ -61,13 +61,13 @@ def reduce_flags(engine):
 
 def test_sync_context_order(process_group):
     deferred = make_engine("deferred")
-    with deferred._gradient_sync_context(is_last_micro_batch=False):
+    with deferred.gradient_sync_context(is_last_micro_batch=False):
         assert reduce_flags(deferred) == [False, False]
-    with deferred._gradient_sync_context(is_last_micro_batch=True):
+    with deferred.gradient_sync_context(is_last_micro_batch=True):
         assert reduce_flags(deferred) == [True, True]
     assert deferred.toggles == [False, True, True, True]
     every = make_engine("every_micro_batch")
-    with every._gradient_sync_context(is_last_micro_batch=False):
+    with every.gradient_sync_context(is_last_micro_batch=False):
         assert reduce_flags(every) == [True, True]
     assert every.toggles == [True, True]
 
@@ -76,7 +76,7 @@ def test_sync_context_restores_on_exception(process_group):
     engine = make_engine("deferred")
     with (
         pytest.raises(RuntimeError, match="backward blew up"),
-        engine._gradient_sync_context(is_last_micro_batch=False),
+        engine.gradient_sync_context(is_last_micro_batch=False),
     ):
         raise RuntimeError("backward blew up")
     assert engine.toggles == [False, True]
@@ -88,7 +88,7 @@ def test_probe_sees_unsharded_grads_only_under_deferred_sync(process_group):
 
     for policy, retained in (("deferred", (16 + 4 + 4 + 1) * 4), ("every_micro_batch", 0)):
         engine = make_engine(policy)
-        with engine._gradient_sync_context(is_last_micro_batch=False):
+        with engine.gradient_sync_context(is_last_micro_batch=False):
             engine.module(torch.randn(3, 4)).sum().backward()
         assert fsdp_probe.unsharded_grad_bytes(engine.module) == retained, policy
         assert fsdp_probe.fsdp_units(engine.module) == 2  # the root owns the second Linear
