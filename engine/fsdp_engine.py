@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from pytest_fsdp_turbo.vocab import SyncPolicy
+from pytest_fsdp_turbo.vocab import Dtype, SyncPolicy
 
 SYNC_POLICIES = tuple(SyncPolicy)
 
@@ -75,7 +75,7 @@ class FSDPEngineWithLMHead:
 
     # --- model ----------------------------------------------------------------------------------
     def _mixed_precision(self) -> MixedPrecisionPolicy:
-        if self.config.dtype == "bf16":
+        if self.config.dtype == Dtype.BF16:
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return MixedPrecisionPolicy()
 
@@ -137,7 +137,7 @@ class FSDPEngineWithLMHead:
         Sync is switched back on when the body ends, even when the backward raised, so a failed
         micro-batch never leaves the module silently accumulating unsynchronised gradients.
         """
-        sync = is_last_micro_batch or self.config.sync_policy == "every_micro_batch"
+        sync = is_last_micro_batch or self.config.sync_policy == SyncPolicy.EVERY_MICRO_BATCH
         self._set_gradient_sync(sync)
         try:
             yield

@@ -53,7 +53,7 @@ from pytest_fsdp_turbo.contract import (
     TrainRecord,
     timing_key,
 )
-from pytest_fsdp_turbo.vocab import Env
+from pytest_fsdp_turbo.vocab import DeviceKind, Dtype, Env, Rollout
 
 ADAMW_EPS = 1e-8  # torch's AdamW default, which every engine here keeps
 SUMMED_PARTS = (
@@ -102,10 +102,10 @@ class Phase:
 
 
 def device_for(kind: str, local_rank: int) -> torch.device:
-    if kind == "cuda":
+    if kind == DeviceKind.CUDA:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    if kind == "npu":
+    if kind == DeviceKind.NPU:
         import torch_npu  # noqa: F401  registers the npu device
 
         torch.npu.set_device(local_rank)  # type: ignore[attr-defined]  # torch_npu adds it
@@ -114,9 +114,9 @@ def device_for(kind: str, local_rank: int) -> torch.device:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
+    if device.type == DeviceKind.CUDA:
         return int(torch.cuda.max_memory_allocated(device))
-    if device.type == "npu":
+    if device.type == DeviceKind.NPU:
         return int(torch.npu.max_memory_allocated(device))  # type: ignore[attr-defined]
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
@@ -189,7 +189,7 @@ def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
 
 
 def make_rollout(cfg: PPOConfig, engine_cfg: EngineConfig, model_path: str, device, tokenizer):
-    if cfg.rollout == "vllm":
+    if cfg.rollout == Rollout.VLLM:
         from pytest_fsdp_turbo_engine.vllm_rollout import VLLMRollout
 
         return VLLMRollout(
@@ -475,7 +475,7 @@ def post_step(
         logprobs, _ = engine.forward_logprobs(batch.input_ids, batch.prompt_len)
     rollout_diff = rollout_sum = handoff = served_diff = None
     if ctx.rollout is not None:
-        handoff_dtype = torch.bfloat16 if ctx.engine_cfg.dtype == "bf16" else torch.float32
+        handoff_dtype = torch.bfloat16 if ctx.engine_cfg.dtype == Dtype.BF16 else torch.float32
         handed = engine.full_state_dict()  # the engine's hand-off: the thing under test
         handoff = weight_handoff.compare_handoff(handed, trainer, set(full), handoff_dtype)
         ctx.rollout.load_weights(handed)

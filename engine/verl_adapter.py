@@ -16,7 +16,7 @@ import torch
 from pytest_fsdp_turbo_engine.config import EngineConfig, PPOConfig
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch
 
-from pytest_fsdp_turbo.vocab import VERL_PREFIX
+from pytest_fsdp_turbo.vocab import VERL_PREFIX, Dtype, SyncPolicy
 
 MODEL_TYPE = "language_model"  # verl's registry key for causal LMs with an LM head
 FP32_MIXED_PRECISION = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
@@ -68,7 +68,7 @@ class VerlEngineAdapter:
         from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
         cfg = self.config
-        fp32 = cfg.dtype == "fp32"
+        fp32 = cfg.dtype == Dtype.FP32
         shard = cfg.fsdp_size if cfg.fsdp_size < cfg.world_size // max(1, cfg.sp_size) else -1
         return {
             "model_config": HFModelConfig(
@@ -86,7 +86,7 @@ class VerlEngineAdapter:
                 mixed_precision=FP32_MIXED_PRECISION if fp32 else None,
                 use_torch_compile=False,
                 use_dynamic_bsz=False,
-                use_no_sync_for_gradient_accumulation=cfg.sync_policy == "deferred",
+                use_no_sync_for_gradient_accumulation=cfg.sync_policy == SyncPolicy.DEFERRED,
                 turbo_config=dict(cfg.turbo_config),
             ),
             "optimizer_config": FSDPOptimizerConfig(

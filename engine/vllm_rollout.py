@@ -14,7 +14,7 @@ import sys
 import torch
 from pytest_fsdp_turbo_engine.rollout import RolloutBatch, response_mask
 
-from pytest_fsdp_turbo.vocab import Env
+from pytest_fsdp_turbo.vocab import Dtype, Env
 
 WORKER_EXTENSION = "pytest_fsdp_turbo_engine.vllm_rollout.WeightLoaderExtension"
 
@@ -94,7 +94,7 @@ class VLLMRollout:
         self.llm = llm_cls(
             model=model_path,
             **extension,
-            dtype="bfloat16" if dtype == "bf16" else "float32",
+            dtype="bfloat16" if dtype == Dtype.BF16 else "float32",
             enforce_eager=True,
             gpu_memory_utilization=float(os.environ.get(Env.VLLM_MEMORY, "0.3")),
             seed=seed,

@@ -11,6 +11,7 @@ import re
 import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,16 @@ from pytest_fsdp_turbo_fixtures import DATA_DIR
 from pytest_fsdp_turbo.contract import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo.devices import KINDS
 from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.vocab import VERL_PREFIX, DeviceKind, Env, SyncPolicy, TwinKind
+from pytest_fsdp_turbo.vocab import (
+    VERL_PREFIX,
+    DeviceKind,
+    Dtype,
+    Env,
+    GoldenTier,
+    Rollout,
+    SyncPolicy,
+    TwinKind,
+)
 
 FIXTURES_DIR = DATA_DIR
 TINY_PREFIX = "tiny-"
@@ -30,12 +40,7 @@ BACKEND_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 CASE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 ENGINE_ENTRY_POINTS = "pytest_fsdp_turbo.engines"
 DEFAULT_CASES = Path("e2e") / "cases.toml"  # under the rootdir, unless an option or ini names one
-SYNC_POLICIES = tuple(SyncPolicy)
-DTYPES = ("auto", "fp32", "bf16")
-ROLLOUTS = ("hf", "vllm")
-GOLDEN_TIERS = ("exact", "relative", "none")
-TWINS = tuple(TwinKind)
-TURBO_DEVICES = ("cuda", "npu")
+TURBO_DEVICES = (DeviceKind.CUDA, DeviceKind.NPU)
 
 
 @dataclass(frozen=True)
@@ -47,21 +52,21 @@ class Case:
     fsdp_size: int = 0  # 0: world_size // sp_size (plain FSDP)
     sp_size: int = 1
     micro_batches: int = 2
-    dtype: str = "auto"
-    gradient_sync: str = "deferred"
-    rollout: str = "hf"
-    devices: tuple[str, ...] = ("cpu",)
+    dtype: Dtype = Dtype.AUTO
+    gradient_sync: SyncPolicy = SyncPolicy.DEFERRED
+    rollout: Rollout = Rollout.HF
+    devices: tuple[DeviceKind, ...] = (DeviceKind.CPU,)
     timeout: float = 300.0
     collective_timeout: float = 120.0
     memory_budget_mb: float | None = None
-    golden_tier: str = "relative"
+    golden_tier: GoldenTier = GoldenTier.RELATIVE
     turbo_config: dict = field(default_factory=dict)
     num_prompts: int = 4
     n: int = 4
     max_new_tokens: int = 12
     lr: float = 1e-4
     reference_checks: bool | None = None  # default: on for tiny models
-    twin: str | None = None  # default: "single" when there is no in-rank reference, else "none"
+    twin: TwinKind | None = None  # default: single when there is no in-rank reference, else none
     description: str = ""
 
     @property
@@ -85,18 +90,18 @@ class Case:
     def data_parallel_size(self) -> int:
         return self.world_size // self.sp_size
 
-    def dtype_on(self, kind: str) -> str:
-        if self.dtype != "auto":
+    def dtype_on(self, kind: str) -> Dtype:
+        if self.dtype != Dtype.AUTO:
             return self.dtype
-        return "fp32" if kind == DeviceKind.CPU else "bf16"
+        return Dtype.FP32 if kind == DeviceKind.CPU else Dtype.BF16
 
     def with_reference_checks(self) -> bool:
         return self.is_tiny if self.reference_checks is None else self.reference_checks
 
-    def twin_kind(self) -> str:
+    def twin_kind(self) -> TwinKind:
         if self.twin is not None:
             return self.twin
-        return "none" if self.with_reference_checks() else "single"
+        return TwinKind.NONE if self.with_reference_checks() else TwinKind.SINGLE
 
     def rank_spec(
         self,
@@ -132,7 +137,7 @@ class Case:
             case_id=self.id,
             model_path=model_path,
             model_type=model_type,
-            device_kind=kind,
+            device_kind=DeviceKind(kind),
             engine=engine,
             ppo=ppo,
             memory_budget_mb=self.memory_budget_mb,
@@ -152,15 +157,30 @@ _EXPECTED = {
 
 
 def _base_type(annotation) -> type:
-    """`int`, `float | None`, `tuple[str, ...]` -> int, float, tuple: the field's TOML type."""
+    """`int`, `float | None`, `tuple[str, ...]`, `SyncPolicy` -> int, float, tuple, str: the
+    field's TOML type."""
     for arg in (annotation, *typing.get_args(annotation)):
         origin = typing.get_origin(arg) or arg
         if origin in _EXPECTED:
             return origin
+        if isinstance(origin, type) and issubclass(origin, StrEnum):
+            return str
     raise TypeError(f"Case field type {annotation!r} has no TOML reading")
 
 
-_TYPES = {name: _base_type(hint) for name, hint in typing.get_type_hints(Case).items()}
+def _closed_set(annotation) -> type[StrEnum] | None:
+    """The vocabulary enum a field (or each item of a tuple field) takes its values from."""
+    for arg in (annotation, *typing.get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, StrEnum):
+            return arg
+        if typing.get_origin(arg) is tuple:
+            return _closed_set(typing.get_args(arg)[0])
+    return None
+
+
+_HINTS = typing.get_type_hints(Case)
+_TYPES = {name: _base_type(hint) for name, hint in _HINTS.items()}
+_CLOSED_SETS = {name: e for name, hint in _HINTS.items() if (e := _closed_set(hint)) is not None}
 
 
 ANNOUNCED_WHERE = (
@@ -266,9 +286,15 @@ def _coerce(where: _Where, name: str, value: Any) -> Any:
     raise where.error(name, _EXPECTED[kind], value)
 
 
-def _choice(where: _Where, name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise where.error(name, "one of " + ", ".join(allowed), value)
+def _member(where: _Where, name: str, value: Any) -> Any:
+    """A closed-set field's value as its enum member(s), or one line naming the members."""
+    closed = _CLOSED_SETS[name]
+    items = value if isinstance(value, tuple) else (value,)
+    for item in items:
+        if item not in closed.__members__.values():
+            raise where.error(name, "one of " + ", ".join(closed), item)
+    members = tuple(closed(item) for item in items)
+    return members if isinstance(value, tuple) else members[0]
 
 
 def validate_case(
@@ -296,6 +322,9 @@ def validate_case(
     if "model" not in raw:
         raise where.error("model", "a tiny spec (tiny-...) or a local model name", None)
     values = {name: _coerce(where, name, value) for name, value in raw.items()}
+    for name in set(values) & set(_CLOSED_SETS):
+        if values[name] is not None:
+            values[name] = _member(where, name, values[name])
     case = Case(**values)
     if case.is_tiny and case.model not in specs:
         raise where.error(
@@ -313,19 +342,12 @@ def validate_case(
         if not (open_backends and BACKEND_NAME.match(case.backend)) and case.backend not in allowed:
             expected = f"one of {', '.join(allowed)} ({announced})"
             raise where.error("backend", expected, case.backend)
-    _choice(where, "dtype", case.dtype, DTYPES)
-    _choice(where, "gradient_sync", case.gradient_sync, SYNC_POLICIES)
-    _choice(where, "rollout", case.rollout, ROLLOUTS)
-    _choice(where, "golden_tier", case.golden_tier, GOLDEN_TIERS)
-    _choice(where, "twin", case.twin_kind(), TWINS)
     if case.twin_kind() == TwinKind.EVERY_MICRO_BATCH and case.gradient_sync != SyncPolicy.DEFERRED:
         raise where.error(
             "twin", "single or none when gradient_sync is already every_micro_batch", case.twin
         )
     if not case.devices:
         raise where.error("devices", "at least one of " + ", ".join(KINDS), list(case.devices))
-    for kind in case.devices:
-        _choice(where, "devices", kind, KINDS)
     for name in ("world_size", "sp_size", "micro_batches", "num_prompts", "n", "max_new_tokens"):
         if getattr(case, name) < 1:
             raise where.error(name, "a positive integer", getattr(case, name))

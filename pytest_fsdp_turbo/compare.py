@@ -11,6 +11,7 @@ from pytest_fsdp_turbo.contract import Metric, RunFolder
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.goldens import GOLDEN_KEYS, within
 from pytest_fsdp_turbo.report import read_case_artifacts
+from pytest_fsdp_turbo.vocab import GoldenTier
 
 COMPARED_KEYS = (
     *GOLDEN_KEYS,
@@ -69,7 +70,7 @@ def compare_runs(a: Path, b: Path) -> tuple[list[Row], str, str]:
         label_a = ra["spec"].get("device_kind", "A")
         label_b = rb["spec"].get("device_kind", "B")
         tier = ra["case"].get("golden_tier", "relative")
-        tier = "relative" if tier == "none" else tier
+        tier = GoldenTier.RELATIVE if tier == GoldenTier.NONE else tier
         ma = ra["ranks"][0] if ra["ranks"] else {}
         mb = rb["ranks"][0] if rb["ranks"] else {}
         for key in COMPARED_KEYS:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pytest_fsdp_turbo.vocab import DeviceKind, SyncPolicy
+from pytest_fsdp_turbo.vocab import DeviceKind, Dtype, Rollout, SyncPolicy
 
 LOG_TAIL_LINES = 30
 
@@ -302,8 +302,8 @@ class EngineSpec:
     fsdp_size: int  # ranks one parameter is sharded over (the whole world for plain FSDP)
     backend: str = "fsdp"
     sp_size: int = 1
-    dtype: str = "fp32"  # fp32 | bf16 (bf16 params, fp32 gradient reduction)
-    sync_policy: str = SyncPolicy.DEFERRED
+    dtype: Dtype = Dtype.FP32  # bf16: bf16 params, fp32 gradient reduction
+    sync_policy: SyncPolicy = SyncPolicy.DEFERRED
     lr: float = 1e-4
     grad_clip: float = 1.0
     weight_decay: float = 0.0  # AdamW; the reference step uses the same
@@ -321,7 +321,7 @@ class PPOSpec:
     clip_ratio_c: float = 3.0
     kl_coef: float = 0.001
     entropy_coef: float = 0.0
-    rollout: str = "hf"  # hf | vllm
+    rollout: Rollout = Rollout.HF
     seed: int = 7
     reference_checks: bool = True  # single-process reference gradients, fingerprint (tiny models)
     replay: str = ""  # twin runs: the main run's artifact folder, whose saved batch is replayed
@@ -334,26 +334,30 @@ class RankSpec:
     case_id: str
     model_path: str
     model_type: str
-    device_kind: str
+    device_kind: DeviceKind
     engine: EngineSpec
     ppo: PPOSpec
     memory_budget_mb: float | None = None
     engine_modules: tuple[str, ...] = ()
-
-    @property
-    def kind(self) -> DeviceKind:
-        return DeviceKind(self.device_kind)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankSpec:
+        engine, ppo = data["engine"], data["ppo"]
         return cls(
             **{
                 **data,
-                "engine": EngineSpec(**data["engine"]),
-                "ppo": PPOSpec(**data["ppo"]),
+                "device_kind": DeviceKind(data["device_kind"]),
+                "engine": EngineSpec(
+                    **{
+                        **engine,
+                        "dtype": Dtype(engine["dtype"]),
+                        "sync_policy": SyncPolicy(engine["sync_policy"]),
+                    }
+                ),
+                "ppo": PPOSpec(**{**ppo, "rollout": Rollout(ppo["rollout"])}),
                 "engine_modules": tuple(data.get("engine_modules", ())),
             }
         )

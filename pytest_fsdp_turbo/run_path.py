@@ -22,9 +22,10 @@ from pytest_fsdp_turbo.cases import (
 from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.contract import RunResult
 from pytest_fsdp_turbo.devices import Accelerator
+from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
-from pytest_fsdp_turbo.runs import RunRequest, run_case, run_case_on_ray, run_with_twin
+from pytest_fsdp_turbo.runs import RunRequest, launcher_for, run_with_twin
 from pytest_fsdp_turbo.session import resolve_artifacts
 from pytest_fsdp_turbo.settings import Settings
 from pytest_fsdp_turbo.vocab import Launcher
@@ -89,10 +90,8 @@ class CaseRunner:
         return model, checkout
 
     def launch(self, request: RunRequest) -> RunResult:
-        if request.launcher == Launcher.RAY:
-            driver = self.start_ray()
-            return run_with_twin(request, lambda r: run_case_on_ray(r, driver))
-        return run_with_twin(request, lambda r: run_case(r, self.book))
+        launcher = launcher_for(request.launcher, self.book, self.start_ray)
+        return run_with_twin(request, launcher)
 
     def run(
         self,
@@ -118,10 +117,16 @@ class CaseRunner:
             engine_modules=modules,
             pythonpath=list(pythonpath),
             extra_env=dict(extra_env or {}),
-            launcher=launcher or self.settings.launcher,
+            launcher=_launcher(launcher or self.settings.launcher),
             progress=self.progress,
         )
         return self.launch(request)
+
+
+def _launcher(name: str) -> Launcher:
+    if name not in tuple(Launcher):
+        raise ConfigError(f"launcher: expected one of {', '.join(Launcher)}; got {name!r}")
+    return Launcher(name)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pytest_fsdp_turbo.launch import launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
 from pytest_fsdp_turbo.progress import Progress
-from pytest_fsdp_turbo.vocab import DeviceKind, Env, Launcher, TwinKind
+from pytest_fsdp_turbo.vocab import DeviceKind, Env, Launcher, Rollout, SyncPolicy, TwinKind
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.ray_driver import RayDriver
@@ -43,7 +43,7 @@ class RunRequest:
     extra_env: dict[str, str] = field(default_factory=dict)
     replay: Path | None = None  # twin runs: the main run's artifacts, whose batch is replayed
     turbo_config: dict | None = None  # fsdp_turbo cases: the exact config, see with_turbo_config
-    launcher: str = "local"  # local: forked from this process's warm parent; spawn: fresh
+    launcher: Launcher = Launcher.LOCAL  # see launcher_for
     progress: Callable[..., Progress] | None = None  # live status while the ranks run
 
 
@@ -145,13 +145,31 @@ def run_case_on_ray(request: RunRequest, driver: RayDriver) -> RunResult:
     return _finish(progress, result)
 
 
+RankLauncher = Callable[[RunRequest], RunResult]  # starts one request's ranks, hands back the run
+
+
+def launcher_for(
+    kind: Launcher, book: LeaseBook, start_ray: Callable[[], RayDriver]
+) -> RankLauncher:
+    """The one place the launcher kind is decided: Ray actors, or processes on this machine,
+    forked from the warm parent (local) or fresh interpreters (spawn)."""
+    if kind == Launcher.RAY:
+        driver = start_ray()
+        return lambda request: run_case_on_ray(request, driver)
+    warm = kind == Launcher.LOCAL
+    return lambda request: run_case(request, book, warm=warm)
+
+
 def run_case(
     request: RunRequest,
     book: LeaseBook,
     lease_timeout_s: float = 600.0,
     port_attempts: int = PORT_ATTEMPTS,
+    *,
+    warm: bool = True,
 ) -> RunResult:
-    """Lease devices and ports, write the spec, start the ranks; leases are freed whatever happens.
+    """Lease devices and ports, write the spec, start the ranks (forked from the warm parent when
+    `warm` and one can start, else fresh interpreters); leases are freed whatever happens.
 
     A port taken by someone else between the lease and rank 0's bind is retried on a fresh port a
     bounded number of times; each retry is logged and the failed attempt's logs are kept.
@@ -163,7 +181,7 @@ def run_case(
     notes: list[str] = []
     progress = _progress(request, out)
     parent = None
-    if request.launcher == Launcher.LOCAL:
+    if warm:
         from pytest_fsdp_turbo.warm import warm_parent
 
         parent, why = warm_parent(book.state_dir)
@@ -217,9 +235,9 @@ def twin_case(case: Case) -> Case | None:
     kind = case.twin_kind()
     if kind == TwinKind.NONE:
         return None
-    common = {"id": f"{case.id}-twin", "twin": "none", "reference_checks": False}
+    common = {"id": f"{case.id}-twin", "twin": TwinKind.NONE, "reference_checks": False}
     if kind == TwinKind.EVERY_MICRO_BATCH:
-        return replace(case, gradient_sync="every_micro_batch", **common)
+        return replace(case, gradient_sync=SyncPolicy.EVERY_MICRO_BATCH, **common)
     return replace(
         case,
         backend="fsdp",
@@ -228,7 +246,7 @@ def twin_case(case: Case) -> Case | None:
         sp_size=1,
         micro_batches=1,
         turbo_config={},
-        rollout="hf",
+        rollout=Rollout.HF,
         **common,
     )
 

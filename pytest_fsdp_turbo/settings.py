@@ -35,7 +35,7 @@ class Settings:
     artifacts: Path | None = None  # None: <rootdir>/fsdp-turbo-artifacts
     record_golden: bool = False
     goldens: Path | None = None
-    launcher: str = "local"
+    launcher: Launcher = Launcher.LOCAL
     ray_address: str | None = None
     ray_connect_timeout_s: float = DEFAULT_RAY_CONNECT_TIMEOUT_S
 
@@ -86,7 +86,7 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
         artifacts=Path(raw["fsdp_turbo_artifacts"]) if raw["fsdp_turbo_artifacts"] else None,
         record_golden=bool(raw["fsdp_turbo_record_golden"]),
         goldens=Path(raw["fsdp_turbo_goldens"]) if raw["fsdp_turbo_goldens"] else None,
-        launcher=launcher,
+        launcher=Launcher(launcher),
         ray_address=raw["fsdp_turbo_ray_address"],
         ray_connect_timeout_s=connect_s,
     )

@@ -24,6 +24,23 @@ class SyncPolicy(StrEnum):
     EVERY_MICRO_BATCH = "every_micro_batch"
 
 
+class Dtype(StrEnum):
+    AUTO = "auto"  # fp32 on cpu, bf16 on accelerators
+    FP32 = "fp32"
+    BF16 = "bf16"  # bf16 parameters, fp32 gradient reduction
+
+
+class Rollout(StrEnum):
+    HF = "hf"  # the harness's own HF generate
+    VLLM = "vllm"
+
+
+class GoldenTier(StrEnum):
+    EXACT = "exact"
+    RELATIVE = "relative"
+    NONE = "none"
+
+
 class Launcher(StrEnum):
     LOCAL = "local"  # forked from this process's warm parent
     SPAWN = "spawn"  # fresh interpreters

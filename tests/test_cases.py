@@ -310,3 +310,23 @@ def test_a_downstream_tiny_spec_folder_sits_beside_the_built_in_specs(tmp_path):
     assert load_cases(write(tmp_path / "b", GOOD), tiny_models=mine)[0].model == "tiny-qwen3"
     with pytest.raises(ConfigError, match=r"field 'model': expected a tiny spec \(.*tiny-qwen3"):
         load_cases(path)  # without the folder, the spec is unknown
+
+
+def test_closed_set_fields_load_as_the_vocabularys_enums(tmp_path):
+    from pytest_fsdp_turbo.vocab import DeviceKind, Dtype, GoldenTier, Rollout, SyncPolicy, TwinKind
+
+    body = GOOD + 'devices = ["cpu", "npu"]\ngradient_sync = "every_micro_batch"\ntwin = "single"\n'
+    (case,) = load_cases(write(tmp_path, body))
+    assert case.gradient_sync is SyncPolicy.EVERY_MICRO_BATCH and case.twin is TwinKind.SINGLE
+    assert case.devices == (DeviceKind.CPU, DeviceKind.NPU)
+    assert all(type(kind) is DeviceKind for kind in case.devices)
+    assert (case.dtype, case.rollout, case.golden_tier) == (
+        Dtype.AUTO,
+        Rollout.HF,
+        GoldenTier.RELATIVE,
+    )
+    assert case.dtype_on("npu") is Dtype.BF16 and case.twin_kind() is TwinKind.SINGLE
+    with pytest.raises(
+        ConfigError, match="field 'devices': expected one of cpu, cuda, npu; got 'tpu'"
+    ):
+        load_cases(write(tmp_path, GOOD + 'devices = ["cpu", "tpu"]\n'))

@@ -16,6 +16,7 @@ from pytest_fsdp_turbo.contract import (
     StepMetrics,
     metric_keys,
 )
+from pytest_fsdp_turbo.vocab import DeviceKind
 
 
 def test_metric_keys_are_unique_and_named_as_the_training_world_names_them():
@@ -49,7 +50,7 @@ def test_a_real_runs_files_read_back_into_the_types_unchanged(ppo_run):
     written = json.loads(folder.spec.read_text())
     spec = RankSpec.from_json(written)
     assert spec.to_json() == {**written, "engine_modules": tuple(written["engine_modules"])}
-    assert spec.engine.world_size == 2 and spec.kind == "cpu"
+    assert spec.engine.world_size == 2 and spec.device_kind is DeviceKind.CPU
     for rank in result.ranks:
         on_disk = json.loads(folder.metrics(rank.rank).read_text())
         step = StepMetrics.from_json(on_disk)

@@ -3,6 +3,8 @@
 import sys
 import textwrap
 
+import pytest
+
 from pytest_fsdp_turbo.launch import launch_local
 
 HANG = textwrap.dedent(
@@ -86,3 +88,19 @@ def test_leak_check_tolerates_a_child_that_exits_during_its_scan():
     child.wait()
     assert _alive(proc) is False  # gone (reaped): no NameError, no exception
     assert _cmd(proc) == "?"
+
+
+def test_the_launcher_is_chosen_in_one_place_and_a_wrong_name_is_one_line(ppo_run, tmp_path):
+    from pytest_fsdp_turbo.leases import LeaseBook
+    from pytest_fsdp_turbo.runs import launcher_for
+    from pytest_fsdp_turbo.vocab import Launcher
+
+    started = []
+    book = LeaseBook(tmp_path / "state")
+    launcher_for(Launcher.LOCAL, book, lambda: started.append("ray"))
+    launcher_for(Launcher.SPAWN, book, lambda: started.append("ray"))
+    assert started == []  # only the Ray launcher starts (or joins) Ray
+    with pytest.raises(pytest.fail.Exception) as failed:
+        ppo_run("tiny-qwen3-single-rank", launcher="slurm")
+    message = str(failed.value)
+    assert message == "launcher: expected one of local, spawn, ray; got 'slurm'", message
