@@ -13,8 +13,9 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    import torch
-    import torch.distributed as dist
+    from torch import Tensor, device
+    from torch.distributed import ProcessGroup
+    from torch.nn import Module
 
     from pytest_fsdp_turbo.contract import EngineSpec, PPOSpec
 
@@ -30,32 +31,30 @@ class Engine(Protocol):
     # True: the engine runs its own micro-batch loop (forward_backward); False: the harness runs it
     # and asks the engine for its gradient-sync policy per micro-batch (gradient_sync_context)
     drives_micro_batches: ClassVar[bool]
-    module: torch.nn.Module | None  # the trainable, sharded policy, once built
+    module: Module | None  # the trainable, sharded policy, once built
 
-    def __init__(self, config: EngineSpec, device: torch.device) -> None: ...
+    def __init__(self, config: EngineSpec, device: device) -> None: ...
 
-    def build(self, model_path: str, *, trainable: bool = True) -> torch.nn.Module: ...
+    def build(self, model_path: str, *, trainable: bool = True) -> Module: ...
 
     def forward_logprobs(
-        self,
-        input_ids: torch.Tensor,
-        prompt_len: int,
-        *,
-        module: torch.nn.Module | None = None,
-        with_entropy: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+        self, input_ids: Tensor, prompt_len: int, *, module: Module | None, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Response-token log-probabilities (and entropy) under `module` (None: the policy);
+        both keywords have defaults in an engine (None, False)."""
+        ...
 
     def data_parallel_rank(self) -> int: ...
 
     def data_parallel_size(self) -> int: ...
 
-    def data_parallel_group(self) -> dist.ProcessGroup: ...
+    def data_parallel_group(self) -> ProcessGroup: ...
 
-    def replicate_group(self) -> dist.ProcessGroup | None: ...
+    def replicate_group(self) -> ProcessGroup | None: ...
 
     def optimizer_step(self) -> float: ...
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+    def full_state_dict(self) -> dict[str, Tensor]: ...
 
 
 @runtime_checkable

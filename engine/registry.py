@@ -79,6 +79,7 @@ def load_engine_plugins(extra_modules: Iterable[str] = ()) -> None:
 
 
 def lookup(model_type: str, backend: str, device: str) -> type:
+    device = str(device)  # a DeviceKind reads as its value in keys and messages
     if backend.startswith(VERL_PREFIX):  # verl's registry decides; ours only adapts
         from pytest_fsdp_turbo_engine.verl_adapter import VerlEngineAdapter
 

@@ -217,11 +217,9 @@ def known_backends(engine_modules: Iterable[str] = ()) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def registered_backends(module: str, pythonpath: Iterable[str] = ()) -> list[str]:
-    """The backend names a module passes to @register(backend=...), from its source text (the
-    module imports torch, which the pytest process never does); [] when it cannot be found.
-    `pythonpath`: folders the ranks will have on their path (ppo_run's pythonpath)."""
-    import ast
+def engine_module_source(module: str, pythonpath: Iterable[str] = ()) -> Path | None:
+    """Where a named engine module's source is, as the ranks will look (ppo_run's `pythonpath`
+    first, then this process's path), found without importing it; None: nowhere."""
     import importlib.machinery
     import importlib.util
 
@@ -230,11 +228,23 @@ def registered_backends(module: str, pythonpath: Iterable[str] = ()) -> list[str
         spec = importlib.machinery.PathFinder.find_spec(module, paths) if paths else None
         spec = spec or importlib.util.find_spec(module)
     except (ImportError, ValueError):
-        return []
+        return None
     if spec is None or not (spec.origin or "").endswith(".py"):
+        return None
+    return Path(spec.origin)
+
+
+def registered_backends(module: str, pythonpath: Iterable[str] = ()) -> list[str]:
+    """The backend names a module passes to @register(backend=...), from its source text (the
+    module imports torch, which the pytest process never does); [] when it cannot be found.
+    `pythonpath`: folders the ranks will have on their path (ppo_run's pythonpath)."""
+    import ast
+
+    source = engine_module_source(module, pythonpath)
+    if source is None:
         return []
     names = []
-    for node in ast.walk(ast.parse(Path(spec.origin).read_text())):
+    for node in ast.walk(ast.parse(source.read_text())):
         func = getattr(node, "func", None)
         if (
             isinstance(node, ast.Call)

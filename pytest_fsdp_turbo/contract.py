@@ -7,9 +7,10 @@ or an artifact file."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 from pytest_fsdp_turbo.vocab import DeviceKind, Dtype, Rollout, SyncPolicy
 
@@ -373,71 +374,56 @@ class RankSpec:
 # --- what a run leaves behind ---------------------------------------------------------------------
 
 
+class _File:
+    """One file of a run folder: its path on a folder, its name on the class (for globs)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, folder: None, owner: type) -> str: ...
+
+    @overload
+    def __get__(self, folder: RunFolder, owner: type) -> Path: ...
+
+    def __get__(self, folder: RunFolder | None, owner: type) -> Path | str:
+        return self.name if folder is None else folder.path / self.name
+
+
+class _RankFile:
+    """One file per rank, rank<N>.<suffix>: on a folder, the function from a rank to its path."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+
+    def __get__(self, folder: RunFolder, owner: type) -> Callable[[int], Path]:
+        return lambda rank: folder.path / f"rank{rank}.{self.suffix}"
+
+
 @dataclass(frozen=True)
 class RunFolder:
     """One run's artifact folder: the one place its file names are spelled."""
 
     path: Path
 
-    SPEC: ClassVar[str] = "spec.json"
-    CASE: ClassVar[str] = "case.json"
-    ENV: ClassVar[str] = "env.json"
-    TIMELINE: ClassVar[str] = "timeline.json"
-    LAUNCHER_LOG: ClassVar[str] = "launcher.log"
-    BATCH: ClassVar[str] = "batch.pt"  # the global training batch, for a twin to replay
-    POST_STEP: ClassVar[str] = "post_step.pt"  # the global post-step logprobs on that batch
-    TWIN: ClassVar[str] = "twin"
+    spec = _File("spec.json")  # the RankSpec every rank reads
+    case = _File("case.json")  # the case as resolved, overrides applied
+    env = _File("env.json")  # the ranks' environment, secrets masked
+    timeline = _File("timeline.json")  # (rank, phase, start, end) rows
+    launcher_log = _File("launcher.log")  # port retries
+    batch = _File("batch.pt")  # the global training batch, for a twin to replay
+    post_step = _File("post_step.pt")  # the global post-step logprobs on that batch
+    log = _RankFile("log")
+    metrics = _RankFile("metrics.json")  # written last: the rank's success marker
+    partial_metrics = _RankFile("partial-metrics.json")  # what a failed rank measured
+    error = _RankFile("error.json")  # a RankError
+    phases = _RankFile("phases.jsonl")  # followed live by the progress reporter
+    grads = _RankFile("grads.json")  # the gradient fingerprint (rank 0, with a reference)
     RANK_FILES: ClassVar[str] = "rank*"  # everything per rank, moved aside on a retried attempt
 
     @property
-    def spec(self) -> Path:
-        return self.path / self.SPEC
-
-    @property
-    def case(self) -> Path:
-        return self.path / self.CASE
-
-    @property
-    def env(self) -> Path:
-        return self.path / self.ENV
-
-    @property
-    def timeline(self) -> Path:
-        return self.path / self.TIMELINE
-
-    @property
-    def launcher_log(self) -> Path:
-        return self.path / self.LAUNCHER_LOG
-
-    @property
-    def batch(self) -> Path:
-        return self.path / self.BATCH
-
-    @property
-    def post_step(self) -> Path:
-        return self.path / self.POST_STEP
-
-    @property
     def twin(self) -> RunFolder:
-        return RunFolder(self.path / self.TWIN)
-
-    def log(self, rank: int) -> Path:
-        return self.path / f"rank{rank}.log"
-
-    def metrics(self, rank: int) -> Path:
-        return self.path / f"rank{rank}.metrics.json"
-
-    def partial_metrics(self, rank: int) -> Path:
-        return self.path / f"rank{rank}.partial-metrics.json"
-
-    def error(self, rank: int) -> Path:
-        return self.path / f"rank{rank}.error.json"
-
-    def phases(self, rank: int) -> Path:
-        return self.path / f"rank{rank}.phases.jsonl"
-
-    def grads(self, rank: int) -> Path:
-        return self.path / f"rank{rank}.grads.json"
+        return RunFolder(self.path / "twin")
 
 
 def read_json(path: Path) -> Any:
@@ -500,11 +486,15 @@ class RankResult:
     def step(self) -> StepMetrics | None:
         return StepMetrics.from_json(self.metrics) if self.metrics else None
 
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+    def log_tail(self, lines: int = LOG_TAIL_LINES, without: str = "") -> str:
+        """The log's last lines; `without`: a text (the traceback already shown) left out."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            text = self.log_path.read_text(errors="replace")
         except OSError:
             return "(no log)"
+        if without.strip():
+            text = text.replace(without.strip(), "(the traceback above)")
+        return "\n".join(text.splitlines()[-lines:])
 
 
 @dataclass
@@ -573,16 +563,26 @@ class RunResult:
         else:
             head = f"case {self.case_id}: rank {self.first_failure} failed first"
         parts = [head, f"artifacts: {self.artifacts_dir}"]
+        told: dict[tuple[str, str, str], int] = {}  # an error every rank raised is shown once
         for rank in self.ranks:
             if rank.exit_code == 0 and rank.metrics and not self.timed_out:
                 continue
             parts.append(f"--- rank {rank.rank}: exit {rank.exit_code}, log {rank.log_path}")
             if rank.exit_code == 0 and not rank.metrics:
                 parts.append("exited with code 0 without writing its results (did it call exit?)")
-            if rank.error:
-                error = rank.error
-                parts.append(
-                    f"phase {error.phase}: {error.type}: {error.message}\n{error.traceback}".rstrip()
-                )
-            parts.append("log tail:\n" + rank.log_tail())
+            error = rank.error
+            if error is None:
+                parts.append("log tail:\n" + rank.log_tail())
+                continue
+            key = (error.phase, error.type, error.message)
+            if key in told:
+                parts.append(f"phase {error.phase}: {error.type}: as rank {told[key]}")
+                continue
+            told[key] = rank.rank
+            trace = error.traceback.rstrip().splitlines()
+            if trace and error.message and trace[-1].endswith(error.message):
+                trace = trace[:-1]  # the exception line: its message is in the head line
+            head = f"phase {error.phase}: {error.type}: {error.message}"
+            parts.append("\n".join([head, *trace]))
+            parts.append("log tail:\n" + rank.log_tail(without=error.traceback))
         return "\n".join(parts)

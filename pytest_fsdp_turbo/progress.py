@@ -153,7 +153,7 @@ class ArtifactWatcher:
     def scan(self) -> None:
         if not self.root.is_dir():
             return
-        for spec in self.root.glob(f"**/{RunFolder.SPEC}"):
+        for spec in self.root.glob(f"**/{RunFolder.spec}"):
             folder = spec.parent
             if RunFolder(folder).timeline.exists() or spec.stat().st_mtime < self.since:
                 self.running.pop(folder, None)

@@ -16,6 +16,7 @@ from pytest_fsdp_turbo.cases import (
     Case,
     CaseBook,
     CaseParam,
+    engine_module_source,
     load_cases,
     with_overrides,
 )
@@ -108,6 +109,7 @@ class CaseRunner:
         modules = [*self.ini_engine_modules, *engine_modules]
         resolved = self.resolve(case, modules, overrides, pythonpath)
         model, found = self.gate(resolved, checkout)
+        _refuse_unimportable(resolved, modules, pythonpath)
         request = RunRequest(
             case=resolved,
             model_path=model,
@@ -121,6 +123,17 @@ class CaseRunner:
             progress=self.progress,
         )
         return self.launch(request)
+
+
+def _refuse_unimportable(case: Case, modules: Sequence[str], pythonpath: Sequence[str]) -> None:
+    """An engine module no rank could import: one line here, not an ImportError in every rank."""
+    for module in modules:
+        if engine_module_source(module, pythonpath) is None:
+            looked = f"the pythonpath given ({', '.join(pythonpath)}) and " if pythonpath else ""
+            raise ConfigError(
+                f"case {case.id}: engine module {module!r}: expected a module the ranks can "
+                f"import; no source for it on {looked}this process's path"
+            )
 
 
 def _launcher(name: str) -> Launcher:

@@ -167,3 +167,45 @@ def test_a_backend_no_engine_module_registers_is_refused_before_any_rank_starts(
     assert ", real, verl:<name> (" in message
     assert "engine modules read: real_engines); got 'rael'" in message
     assert "\n" not in message
+
+
+def test_an_engine_module_no_rank_could_import_is_refused_before_launch(ppo_run, tmp_path):
+    with pytest.raises(pytest.fail.Exception) as failed:
+        ppo_run(
+            "tiny-qwen3-single-rank", engine_modules=["no_such_engines"], pythonpath=[str(tmp_path)]
+        )
+    message = str(failed.value)
+    assert message == (
+        f"case tiny-qwen3-single-rank: engine module 'no_such_engines': expected a module the "
+        f"ranks can import; no source for it on the pythonpath given ({tmp_path}) and this "
+        "process's path"
+    )
+
+
+def test_a_backend_only_the_ranks_can_refuse_is_reported_once_with_the_cases_device(
+    ppo_run, tmp_path
+):
+    """A module whose @register names its backend through a variable: the plugin cannot read the
+    name, so the ranks' registry decides; its error is shown once, not once per rank."""
+    from pytest_fsdp_turbo.report import summary_row
+
+    (tmp_path / "indirect_engines.py").write_text(
+        "from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead\n"
+        "from pytest_fsdp_turbo_engine.registry import register\n"
+        "NAME = 'indirect'\n"
+        "@register(backend=NAME, device=['cpu'])\n"
+        "class Indirect(FSDPEngineWithLMHead): ...\n"
+    )
+    result = ppo_run(
+        "tiny-qwen3-single-rank",
+        world_size=2,
+        backend="indirekt",
+        engine_modules=["indirect_engines"],
+        pythonpath=[str(tmp_path)],
+    )
+    assert not result.ok
+    text = result.failure_text()
+    assert text.count("no engine for model_type=") == 1, text
+    assert "phase load: RegistryError: as rank" in text
+    assert all(rank.error.phase == "load" for rank in result.ranks)
+    assert '"device": "cpu"' in summary_row(result)
