@@ -97,7 +97,7 @@ ADAMW = ("i", "differ from AdamW's first step")
 TWIN_NORM = ("c", "twin (single): actor/grad_norm")
 TWIN_POST = ("c", "post-step logprobs on the batch differ from the twin's")
 NOT_STEPPED = ("i", "actor/param_update_max_abs = 0.0, expected this rank's")
-ROLLOUT_LP = ("e", "sync/rollout_logprob_max_abs_diff")
+ROLLOUT_LP = ("e", Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF)
 # g: the goldens hold post-step values too, so a wrong step or a stale rollout fails them
 GOLDEN = ("g", "check g: metric ")
 GOLDEN_NORM = ("g", "check g: metric actor/grad_norm = ")
@@ -193,8 +193,8 @@ MUTANTS = (
     Mutant(
         "fsdp_drifting_replica",
         {
-            "reference": (("d", "sync/replica_max_abs_diff"), ADAMW, GOLDEN_STEP),
-            "twin": (("d", "sync/replica_max_abs_diff"), ADAMW, TWIN_POST, GOLDEN_STEP),
+            "reference": (("d", Metric.SYNC_REPLICA_MAX_ABS_DIFF), ADAMW, GOLDEN_STEP),
+            "twin": (("d", Metric.SYNC_REPLICA_MAX_ABS_DIFF), ADAMW, TWIN_POST, GOLDEN_STEP),
         },
         case=HSDP_CASE,
     ),
@@ -215,7 +215,7 @@ MUTANTS = (
         VLLM_CASE,
         label="fsdp_stale_rollout_weights_vllm",
     ),
-    Mutant("fsdp_hoarding_memory", both(("f", "perf/peak_memory_bytes"))),
+    Mutant("fsdp_hoarding_memory", both(("f", Metric.PERF_PEAK_MEMORY_BYTES))),
     # one check alone, where no other bug here leaves it alone (the reference's parity of one small
     # gradient has no twin-mode counterpart: the twin sees parts per million, inside its tolerance)
     Mutant("fsdp_norm_logged_in_bf16_on_rank1", both(("a", "differs from rank 0's"))),
@@ -229,7 +229,7 @@ MUTANTS = (
     ),
     Mutant(
         "fsdp_fused_optimizer_on_one_replica",
-        both(("d", "sync/replica_max_abs_diff")),
+        both(("d", Metric.SYNC_REPLICA_MAX_ABS_DIFF)),
         case=HSDP_CASE,
     ),
     Mutant("fsdp_entropy_in_bits", both(("g", "check g: metric actor/entropy = "))),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo.contract import Metric
 
 
 def test_ppo_one_step(
@@ -27,10 +28,11 @@ def test_sync_policies_agree_and_differ_in_cost(ppo_run):
         checks.check_completed(result)
     checks.check_policies_agree(deferred, every)  # raises beyond POLICY_AGREEMENT_TOL
     assert (
-        deferred.metrics["comm/reduce_scatter_calls"] < every.metrics["comm/reduce_scatter_calls"]
+        deferred.metrics[Metric.COMM_REDUCE_SCATTER_CALLS]
+        < every.metrics[Metric.COMM_REDUCE_SCATTER_CALLS]
     )
-    assert deferred.metrics["sync/retained_grad_bytes"] > 0
-    assert every.metrics["sync/retained_grad_bytes"] == 0
-    units = deferred.metrics["comm/fsdp_units"]
-    assert deferred.metrics["comm/reduce_scatter_calls_by_micro_batch"] == [0, units]
-    assert every.metrics["comm/reduce_scatter_calls_by_micro_batch"] == [units, units]
+    assert deferred.metrics[Metric.SYNC_RETAINED_GRAD_BYTES] > 0
+    assert every.metrics[Metric.SYNC_RETAINED_GRAD_BYTES] == 0
+    units = deferred.metrics[Metric.COMM_FSDP_UNITS]
+    assert deferred.metrics[Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH] == [0, units]
+    assert every.metrics[Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH] == [units, units]

@@ -6,37 +6,37 @@ from pathlib import Path
 import pytest
 
 from pytest_fsdp_turbo import checks
-from pytest_fsdp_turbo.contract import RankResult, RunResult
+from pytest_fsdp_turbo.contract import Metric, RankResult, RunResult
 
 
 def healthy(rank: int, **changes) -> dict:
     metrics = {
-        "case/dtype": "fp32",
-        "case/sync_policy": "deferred",
-        "case/micro_batches": 2,
-        "case/memory_budget_mb": None,
-        "actor/grad_norm": 0.8,
-        "actor/grad_norm_finite": True,
-        "sync/grad_norm_measured": 0.8,
-        "ppo/advantages_abs_max": 1.5,
-        "actor/ppo_kl_first_micro_batch": 0.0,
-        "actor/ppo_log_ratio_abs_max_first_micro_batch": 0.0,
-        "actor/pg_clipfrac_first_micro_batch": 0.0,
-        "sync/replica_max_abs_diff": None,
-        "sync/rollout_logprob_max_abs_diff": 0.0,
-        "sync/rollout_weight_max_abs_diff": 0.0,
-        "sync/rollout_weight_worst": "lm_head.weight",
-        "sync/rollout_weights_compared": 7,
-        "sync/handoff_weight_max_abs_diff": 0.0,
-        "sync/handoff_weight_worst": "lm_head.weight",
-        "sync/adamw_step_max_err_lr": 1e-5,
-        "comm/reduce_scatter_calls_by_micro_batch": [0, 5],
-        "comm/fsdp_units": 5,
-        "comm/shard_group_size": 2,
-        "sync/retained_grad_bytes": 1024,
-        "actor/param_update_max_abs": 1e-4,
-        "actor/local_param_numel": 100,
-        "perf/peak_memory_bytes": 2**28,
+        Metric.CASE_DTYPE: "fp32",
+        Metric.CASE_SYNC_POLICY: "deferred",
+        Metric.CASE_MICRO_BATCHES: 2,
+        Metric.CASE_MEMORY_BUDGET_MB: None,
+        Metric.ACTOR_GRAD_NORM: 0.8,
+        Metric.ACTOR_GRAD_NORM_FINITE: True,
+        Metric.SYNC_GRAD_NORM_MEASURED: 0.8,
+        Metric.PPO_ADVANTAGES_ABS_MAX: 1.5,
+        Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH: 0.0,
+        Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH: 0.0,
+        Metric.ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH: 0.0,
+        Metric.SYNC_REPLICA_MAX_ABS_DIFF: None,
+        Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF: 0.0,
+        Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF: 0.0,
+        Metric.SYNC_ROLLOUT_WEIGHT_WORST: "lm_head.weight",
+        Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED: 7,
+        Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF: 0.0,
+        Metric.SYNC_HANDOFF_WEIGHT_WORST: "lm_head.weight",
+        Metric.SYNC_ADAMW_STEP_MAX_ERR_LR: 1e-5,
+        Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH: [0, 5],
+        Metric.COMM_FSDP_UNITS: 5,
+        Metric.COMM_SHARD_GROUP_SIZE: 2,
+        Metric.SYNC_RETAINED_GRAD_BYTES: 1024,
+        Metric.ACTOR_PARAM_UPDATE_MAX_ABS: 1e-4,
+        Metric.ACTOR_LOCAL_PARAM_NUMEL: 100,
+        Metric.PERF_PEAK_MEMORY_BYTES: 2**28,
         "rank": rank,
     }
     return {**metrics, **changes}
@@ -65,7 +65,7 @@ def test_healthy_run_without_reference_or_twin_says_what_did_not_apply():
 
 def test_every_failed_check_is_listed():
     broken = [
-        healthy(r, **{"sync/grad_norm_measured": 1.6, "sync/retained_grad_bytes": 0})
+        healthy(r, **{Metric.SYNC_GRAD_NORM_MEASURED: 1.6, Metric.SYNC_RETAINED_GRAD_BYTES: 0})
         for r in (0, 1)
     ]
     with pytest.raises(checks.CheckFailure) as failure:
@@ -76,11 +76,11 @@ def test_every_failed_check_is_listed():
 
 def reference_metrics(dtype: str, per_param: float, l2: float) -> dict:
     return {
-        "case/dtype": dtype,
-        "sync/grad_max_rel_err": per_param,
-        "sync/grad_max_rel_err_param": "model.layers.0.linear_attn.A_log",
-        "sync/grad_rel_l2_err": l2,
-        "sync/reference_grad_norm": 0.8,
+        Metric.CASE_DTYPE: dtype,
+        Metric.SYNC_GRAD_MAX_REL_ERR: per_param,
+        Metric.SYNC_GRAD_MAX_REL_ERR_PARAM: "model.layers.0.linear_attn.A_log",
+        Metric.SYNC_GRAD_REL_L2_ERR: l2,
+        Metric.SYNC_REFERENCE_GRAD_NORM: 0.8,
     }
 
 
@@ -88,13 +88,19 @@ def reference_metrics(dtype: str, per_param: float, l2: float) -> dict:
     ("changes", "expected"),
     [
         (
-            {"sync/rollout_weight_max_abs_diff": 1e-3, "sync/rollout_weight_worst": "norm.weight"},
+            {
+                Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF: 1e-3,
+                Metric.SYNC_ROLLOUT_WEIGHT_WORST: "norm.weight",
+            },
             "check e: rank 1: the rollout serves 'norm.weight' 0.001 away from the trainer's "
             "parameter after the push (7 tensors compared exactly",
         ),
-        ({"sync/rollout_weights_compared": 0}, "(0 tensors compared exactly"),
+        ({Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED: 0}, "(0 tensors compared exactly"),
         (
-            {"sync/rollout_logprob_max_abs_diff": 0.5, "sync/rollout_weight_max_abs_diff": 2.0},
+            {
+                Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF: 0.5,
+                Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF: 2.0,
+            },
             "check e: rank 1: sync/rollout_logprob_max_abs_diff = 0.5, tolerance 0.0001; "
             "rank 1: the rollout serves",
         ),
@@ -137,9 +143,9 @@ def test_single_micro_batch_deferred_must_not_retain_gradients():
     run = healthy(
         0,
         **{
-            "case/micro_batches": 1,
-            "comm/reduce_scatter_calls_by_micro_batch": [5],
-            "sync/retained_grad_bytes": 64,
+            Metric.CASE_MICRO_BATCHES: 1,
+            Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH: [5],
+            Metric.SYNC_RETAINED_GRAD_BYTES: 64,
         },
     )
     with pytest.raises(checks.CheckFailure, match="expected no unsharded gradients held"):
@@ -147,13 +153,15 @@ def test_single_micro_batch_deferred_must_not_retain_gradients():
 
 
 def test_optimizer_step_after_non_finite_norm_must_leave_parameters_alone():
-    skipped = {"actor/grad_norm_finite": False}
+    skipped = {Metric.ACTOR_GRAD_NORM_FINITE: False}
     checks.check_optimizer_step(
-        result_of(healthy(0, **skipped, **{"actor/param_update_max_abs": 0.0}))
+        result_of(healthy(0, **skipped, **{Metric.ACTOR_PARAM_UPDATE_MAX_ABS: 0.0}))
     )
     with pytest.raises(checks.CheckFailure, match="expected the step to be skipped"):
         checks.check_optimizer_step(result_of(healthy(0, **skipped)))
-    empty_shard = healthy(1, **{"actor/param_update_max_abs": 0.0, "actor/local_param_numel": 0})
+    empty_shard = healthy(
+        1, **{Metric.ACTOR_PARAM_UPDATE_MAX_ABS: 0.0, Metric.ACTOR_LOCAL_PARAM_NUMEL: 0}
+    )
     checks.check_optimizer_step(result_of(healthy(0), empty_shard))  # holds nothing, moves nothing
 
 
@@ -165,9 +173,9 @@ def test_a_failed_twin_fails_check_c_with_its_failure_text():
 
 def test_on_policy_holds_each_token_in_fp32_where_a_mean_can_cancel():
     """Errors of both signs cancel in ppo_kl; the per-token log-ratio does not (fp32 only)."""
-    cancelled = {"actor/ppo_kl_first_micro_batch": 0.0}
-    off = {**cancelled, "actor/ppo_log_ratio_abs_max_first_micro_batch": 2e-3}
+    cancelled = {Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH: 0.0}
+    off = {**cancelled, Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH: 2e-3}
     with pytest.raises(checks.CheckFailure, match=r"check b: rank 1: a token's .* is 0.002 "):
         checks.check_on_policy(result_of(healthy(0), healthy(1, **off)))
-    bf16 = {**off, "case/dtype": "bf16"}
+    bf16 = {**off, Metric.CASE_DTYPE: "bf16"}
     checks.check_on_policy(result_of(healthy(0, **bf16), healthy(1, **bf16)))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_fsdp_turbo.contract import Metric
 from tests.helpers import env_with_path, fake_tool, npu_smi_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,12 +96,12 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     metrics = json.loads(done.stdout[: done.stdout.rindex("}") + 1])
-    assert metrics["actor/grad_norm"] > 0 and metrics["case/world_size"] == 1
+    assert metrics[Metric.ACTOR_GRAD_NORM] > 0 and metrics[Metric.CASE_WORLD_SIZE] == 1
     assert "case tiny-qwen3-single-rank on cpu: passed" in done.stdout
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     metrics_b = tmp_path / "b" / "tiny-qwen3-single-rank-cpu" / "rank0.metrics.json"
     changed = json.loads(metrics_b.read_text())
-    changed["actor/pg_loss"] *= 2
+    changed[Metric.ACTOR_PG_LOSS] *= 2
     metrics_b.write_text(json.dumps(changed))
     pytest.importorskip("matplotlib")
     png = tmp_path / "cmp.png"
@@ -109,8 +110,8 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
     )
     assert cmp.returncode == 1
     lines = cmp.stdout.splitlines()
-    assert any("actor/grad_norm" in line and line.rstrip().endswith("match") for line in lines)
-    assert any("actor/pg_loss" in line and "differs (relative)" in line for line in lines)
+    assert any(Metric.ACTOR_GRAD_NORM in line and line.rstrip().endswith("match") for line in lines)
+    assert any(Metric.ACTOR_PG_LOSS in line and "differs (relative)" in line for line in lines)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

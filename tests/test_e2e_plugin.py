@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from pytest_fsdp_turbo.cases import FIXTURES_DIR
+from pytest_fsdp_turbo.contract import Metric
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,15 +55,19 @@ def test_record_golden_then_check_and_junit_properties(tmp_path):
     assert golden.is_file()
     assert not (FIXTURES_DIR / "goldens" / "one").exists()
     props = {p.get("name"): p.get("value") for p in ET.parse(junit).iter("property")}
-    assert float(props["actor/grad_norm"]) > 0
+    assert float(props[Metric.ACTOR_GRAD_NORM]) > 0
     assert props["fsdp_turbo/run"] == "completed"
-    assert "actor/entropy" not in props and "case/dtype" not in props  # a handful, not all
+    assert (
+        Metric.ACTOR_ENTROPY not in props and Metric.CASE_DTYPE not in props
+    )  # a handful, not all
     assert len([n for n in props if "/" in n]) <= 12
     assert props["fsdp_turbo/golden"].startswith("recorded ")
     assert "fsdp-turbo e2e runs" in first.stdout and "one" in first.stdout
     assert (tmp_path / "art" / "test_ppo_one_step-one-cpu" / "rank0.log").is_file()
     # a matching golden passes in every e2e case of the main suite; here: a tampered one fails
-    golden.write_text(golden.read_text().replace('"actor/grad_norm": ', '"actor/grad_norm": 1'))
+    golden.write_text(
+        golden.read_text().replace(f'"{Metric.ACTOR_GRAD_NORM}": ', f'"{Metric.ACTOR_GRAD_NORM}": 1')
+    )
     tampered = pytest_run(*common, cwd=tmp_path)
     assert tampered.returncode == 1
     assert "check g: metric actor/grad_norm" in tampered.stdout

@@ -5,8 +5,9 @@ import pytest
 
 from pytest_fsdp_turbo import goldens
 from pytest_fsdp_turbo.checks import CheckFailure
+from pytest_fsdp_turbo.contract import Metric
 
-METRICS = {"actor/grad_norm": 0.5, "actor/pg_loss": -0.1, "critic/score/mean": 0.7}
+METRICS = {Metric.ACTOR_GRAD_NORM: 0.5, Metric.ACTOR_PG_LOSS: -0.1, Metric.CRITIC_SCORE_MEAN: 0.7}
 
 
 def test_record_then_check(tmp_path):
@@ -14,12 +15,12 @@ def test_record_then_check(tmp_path):
     goldens.record_golden(path, METRICS)
     assert path == tmp_path / "c" / "cpu-fp32-ws2.json"
     assert goldens.compare_golden(path, METRICS, "exact") == []
-    nudged = {**METRICS, "actor/grad_norm": 0.5 * (1 + 1e-4)}
+    nudged = {**METRICS, Metric.ACTOR_GRAD_NORM: 0.5 * (1 + 1e-4)}
     assert goldens.compare_golden(path, nudged, "relative") == []
     problems = goldens.compare_golden(path, nudged, "exact")
     assert problems and problems[0].startswith("check g: metric actor/grad_norm = 0.50005")
-    far = {**METRICS, "actor/pg_loss": -0.2}
-    assert "actor/pg_loss" in goldens.compare_golden(path, far, "relative")[0]
+    far = {**METRICS, Metric.ACTOR_PG_LOSS: -0.2}
+    assert Metric.ACTOR_PG_LOSS in goldens.compare_golden(path, far, "relative")[0]
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, None])
@@ -27,12 +28,12 @@ def test_nan_never_passes(tmp_path, bad):
     path = goldens.golden_path("c", "cpu", "fp32", 1, tmp_path)
     goldens.record_golden(path, METRICS)
     for tier in ("exact", "relative"):
-        assert goldens.compare_golden(path, {**METRICS, "actor/grad_norm": bad}, tier)
+        assert goldens.compare_golden(path, {**METRICS, Metric.ACTOR_GRAD_NORM: bad}, tier)
 
 
 def test_refuses_to_record_nan(tmp_path):
     with pytest.raises(CheckFailure, match="refusing to record"):
-        goldens.record_golden(tmp_path / "g.json", {"actor/grad_norm": math.nan})
+        goldens.record_golden(tmp_path / "g.json", {Metric.ACTOR_GRAD_NORM: math.nan})
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Case:
 def test_a_golden_older_than_a_measured_metric_fails_until_re_recorded(tmp_path):
     path = goldens.golden_path("c", "cpu", "fp32", 2, tmp_path)
     goldens.record_golden(path, METRICS)
-    later = {**METRICS, "actor/update_l2": 0.01}  # a post-step metric the old golden lacks
+    later = {**METRICS, Metric.ACTOR_UPDATE_L2: 0.01}  # a post-step metric the old golden lacks
     (problem,) = goldens.compare_golden(path, later, "relative")
     assert f"golden {path} has no actor/update_l2" in problem
     assert "--fsdp-turbo-record-golden" in problem

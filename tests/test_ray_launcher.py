@@ -10,6 +10,7 @@ if importlib.util.find_spec("ray") is None:  # never imported here: the pytest p
     pytest.skip("needs ray: pip install 'pytest-fsdp-turbo[ray]'", allow_module_level=True)
 
 from pytest_fsdp_turbo import checks  # noqa: E402
+from pytest_fsdp_turbo.contract import Metric
 
 CASE = "tiny-llama-fsdp2-deferred"  # two ranks, the quickest family: the launcher is under test
 
@@ -39,10 +40,10 @@ def test_two_rank_case_through_ray_matches_the_local_launcher(
     local = ppo_run(CASE, launcher="local")
     checks.check_completed(local)
     for key in (
-        "actor/grad_norm",
-        "actor/pg_loss",
-        "critic/score/mean",
-        "comm/reduce_scatter_calls",
+        Metric.ACTOR_GRAD_NORM,
+        Metric.ACTOR_PG_LOSS,
+        Metric.CRITIC_SCORE_MEAN,
+        Metric.COMM_REDUCE_SCATTER_CALLS,
     ):
         assert on_ray.metrics[key] == local.metrics[key], key
     assert (on_ray.artifacts_dir / "rank1.log").is_file()

@@ -17,6 +17,7 @@ import pytest
 
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.cases import Case
+from pytest_fsdp_turbo.contract import Metric
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.runs import RunRequest, run_case
@@ -44,8 +45,10 @@ def test_nan_in_one_rank_skips_the_update_everywhere(ppo_run):
     result = ppo_run("tiny-qwen3_5-fsdp2-deferred", extra_env={FAULT: "nan:1"})
     checks.check_completed(result)  # the run itself completes and reports
     for rank in result.ranks:
-        assert rank.metrics["actor/grad_norm_finite"] is False
-        assert rank.metrics["actor/param_update_max_abs"] == 0.0  # bit-identical to before the step
+        assert rank.metrics[Metric.ACTOR_GRAD_NORM_FINITE] is False
+        assert (
+            rank.metrics[Metric.ACTOR_PARAM_UPDATE_MAX_ABS] == 0.0
+        )  # bit-identical to before the step
     with pytest.raises(
         checks.CheckFailure,
         match=r"^check a: rank 0: actor/grad_norm = nan, expected a finite value",
@@ -329,4 +332,4 @@ def test_failed_case_keeps_every_log_traceback_and_metric(ppo_run):
     assert json.loads((result.artifacts_dir / "rank0.error.json").read_text())["phase"] == "checks"
     assert "phase checks" in result.ranks[1].log_path.read_text()
     partial = json.loads((result.artifacts_dir / "rank0.partial-metrics.json").read_text())
-    assert partial["actor/grad_norm"] > 0 and "sync/grad_max_rel_err" in partial
+    assert partial[Metric.ACTOR_GRAD_NORM] > 0 and Metric.SYNC_GRAD_MAX_REL_ERR in partial

@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo.contract import Metric
 
 FAULT = "PYTEST_FSDP_TURBO_FAULT"
 PROBES = str(Path(__file__).parent / "warm_probes")
@@ -27,7 +28,11 @@ def test_forked_and_spawned_ranks_give_identical_results(ppo_run):
     for result in (warm, cold):
         checks.check_all(result)
     assert warm.notes == []  # forked: no fallback note
-    for key in ("actor/grad_norm", "actor/pg_loss", "comm/reduce_scatter_calls_by_micro_batch"):
+    for key in (
+        Metric.ACTOR_GRAD_NORM,
+        Metric.ACTOR_PG_LOSS,
+        Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH,
+    ):
         assert warm.metrics[key] == cold.metrics[key], key
     # how much start-up forking saves is benchmarks/warm_ranks.py's figure, not a test's
     phases = {k for k in warm.metrics if k.startswith("timing_s/")}
@@ -58,7 +63,7 @@ def test_a_case_after_a_failed_polluting_case_is_unaffected(ppo_run):
     assert not failed.ok and "injected crash" in failed.failure_text()
     after = ppo_run(CASE, engine_modules=["leak_probe"], pythonpath=[PROBES])
     checks.check_all(after)  # leak_probe raises in the rank if env, modules or registry leaked
-    for key in ("actor/grad_norm", "actor/pg_loss", "critic/score/mean"):
+    for key in (Metric.ACTOR_GRAD_NORM, Metric.ACTOR_PG_LOSS, Metric.CRITIC_SCORE_MEAN):
         assert after.metrics[key] == before.metrics[key], key  # RNG and weights untouched
     # the name passes as a plain backend (engine modules are given), but nothing registers it now
     orphan = ppo_run(
