@@ -66,7 +66,9 @@ def test_record_golden_then_check_and_junit_properties(tmp_path):
     assert (tmp_path / "art" / "test_ppo_one_step-one-cpu" / "rank0.log").is_file()
     # a matching golden passes in every e2e case of the main suite; here: a tampered one fails
     golden.write_text(
-        golden.read_text().replace(f'"{Metric.ACTOR_GRAD_NORM}": ', f'"{Metric.ACTOR_GRAD_NORM}": 1')
+        golden.read_text().replace(
+            f'"{Metric.ACTOR_GRAD_NORM}": ', f'"{Metric.ACTOR_GRAD_NORM}": 1'
+        )
     )
     tampered = pytest_run(*common, cwd=tmp_path)
     assert tampered.returncode == 1

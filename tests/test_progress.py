@@ -66,20 +66,17 @@ def test_a_slowed_case_shows_its_phases_and_a_stall_warning_then_a_timeline(pyte
         "                extra_env={'PYTEST_FSDP_TURBO_FAULT': 'stall:1:rollout',\n"
         "                           'PYTEST_FSDP_TURBO_FAULT_STALL_S': '3.5'})\n"
         "    checks.check_completed(r)\n"
-        "def test_quick(ppo_run):\n"
-        "    checks.check_completed(ppo_run('tiny-qwen3-single-rank'))\n"
     )
     result = pytester.runpytest_subprocess(f"--fsdp-turbo-artifacts={tmp_path / 'art'}")
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=1)
     out = result.stdout.str()
     assert (
         "fsdp-turbo: stall: case tiny-llama-fsdp2-deferred rank 1 has been in phase rollout" in out
     )
     status = [line for line in out.splitlines() if line.startswith("fsdp-turbo: tiny-llama")]
     assert status and any("r1 rollout" in line for line in status), out[-3000:]
-    assert not [
-        line for line in out.splitlines() if line.startswith("fsdp-turbo: tiny-qwen3-single")
-    ]
+    # (a quick case's silence is test_quick_case_prints_nothing_and_a_stall_warns_once's, without
+    # the wall clock of a loaded box deciding it)
     rows = json.loads((tmp_path / "art" / "test_slow" / "timeline.json").read_text())
     stalled = [r for r in rows if r["rank"] == 1 and r["phase"] == "rollout"]
     assert stalled and stalled[0]["end"] - stalled[0]["start"] >= 3.5
