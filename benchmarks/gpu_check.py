@@ -1,8 +1,9 @@
 """GPU check for a box with a single CUDA GPU: the gpu_e2e cases that fit on one device.
 
 Each tiny case runs with world_size 1 over nccl in bf16 with the HF rollout (and once more with the
-vLLM rollout when vllm is importable), through the same launcher and checks as pytest. Prints a short
-table of metrics and times; exits 1 if any case fails. Usage: python benchmarks/gpu_check.py
+vLLM rollout when vllm is importable), through the run path and checks pytest uses (gates, leases,
+launcher, twin). Prints a short table of metrics and times; exits 1 if any case fails.
+Usage: python benchmarks/gpu_check.py
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.cases import load_cases
 from pytest_fsdp_turbo.contract import Metric
 from pytest_fsdp_turbo.devices import detect
-from pytest_fsdp_turbo.leases import LeaseBook
-from pytest_fsdp_turbo.models import resolve_model
-from pytest_fsdp_turbo.runs import RunRequest, run_case
+from pytest_fsdp_turbo.run_path import Unavailable, standalone_runner
+from pytest_fsdp_turbo.settings import resolve
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,13 +44,16 @@ def main() -> int:
         return 2
     print(f"device: {accel.describe()}")
     rows, failed = [], 0
-    book = LeaseBook()
     with tempfile.TemporaryDirectory() as tmp:
+        settings = resolve({"fsdp_turbo_device": "cuda", "fsdp_turbo_artifacts": tmp})
+        runner = standalone_runner(settings, accel, cwd=REPO)  # the run path ppo_run uses
         for case in single_device_cases():
             start = time.perf_counter()
-            result = run_case(
-                RunRequest(case, resolve_model(case.model, None), Path(tmp) / case.id, accel), book
-            )
+            try:
+                result = runner.run(case, case.id)
+            except Unavailable as exc:
+                rows.append((case.id, "-", "-", "-", "-", "-", "-", "-", f"skipped: {exc}"))
+                continue
             wall = time.perf_counter() - start
             try:
                 checks.check_all(result, case.memory_budget_mb)
