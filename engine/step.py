@@ -37,9 +37,9 @@ from pytest_fsdp_turbo_engine.reward import closeness_reward, load_prompts
 from pytest_fsdp_turbo_engine.rollout import HFRollout, RolloutBatch
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
 from pytest_fsdp_turbo_engine.ulysses_lift import library_patches_lifted
-from pytest_fsdp_turbo_engine.worker import PARTIAL_METRICS_ATTR
 
 from pytest_fsdp_turbo.contract import (
+    PARTIAL_METRICS_ATTR,
     CaseRecord,
     LossRecord,
     Metric,

@@ -16,9 +16,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from pytest_fsdp_turbo.contract import RankError, RankSpec, RunFolder
-
-PARTIAL_METRICS_ATTR = "partial_metrics"  # what a failed step measured, carried on its exception
+from pytest_fsdp_turbo.contract import PARTIAL_METRICS_ATTR, RankError, RankSpec, RunFolder
 
 
 def _write_json(path: Path, payload: dict) -> None:

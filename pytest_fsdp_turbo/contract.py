@@ -15,6 +15,9 @@ from typing import Any, ClassVar, overload
 from pytest_fsdp_turbo.vocab import DeviceKind, Dtype, Rollout, SyncPolicy
 
 LOG_TAIL_LINES = 30
+# The StepMetrics a failed step had filled ride on its exception under this attribute (the step
+# sets it, the worker writes them as rankN.partial-metrics.json), so nothing measured is lost.
+PARTIAL_METRICS_ATTR = "partial_metrics"
 
 # --- metric keys ----------------------------------------------------------------------------------
 
