@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -169,61 +170,92 @@ def run_case(
     warm: bool = True,
 ) -> RunResult:
     """Lease devices and ports, write the spec, start the ranks (forked from the warm parent when
-    `warm` and one can start, else fresh interpreters); leases are freed whatever happens.
-
-    A port taken by someone else between the lease and rank 0's bind is retried on a fresh port a
-    bounded number of times; each retry is logged and the failed attempt's logs are kept.
-    """
-    case, accel = request.case, request.accelerator
+    `warm` and one can start, else fresh interpreters); leases are freed whatever happens."""
     out = _prepare(request)
-    lease = book.devices(accel.kind, accel.ids, case.world_size, timeout_s=lease_timeout_s)
-    slot, ranges = book.port_ranges() if accel.kind == DeviceKind.NPU else (None, None)
-    notes: list[str] = []
     progress = _progress(request, out)
-    parent = None
-    if warm:
-        from pytest_fsdp_turbo.warm import warm_parent
+    parent, notes = _warm_parent(book, warm)
+    with _leased(request, book, lease_timeout_s) as (ids, ranges):
 
-        parent, why = warm_parent(book.state_dir)
-        if parent is None:
-            notes.append(f"ranks spawned as fresh interpreters: {why}")
+        def launch_on(port: int) -> RunResult:
+            return _launch_once(request, ids, ranges, port, parent, progress)
+
+        result = _retrying_port_clashes(out, book, port_attempts, notes, launch_on)
+    result.notes = notes + result.notes
+    return _finish(progress, result)
+
+
+def _warm_parent(book: LeaseBook, warm: bool):
+    """The warm parent to fork ranks from (None: spawn them), and a note when one was wanted but
+    could not start."""
+    if not warm:
+        return None, []
+    from pytest_fsdp_turbo.warm import warm_parent
+
+    parent, why = warm_parent(book.state_dir)
+    return parent, [] if parent is not None else [f"ranks spawned as fresh interpreters: {why}"]
+
+
+@contextmanager
+def _leased(request: RunRequest, book: LeaseBook, timeout_s: float):
+    """The case's devices, and on NPU a block of HCCL port ranges, freed whatever happens."""
+    accel = request.accelerator
+    lease = book.devices(accel.kind, accel.ids, request.case.world_size, timeout_s=timeout_s)
+    slot, ranges = None, None
     try:
-        for attempt in range(1, port_attempts + 1):
-            port = book.port()
-            try:
-                env = {**os.environ, **_env_overrides(request, lease.ids, port, ranges)}
-                RunFolder(out).env.write_text(
-                    json.dumps(mask_secrets(env), indent=1, sort_keys=True)
-                )
-                result = launch_local(
-                    case_id=case.id,
-                    world_size=case.world_size,
-                    env=env,
-                    artifacts_dir=out,
-                    timeout_s=case.timeout,
-                    warm_parent=parent,
-                    preload=f"verl:{accel.kind}" if case.is_verl else None,
-                    watch=progress.tick if progress else None,
-                )
-            finally:
-                book.release_port(port)
-            if attempt == port_attempts or not _port_clash(result):
-                break
-            kept = out / f"attempt{attempt}-port{port}"
-            _set_aside(out, kept)
-            note = (
-                f"port {port} was taken before rank 0 could bind it; retrying on a fresh port "
-                f"(attempt {attempt + 1} of {port_attempts}); the failed attempt's logs are in {kept}"
-            )
-            notes.append(note)
-            with open(RunFolder(out).launcher_log, "a") as log:
-                log.write(note + "\n")
-        result.notes = notes + result.notes
-        return _finish(progress, result)
+        if accel.kind == DeviceKind.NPU:
+            slot, ranges = book.port_ranges()
+        yield lease.ids, ranges
     finally:
         book.release(lease)
         if slot is not None:
             book.release_port_ranges(slot)
+
+
+def _launch_once(request: RunRequest, ids, ranges, port: int, parent, progress) -> RunResult:
+    """One launch of the case's ranks on `port`, its environment kept in env.json."""
+    case, out = request.case, request.artifacts_dir
+    env = {**os.environ, **_env_overrides(request, ids, port, ranges)}
+    RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
+    return launch_local(
+        case_id=case.id,
+        world_size=case.world_size,
+        env=env,
+        artifacts_dir=out,
+        timeout_s=case.timeout,
+        warm_parent=parent,
+        preload=f"verl:{request.accelerator.kind}" if case.is_verl else None,
+        watch=progress.tick if progress else None,
+    )
+
+
+def _retrying_port_clashes(
+    out: Path,
+    book: LeaseBook,
+    attempts: int,
+    notes: list[str],
+    launch_on: Callable[[int], RunResult],
+) -> RunResult:
+    """A port taken by someone else between the lease and rank 0's bind is retried on a fresh
+    port, a bounded number of times; each retry is noted and logged, and the failed attempt's
+    logs are kept beside the run's."""
+    for attempt in range(1, attempts + 1):
+        port = book.port()
+        try:
+            result = launch_on(port)
+        finally:
+            book.release_port(port)
+        if attempt == attempts or not _port_clash(result):
+            break
+        kept = out / f"attempt{attempt}-port{port}"
+        _set_aside(out, kept)
+        note = (
+            f"port {port} was taken before rank 0 could bind it; retrying on a fresh port "
+            f"(attempt {attempt + 1} of {attempts}); the failed attempt's logs are in {kept}"
+        )
+        notes.append(note)
+        with open(RunFolder(out).launcher_log, "a") as log:
+            log.write(note + "\n")
+    return result
 
 
 def twin_case(case: Case) -> Case | None:
