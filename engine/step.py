@@ -641,6 +641,7 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
         step_max_err_lr=after.step_max_err,
         step_rel_l2_err=after.step_rel_l2_err,
     )
+    metrics.post_step = record  # filled on below: what a failure there leaves is kept
     if after.rollout_logprob_sum is not None:
         rollout_sum = all_sum(after.rollout_logprob_sum, device)
         record.rollout_logprob_mean = rollout_sum / ctx.sp / tokens
@@ -656,7 +657,6 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
         logprobs = gather_rows(after.logprobs, group)
         if rank == 0:
             torch.save({"logprobs": logprobs}, folder.post_step)
-    metrics.post_step = record
 
     phase.enter("metrics")
     metrics.loss = reduced_loss(ctx, collected, trained, tokens)

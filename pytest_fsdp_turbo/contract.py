@@ -7,6 +7,7 @@ or an artifact file."""
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -108,11 +109,6 @@ def timing_key(phase: str) -> str:
 
 def metric_keys() -> list[str]:
     return [v for k, v in vars(Metric).items() if k.isupper() and not k.endswith("_PREFIX")]
-
-
-def first_micro_batch_key(key: str) -> str:
-    """The first micro-batch's value of a loss part (what accumulation cannot average away)."""
-    return f"{key}_first_micro_batch"
 
 
 # --- the step's measurements as typed records -----------------------------------------------------
@@ -266,7 +262,7 @@ class StepMetrics:
     perf: PerfRecord | None = None
     timings: dict[str, float] = field(default_factory=dict)  # timing_s/<phase>
 
-    RECORDS: ClassVar[dict[str, type[Record]]] = {}  # filled below, from the field types
+    RECORDS: ClassVar[dict[str, type[Record]]] = {}  # field name -> record type, set below
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -285,13 +281,10 @@ class StepMetrics:
 
 
 StepMetrics.RECORDS.update(
-    case=CaseRecord,
-    train=TrainRecord,
-    reference=ReferenceRecord,
-    optimizer=OptimizerRecord,
-    post_step=PostStepRecord,
-    loss=LossRecord,
-    perf=PerfRecord,
+    (name, kind)
+    for name, hint in typing.get_type_hints(StepMetrics).items()
+    for kind in typing.get_args(hint)  # `CaseRecord | None` -> CaseRecord
+    if isinstance(kind, type) and issubclass(kind, Record)
 )
 
 

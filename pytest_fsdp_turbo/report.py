@@ -131,6 +131,6 @@ def read_case_artifacts(folder: Path) -> dict:
     """One case folder -> {'case': case.json, 'spec': spec.json, 'ranks': [metrics...]}."""
     run = RunFolder(folder)
     ranks = []
-    while run.metrics(len(ranks)).is_file():
-        ranks.append(json.loads(run.metrics(len(ranks)).read_text()))
+    while (path := run.metrics(len(ranks))).is_file():
+        ranks.append(json.loads(path.read_text()))
     return {"case": read_json(run.case) or {}, "spec": read_json(run.spec) or {}, "ranks": ranks}

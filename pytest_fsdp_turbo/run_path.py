@@ -28,8 +28,7 @@ from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
 from pytest_fsdp_turbo.runs import RunRequest, launcher_for, run_with_twin
 from pytest_fsdp_turbo.session import resolve_artifacts
-from pytest_fsdp_turbo.settings import Settings
-from pytest_fsdp_turbo.vocab import Launcher
+from pytest_fsdp_turbo.settings import Settings, launcher_named
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.ray_driver import RayDriver
@@ -119,7 +118,7 @@ class CaseRunner:
             engine_modules=modules,
             pythonpath=list(pythonpath),
             extra_env=dict(extra_env or {}),
-            launcher=_launcher(launcher or self.settings.launcher),
+            launcher=launcher_named(launcher, "launcher") if launcher else self.settings.launcher,
             progress=self.progress,
         )
         return self.launch(request)
@@ -134,12 +133,6 @@ def _refuse_unimportable(case: Case, modules: Sequence[str], pythonpath: Sequenc
                 f"case {case.id}: engine module {module!r}: expected a module the ranks can "
                 f"import; no source for it on {looked}this process's path"
             )
-
-
-def _launcher(name: str) -> Launcher:
-    if name not in tuple(Launcher):
-        raise ConfigError(f"launcher: expected one of {', '.join(Launcher)}; got {name!r}")
-    return Launcher(name)
 
 
 @dataclass(frozen=True)

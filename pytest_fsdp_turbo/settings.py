@@ -62,11 +62,7 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
         from pytest_fsdp_turbo.devices import parse_device_override  # only when overriding
 
         parse_device_override(device, origin["fsdp_turbo_device"])
-    launcher = raw["fsdp_turbo_launcher"] or "local"
-    if launcher not in LAUNCHERS:
-        raise ConfigError(
-            f"{origin['fsdp_turbo_launcher']}: expected one of {', '.join(LAUNCHERS)}; got {launcher!r}"
-        )
+    launcher = launcher_named(raw["fsdp_turbo_launcher"] or "local", origin["fsdp_turbo_launcher"])
     connect = raw["fsdp_turbo_ray_connect_timeout"]
     connect_s = (
         _positive_seconds(connect, origin["fsdp_turbo_ray_connect_timeout"])
@@ -86,10 +82,17 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
         artifacts=Path(raw["fsdp_turbo_artifacts"]) if raw["fsdp_turbo_artifacts"] else None,
         record_golden=bool(raw["fsdp_turbo_record_golden"]),
         goldens=Path(raw["fsdp_turbo_goldens"]) if raw["fsdp_turbo_goldens"] else None,
-        launcher=Launcher(launcher),
+        launcher=launcher,
         ray_address=raw["fsdp_turbo_ray_address"],
         ray_connect_timeout_s=connect_s,
     )
+
+
+def launcher_named(name: str, origin: str) -> Launcher:
+    """A launcher name from an option, a variable or ppo_run, or one line naming `origin`."""
+    if name not in LAUNCHERS:
+        raise ConfigError(f"{origin}: expected one of {', '.join(LAUNCHERS)}; got {name!r}")
+    return Launcher(name)
 
 
 def _positive_seconds(value: str, origin: str) -> float:
