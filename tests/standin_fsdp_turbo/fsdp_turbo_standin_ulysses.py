@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -129,16 +130,33 @@ def full_attention(fn, group):
     return wrapper
 
 
+def _chunk_rule(layer):
+    """The gated delta rule the layer itself would run: an attribute up to transformers 5.23, the
+    modeling module's function from 5.24 on (the `fla` kernel when installed, else torch's)."""
+    rule = getattr(layer, "chunk_gated_delta_rule", None)
+    if rule is None:
+        rule = getattr(sys.modules[type(layer).__module__], "torch_chunk_gated_delta_rule", None)
+    if rule is None:
+        raise AttributeError(
+            f"[Context Parallel] {type(layer).__name__} has no chunk_gated_delta_rule, nor its "
+            "modeling module a torch_chunk_gated_delta_rule: a transformers release this stand-in "
+            "does not know"
+        )
+    return rule
+
+
 def gated_delta_net(fn, group):
     @functools.wraps(fn)
-    def forward(
-        self, hidden_states, cache_params=None, attention_mask=None, cu_seqlens=None, **kwargs
-    ):
+    def forward(self, hidden_states, *args, cu_seqlens=None, **kwargs):
+        # the cache is the second argument; transformers 5.24 renamed it cache_params -> cache
+        names = [n for n in ("cache", "cache_params") if n in kwargs]
+        cache = args[0] if args else (kwargs[names[0]] if names else None)
+        attention_mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
         size = dist.get_world_size(group)
-        if size == 1 or cache_params is not None:
+        if size == 1 or cache is not None:
             if cu_seqlens is not None:
                 kwargs["cu_seqlens"] = cu_seqlens
-            return fn(self, hidden_states, cache_params, attention_mask, **kwargs)
+            return fn(self, hidden_states, *args, **kwargs)
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("[Context Parallel] stand-in Ulysses takes unpadded batches only")
         if self.num_k_heads % size:
@@ -196,6 +214,7 @@ def gated_delta_net(fn, group):
         k = k.reshape(batch, seq, k_heads, self.head_k_dim)
         v = v.reshape(batch, seq, v_heads, self.head_v_dim)
         mine = slice(rank * v_heads, (rank + 1) * v_heads)
+        rule = _chunk_rule(self)
         beta = b.sigmoid()
         g = -self.A_log[mine].float().exp() * F.softplus(a.float() + self.dt_bias[mine])
         if v_heads // k_heads > 1:
@@ -203,7 +222,7 @@ def gated_delta_net(fn, group):
             k = k.repeat_interleave(v_heads // k_heads, dim=2)
         out = torch.cat(
             [
-                self.chunk_gated_delta_rule(
+                rule(
                     q[:, part], k[:, part], v[:, part], g=g[:, part], beta=beta[:, part],
                     initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
                 )[0]
@@ -307,24 +326,20 @@ def qwen3_5_model_forward(
 
     group = get_parallel_state().get_ulysses_group()
     size = dist.get_world_size(group)
-    if size == 1 or past_key_values is not None:
+    cache = past_key_values if past_key_values is not None else kwargs.get("cache")
+    if size == 1 or cache is not None:
         return type(self).forward(
             self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
             pixel_values, pixel_values_videos, **kwargs,
         )  # fmt: skip
+    kwargs.pop("cache", None)  # None here; transformers 5.24 renamed past_key_values to cache
     if pixel_values is not None or pixel_values_videos is not None:
         raise NotImplementedError("stand-in fsdp_turbo: Ulysses over image or video inputs")
     if inputs_embeds is None:
         inputs_embeds = self.get_input_embeddings()(input_ids)
-    if position_ids is None:
+    if position_ids is None:  # keywords both releases take (5.24 renamed the cache argument)
         position_ids = self.compute_3d_position_ids(
-            input_ids=input_ids,
-            image_grid_thw=None,
-            video_grid_thw=None,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            mm_token_type_ids=None,
+            input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask
         )
     seq = inputs_embeds.shape[1]
     if position_ids is None:  # text only: transformers leaves them to the language model
@@ -346,6 +361,8 @@ def qwen3_5_model_forward(
         inputs_embeds=inputs_embeds[:, chunk],
         **kwargs,
     )
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ModelOutputWithPast
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    return Qwen3_5ModelOutputWithPast(**outputs, rope_deltas=self.rope_deltas)
+    if hasattr(modeling, "Qwen3_5ModelOutputWithPast"):  # up to transformers 5.23
+        return modeling.Qwen3_5ModelOutputWithPast(**outputs, rope_deltas=self.rope_deltas)
+    return modeling.MultimodalBaseModelOutputWithPast(**outputs)
