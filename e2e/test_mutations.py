@@ -443,3 +443,28 @@ def test_verl_engine_as_shipped_passes(ppo_run):
     result = ppo_run(VERL_CASE, **BOTH_MODES)
     for mode in MODES:
         assert checks.check_all(in_mode(result, mode)).not_applicable() == ["d: no replicas"]
+
+
+NEVER_FORWARD_CASE = (
+    "tiny-qwen3_5-fsdp_turbo-fsdp2-sp2-deferred-twin"  # bf16, fp32 reduce, deferred
+)
+
+
+@pytest.mark.devices(4)
+def test_units_that_never_run_forward_fail_as_the_engines_error_without_the_guard(ppo_run):
+    """The FSDP-Turbo engine without materialize_unsharded_params, on the NPU case's mode (the vision
+    tower never runs on a text batch): FSDP2's final post-backward fails (torch 2.11 to 2.14), and
+    the failure names the engine's train phase and torch's error first, not a harness check."""
+    result = ppo_run(
+        NEVER_FORWARD_CASE,
+        engine_modules=["broken_turbo_never_forward"],
+        pythonpath=[str(HERE)],
+        twin="none",
+        checkout=STANDIN,
+        extra_env={"FSDP_TURBO_STANDIN_ALLOW_CPU": "1"},
+    )
+    with pytest.raises(checks.CheckFailure) as failure:
+        checks.check_completed(result)
+    head = str(failure.value).splitlines()[0]
+    assert "failed first in phase train: AttributeError:" in head, head
+    assert "'_unsharded_param'" in head, head

@@ -13,7 +13,7 @@ from pytest_fsdp_turbo_engine.config import EngineConfig
 from pytest_fsdp_turbo_engine.ppo import entropy_from_logits, response_logprobs
 from pytest_fsdp_turbo_engine.registry import register
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from pytest_fsdp_turbo.vocab import Dtype, SyncPolicy
@@ -27,6 +27,22 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
 
 def local_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+def materialize_unsharded_params(module: torch.nn.Module) -> None:
+    """Give every FSDP2 unit its unsharded parameters once, by one all-gather and reshard per unit.
+
+    A unit whose forward never runs (a vision tower on a text batch) never creates them, and when
+    gradients are held across micro-batches in a reduce dtype other than the parameters' (bf16
+    parameters, fp32 reduction, deferred sync), FSDP2's final post-backward reads them anyway:
+    `AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'` on torch 2.11 to 2.14
+    (`to_accumulated_grad_if_needed`; pytorch#194058). Created here, they are empty after the
+    reshard, the unit's gradient stays None, and the callback passes over it.
+    """
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+            unit.reshard()
 
 
 @register(backend="fsdp", device=["cpu", "cuda", "npu"])
@@ -88,6 +104,9 @@ class FSDPEngineWithLMHead:
         fully_shard(model, mesh=self.mesh, mp_policy=policy)
         return model
 
+    def _prepare_units_that_may_not_run(self, module: torch.nn.Module) -> None:
+        materialize_unsharded_params(module)
+
     def load_options(self) -> dict:
         """Extra from_pretrained arguments this engine's parallel layout needs (none here)."""
         return {}
@@ -99,6 +118,7 @@ class FSDPEngineWithLMHead:
         model.to(self.device)
         wrapped = self._wrap(model)
         if trainable:
+            self._prepare_units_that_may_not_run(wrapped)
             self.module = wrapped
             self.optimizer = torch.optim.AdamW(
                 wrapped.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay

@@ -558,9 +558,13 @@ class RunResult:
             )
         else:
             head = f"case {self.case_id}: rank {self.first_failure} failed first"
+            first = next((r for r in self.ranks if r.rank == self.first_failure), None)
+            if first is not None and first.error is not None:  # its cause, before anything else
+                head += f" in phase {first.error.phase}: {first.error.type}: {first.error.message}"
         parts = [head, f"artifacts: {self.artifacts_dir}"]
         told: dict[tuple[str, str, str], int] = {}  # an error every rank raised is shown once
-        for rank in self.ranks:
+        # the rank that failed first, then the others in rank order
+        for rank in sorted(self.ranks, key=lambda r: r.rank != self.first_failure):
             if rank.exit_code == 0 and rank.metrics and not self.timed_out:
                 continue
             parts.append(f"--- rank {rank.rank}: exit {rank.exit_code}, log {rank.log_path}")

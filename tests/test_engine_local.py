@@ -163,3 +163,42 @@ def test_tiny_model_builder_saves_hf_format(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelUnavailable, match="incomplete"):
         local_model_dir("empty", tmp_path)
+
+
+class _TwoOfThree(torch.nn.Module):
+    """Three units, one of which never runs forward (as a vision tower on a text batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.unused, self.last = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        return self.last(self.first(x))
+
+
+def _deferred_bf16_steps(materialize: bool) -> torch.Tensor:
+    from pytest_fsdp_turbo_engine.fsdp_engine import materialize_unsharded_params
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = _TwoOfThree()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in (model.first, model.unused, model.last, model):
+        fully_shard(unit, mp_policy=policy)
+    if materialize:
+        materialize_unsharded_params(model)
+    x = torch.randn(2, 4)
+    for last in (False, True):  # deferred: no reduce-scatter on the first micro-batch
+        model.set_requires_gradient_sync(last)
+        model(x).float().sum().backward()
+    assert model.unused.weight.grad is None
+    return model.first.weight.grad.full_tensor()
+
+
+def test_units_that_never_run_forward_survive_deferred_bf16_sync(process_group):
+    """FSDP2's final post-backward reads the unsharded parameters of a unit that never ran forward
+    (torch 2.11 to 2.14, pytorch#194058); the engine's materialize_unsharded_params prevents it."""
+    with pytest.raises(AttributeError, match="_unsharded_param"):
+        _deferred_bf16_steps(materialize=False)
+    grad = _deferred_bf16_steps(materialize=True)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0

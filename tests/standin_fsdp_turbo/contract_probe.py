@@ -81,9 +81,8 @@ def main() -> None:
         core.FSDPPlanConfig, {"cpu_offload": "true", "num_to_forward_prefetch": "2"}
     )
     report["coerced"] = [loaded.cpu_offload, loaded.num_to_forward_prefetch]
-    report["bad_bool"] = outcome(
-        lambda: core._dict_to_dataclass(core.FSDPPlanConfig, {"cpu_offload": "maybe"})
-    )
+    kept = core._dict_to_dataclass(core.FSDPPlanConfig, {"num_to_backward_prefetch": "two"})
+    report["not_a_number_kept"] = kept.num_to_backward_prefetch
     print(json.dumps(report))
 
 

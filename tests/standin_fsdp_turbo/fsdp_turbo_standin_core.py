@@ -16,7 +16,7 @@ wired and tested end to end on CPU:
   built; a module-level callable target is replaced in its module, `module.Class.member` on every
   instance of Class in the model; a spec that matches nothing raises "Configured module patch did
   not match the model";
-- the loader coerces strings to the annotated int, float or bool;
+- the loader coerces strings to an annotated int or float (never bool), keeping what fails;
 - the gradient divide factor from WORLD_SIZE;
 - clip_grad_norm(model, max_norm, norm_type, group) returning a Python float;
 - no accelerator, no start: it refuses a CPU box unless FSDP_TURBO_STANDIN_ALLOW_CPU=1.
@@ -68,19 +68,23 @@ def _nested_dataclass(annotation):
     return next((a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)), None)
 
 
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
 def _coerced(annotation, value):
-    """The loader turns strings into the annotated int, float or bool before validation; a string
-    that is none of them raises, as int("abc") does."""
-    if not isinstance(value, str) or annotation not in (int, float, bool):
+    """The loader's coercion, as the middle layout's source has it (`_coerce_value`): a string for
+    an int or float field (Optional unwrapped to its first type) is converted, one that does not
+    convert is kept as the string with a warning; nothing else is coerced, booleans included (the
+    string "false" stays a string, which is truthy)."""
+    if not isinstance(value, str):
         return value
-    if annotation is bool:
-        if value.strip().lower() not in (*_TRUE, *_FALSE):
-            raise ValueError(f"cannot read {value!r} as a bool")
-        return value.strip().lower() in _TRUE
-    return annotation(value)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kept = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        annotation = kept[0] if kept else annotation
+    if annotation not in (int, float):
+        return value
+    try:
+        return annotation(value)
+    except (TypeError, ValueError):
+        logger.warning("Cannot convert '%s' to %s, keeping as str", value, annotation.__name__)
+        return value
 
 
 def _dict_to_dataclass(cls, data):
