@@ -32,21 +32,28 @@ GOLDEN_KEYS = (
 )
 RECORD_COMMAND = "pytest -m <device>_e2e -k <case> --fsdp-turbo-record-golden"
 RELATIVE_TOL = 1e-3
+# bf16 keeps 8 bits of mantissa (a unit roundoff of 3.9e-3): the same bf16 run on another torch
+# release moved pg_loss by 1.3e-3 relative here (2.13 against 2.14), so its goldens allow 1e-2
+RELATIVE_TOL_BY_DTYPE = {"bf16": 1e-2}
 ABSOLUTE_FLOOR = 1e-6
+
+
+def relative_tolerance(dtype: str) -> float:
+    return RELATIVE_TOL_BY_DTYPE.get(str(dtype), RELATIVE_TOL)
 
 
 def golden_path(case_id: str, kind: str, dtype: str, world_size: int, root: Path) -> Path:
     return root / case_id / f"{kind}-{dtype}-ws{world_size}.json"
 
 
-def within(tier: str, expected: float, actual: float) -> bool:
+def within(tier: str, expected: float, actual: float, relative: float = RELATIVE_TOL) -> bool:
     if not (isinstance(actual, int | float) and math.isfinite(actual)):
         return False
     if not math.isfinite(expected):
         return False
     if tier == GoldenTier.EXACT:
         return actual == expected
-    return abs(actual - expected) <= max(RELATIVE_TOL * abs(expected), ABSOLUTE_FLOOR)
+    return abs(actual - expected) <= max(relative * abs(expected), ABSOLUTE_FLOOR)
 
 
 def record_golden(path: Path, metrics: dict) -> None:
@@ -58,7 +65,9 @@ def record_golden(path: Path, metrics: dict) -> None:
     path.write_text(json.dumps(values, indent=1, sort_keys=True) + "\n")
 
 
-def compare_golden(path: Path, metrics: dict, tier: str) -> list[str]:
+def compare_golden(
+    path: Path, metrics: dict, tier: str, relative: float = RELATIVE_TOL
+) -> list[str]:
     """Mismatches as messages (empty when everything is within the tier)."""
     expected = json.loads(path.read_text())
     problems = [
@@ -69,8 +78,8 @@ def compare_golden(path: Path, metrics: dict, tier: str) -> list[str]:
     ]
     for key, want in sorted(expected.items()):
         got = metrics.get(key)
-        if got is None or not within(tier, want, got):
-            tol = "exact" if tier == GoldenTier.EXACT else f"relative {RELATIVE_TOL:g}"
+        if got is None or not within(tier, want, got, relative):
+            tol = "exact" if tier == GoldenTier.EXACT else f"relative {relative:g}"
             problems.append(f"check g: metric {key} = {got!r}, golden {want!r} ({tol}; {path})")
     return problems
 
@@ -105,7 +114,8 @@ def check_or_record(
         )
     if not path.is_file():
         return GoldenOutcome(GoldenStatus.MISSING, path)
-    problems = compare_golden(path, result.metrics, case.golden_tier)
+    tolerance = relative_tolerance(case.dtype_on(kind))
+    problems = compare_golden(path, result.metrics, case.golden_tier, tolerance)
     if problems:
         raise CheckFailure("\n".join(problems))
     return GoldenOutcome(GoldenStatus.MATCHED, path)

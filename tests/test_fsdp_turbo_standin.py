@@ -50,6 +50,7 @@ def test_fsdp_turbo_backend_passes_every_check_on_the_standin(ppo_run, layout):
 
 
 @pytest.mark.devices(2)
+@pytest.mark.verl
 def test_verl_fsdp_turbo_engine_on_the_standin_keeps_deferred_sync(ppo_run):
     """verl's own FSDPTurboEngineWithLMHead, the class the seed changed, as verl ships it
     (ppo_run skips it, with the reason, where verl is not installed)."""
@@ -118,3 +119,27 @@ def test_standin_ulysses_shards_the_sequence_and_matches_the_whole_sequence(tmp_
     assert found["model/local_logits_shape"] == [2, 6, 64]
     assert found["model/logits"] <= 1e-5 and found["model/param_grad"] <= 1e-4, found
     assert found["model/loss"] <= 1e-5, found  # causal_lm_loss: chunk sums reduced over the group
+
+
+@pytest.mark.devices(2)
+def test_standin_attention_follows_the_published_middle_layout(tmp_path):
+    """Over two gloo ranks, against the middle layout's published wrapper (not the stand-in's own
+    output): K/V repeated to the query's head count before the exchange, the caller's mask and
+    keywords handed on as the same objects, a [B, H, S, D] output exchanged back, and each rank's
+    output its chunk of plain attention over the whole sequence. The newest layout's full_attention
+    (source unpublished; verl aims it at transformers' eager function) must give the same whole-
+    sequence attention whether its function returns [B, H, S, D] or eager's [B, S, H, D]."""
+    from pytest_fsdp_turbo.warm import run_module
+
+    env = {**ALLOW_CPU, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(STANDIN)}
+    done = run_module("attention_layout_probe", [str(tmp_path / "store")], timeout_s=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["middle/output"] <= 1e-6, found
+    assert found["middle/output_shape"] == [2, 4, 4, 4]  # [B, H, S/2, D]: heads gathered back
+    # 4 query heads over 2 ranks: 2 each; 2 K/V heads repeated to 4 first, so 2 each as well
+    assert found["middle/fn_saw"] == {"query_heads": 2, "key_heads": 2, "seq": 8}
+    assert found["middle/mask_passed_through"] and found["middle/kwargs_passed_through"]
+    for layout in ("bhsd", "bshd"):
+        assert found[f"newest/{layout}/output"] <= 1e-6, (layout, found)
+        assert found[f"newest/{layout}/kwargs_passed_through"], layout

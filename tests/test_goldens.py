@@ -88,3 +88,15 @@ def test_check_or_record_says_what_happened_as_a_status(tmp_path):
     )
     none = goldens.check_or_record(Result(), Case(golden_tier="none"), "cpu", tmp_path, False)
     assert none.status == GoldenStatus.NOT_COMPARED and str(none) == "not compared (tier none)"
+
+
+def test_bf16_goldens_allow_bf16_rounding_and_no_more(tmp_path):
+    path = tmp_path / "g.json"
+    goldens.record_golden(path, METRICS)
+    nudged = {**METRICS, Metric.ACTOR_PG_LOSS: METRICS[Metric.ACTOR_PG_LOSS] * (1 + 5e-3)}
+    bf16 = goldens.relative_tolerance("bf16")
+    assert goldens.compare_golden(path, nudged, "relative") != []  # fp32's 1e-3
+    assert goldens.compare_golden(path, nudged, "relative", bf16) == []
+    far = {**METRICS, Metric.ACTOR_PG_LOSS: METRICS[Metric.ACTOR_PG_LOSS] * (1 + 2e-2)}
+    (problem,) = goldens.compare_golden(path, far, "relative", bf16)
+    assert "relative 0.01" in problem

@@ -102,8 +102,9 @@ def collected(everything: dict[str, list[str]], selection: tuple[str, ...]) -> l
     for word in words:
         if word == "-m":
             expression = Expression.compile(next(words))
-        elif not word.startswith("-"):
-            paths.append(word.rstrip("/") + "/")
+        elif not word.startswith("-") and not word.isdigit():  # a path (a file or a folder)
+            word = word.rstrip("/")
+            paths.append(word + ("::" if word.endswith(".py") else "/"))
 
     def selected(node: str, markers: set[str]) -> bool:
         in_paths = not paths or any(node.startswith(p) for p in paths)
@@ -185,6 +186,7 @@ def test_every_job_selects_strictly_and_provides_what_its_selection_needs(jobs_a
     assert names == {
         "cpu.yml:tests",
         "cpu.yml:vllm-cpu",
+        "cpu.yml:version-range",
         "gpu.yml:gpu-e2e",
         "gpu.yml:gpu-vllm",
         "npu.yml:npu-e2e",

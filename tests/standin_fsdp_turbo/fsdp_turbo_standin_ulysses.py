@@ -7,16 +7,14 @@ the heads around the part that needs the whole sequence.
 
 - `all_to_all(x, group, scatter_dim, gather_dim)`: split `scatter_dim` over the group, gather
   `gather_dim`; its backward is the inverse exchange.
-- `full_attention(fn, group)`, for `type: full_attention` on an attention function with
-  transformers' eager signature `(module, query, key, value, attention_mask, ...)` and inputs
-  `[batch, heads, local_seq, dim]`: heads scattered and the sequence gathered before `fn`, and back
-  after. The library's middle layout does the same (get_ulysses_attention_fn, read from its
-  source); transformers' eager function returns `[batch, seq, heads, dim]`, so the output exchange
-  scatters dim 1 and gathers dim 2 (the library's `attn_output_transposed`). The mask the model
-  built covers only the local chunk, so `fn` gets the causal mask of the whole sequence, block
-  causal where the gathered `position_ids` restart (packed sequences, as transformers detects
-  them); a mask that is not that (padding) is refused rather than dropped. Key/value heads must
-  divide by the group size.
+- `middle_layout_attention(fn, group)`: the middle layout's `default` wrapper as its source
+  publishes it (K/V repeated to the query head count, mask and kwargs passed through, output
+  exchanged as [B, H, S, D]).
+- `full_attention(fn, group)`, for the newest layout's `type: full_attention`, whose source is
+  not published: the middle layout's exchange around transformers' eager attention, with what
+  that target forces (K/V unrepeated, the chunk's causal mask widened to the whole sequence, the
+  [B, S, H, D] output exchanged as the middle layout's transposed form), each said in its
+  docstring as an assumption about the newest layout.
 - `gated_delta_net(fn, group)`, for `type: gated_delta_net` on `Qwen3_5GatedDeltaNet.forward`:
   projections run on the local chunk; the convolution and the gated delta rule, which need the
   whole sequence, run head-parallel between two exchanges, per packed sequence when `cu_seqlens`
@@ -100,7 +98,57 @@ def _segments(cu_seqlens: torch.Tensor | None, seq: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
+def _repeat_kv_as_middle_layout(module, key, value, size):
+    """GQA as the middle layout does it before the exchange: K/V repeated by the query-to-key head
+    ratio when that ratio is above 1 or the group outnumbers the key/value heads."""
+    groups = int(module.config.num_attention_heads / module.config.num_key_value_heads)
+    if groups > 1 or size > module.config.num_key_value_heads:
+        key = torch.repeat_interleave(key, dim=1, repeats=groups)
+        value = torch.repeat_interleave(value, dim=1, repeats=groups)
+    return key, value
+
+
+def middle_layout_attention(fn, group):
+    """The middle layout's `default` Ulysses wrapper, rule for rule as its source publishes it
+    (get_ulysses_attention_fn): K/V repeated to the query head count (above), then query, key and
+    value exchanged [B, H, S, D] heads for sequence (scatter 1, gather 2); `fn` gets every other
+    argument, the attention mask included, unchanged; its output is taken as [B, H, S, D] and
+    exchanged back (scatter 2, gather 1). So `fn` must take the whole sequence's mask and return
+    [B, H, S, D] without repeating K/V itself: transformers' eager function does neither (it
+    repeats K/V by `num_key_value_groups` and returns [B, S, H, D]), which is why the harness
+    never points this layout's Ulysses at it (its config refuses sp_size > 1 for this layout)."""
+
+    @functools.wraps(fn)
+    def wrapper(module, query, key, value, *args, **kwargs):
+        size = dist.get_world_size(group) if group is not None else 1
+        key, value = _repeat_kv_as_middle_layout(module, key, value, size)
+        if size > 1:
+            query, key, value = (all_to_all(t, group, 1, 2) for t in (query, key, value))
+        out, weights = fn(module, query, key, value, *args, **kwargs)
+        if size > 1:
+            out = all_to_all(out, group, 2, 1)
+        return out, weights
+
+    return wrapper
+
+
 def full_attention(fn, group):
+    """`type: full_attention` of the newest layout, whose wrapper's source is not published (only
+    its callers are: verl points it at transformers' `eager_attention_forward`). Built on the
+    middle layout's exchange, with three differences that eager target forces, each an assumption
+    about the newest layout, not a fact:
+    - K/V are exchanged with their own head count (which must divide by the group): the eager
+      function repeats them by `num_key_value_groups` itself, so the middle layout's repeat before
+      the exchange would repeat them twice and fail on any GQA model;
+    - the mask transformers built covers only this rank's chunk (the text model sees the chunk):
+      it must be the chunk's causal block (of packed sequences, by the gathered `position_ids`),
+      else it is refused; `fn` gets that mask widened to the whole sequence; every other argument
+      and keyword passes through unchanged;
+    - the eager function returns [B, S, H, D]: the output exchange is the middle layout's
+      `attn_output_transposed` one (scatter 1, gather 2); a [B, H, S, D] output is exchanged as
+      the middle layout's default, and a shape that could be either is refused.
+    """
+
     @functools.wraps(fn)
     def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
         size = dist.get_world_size(group)
@@ -112,10 +160,16 @@ def full_attention(fn, group):
                 f"group of {size}"
             )
         local, rank = query.shape[2], dist.get_rank(group)
+        whole, heads = local * size, query.shape[1] // size
+        if heads == whole:
+            raise ValueError(
+                f"[Context Parallel] {heads} heads per rank over a sequence of {whole}: the "
+                "attention output's layout cannot be told apart"
+            )
         positions = kwargs.get("position_ids")  # the chunk's; they mark packed sequences
         if positions is not None:
             positions = _gather_sequence(positions.reshape(positions.shape[0], -1), group)
-        blocked = _blocked(positions, local * size, query.device)
+        blocked = _blocked(positions, whole, query.device)
         mine = slice(rank * local, (rank + 1) * local)
         if attention_mask is not None and not bool(
             ((attention_mask[..., :local, :local] != 0) == blocked[..., mine, mine]).all()
@@ -125,7 +179,8 @@ def full_attention(fn, group):
             )
         query, key, value = (all_to_all(t, group, 1, 2) for t in (query, key, value))
         out, weights = fn(module, query, key, value, _additive(blocked, query), *args, **kwargs)
-        return all_to_all(out, group, 1, 2), weights
+        transposed = tuple(out.shape[1:3]) == (whole, heads)  # [B, S, H, D]
+        return all_to_all(out, group, *((1, 2) if transposed else (2, 1))), weights
 
     return wrapper
 
