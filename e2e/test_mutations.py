@@ -468,3 +468,21 @@ def test_units_that_never_run_forward_fail_as_the_engines_error_without_the_guar
     head = str(failure.value).splitlines()[0]
     assert "failed first in phase train: AttributeError:" in head, head
     assert "'_unsharded_param'" in head, head
+
+
+@pytest.mark.devices(4)
+def test_packed_rows_without_their_bounds_are_caught(ppo_run):
+    """The packed SP case feeds cu_seqlens for a reason: without them the linear-attention state
+    crosses from one packed sequence into the next, and the gradients leave the reference's."""
+    result = run_broken(
+        ppo_run,
+        "fsdp_turbo",
+        "tiny-qwen3_5-fsdp_turbo-fsdp2-sp2-deferred-packed",
+        "broken_turbo_sp_packing",
+        {"reference_checks": True, "twin": "none"},
+        checkout=STANDIN,
+        extra_env={"FSDP_TURBO_STANDIN_ALLOW_CPU": "1"},
+    )
+    checks.check_completed(result)
+    failed = failed_checks(result, "reference")
+    assert {"a", "c", "i"} <= set(failed), failed

@@ -179,9 +179,35 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
             with library_patches_lifted(self.config.turbo_config):
                 return super()._logits(model, input_ids)
         size, length = dist.get_world_size(group), input_ids.shape[1]
+        if self.config.packed:
+            return self._packed_logits(model, input_ids, group)
         padded = torch.nn.functional.pad(input_ids, (0, -length % size))  # after it: causal
         local = model(input_ids=padded, use_cache=False).logits  # this rank's chunk of the sequence
         return self.sequence_gather.apply(local, group)[:, :length]
+
+    def _packed_logits(self, model, input_ids: torch.Tensor, group) -> torch.Tensor:
+        """The rows as verl feeds the library: one packed row, `position_ids` restarting at each
+        row (4 rows of them for a multimodal-RoPE model: text, then temporal, height, width, all
+        the text positions for a text batch), and `cu_seqlens`, the rows' bounds. Each padded row
+        is one sequence (verl also drops the padding; here it stays, after each row's response,
+        where causal attention keeps it from the tokens that count). The packed row is padded at
+        its end to split over the group; the pad extends the last sequence."""
+        rows, length = input_ids.shape
+        total = rows * length
+        padded_total = total + (-total % dist.get_world_size(group))
+        packed = torch.nn.functional.pad(input_ids.reshape(1, total), (0, padded_total - total))
+        positions = torch.arange(length, device=input_ids.device).repeat(rows)
+        tail = torch.arange(padded_total - total, device=input_ids.device) + length
+        positions = torch.cat([positions, tail])[None]
+        if getattr(model.config, "model_type", "") == "qwen3_5":
+            positions = positions.expand(4, 1, padded_total)
+        bounds = [*range(0, total, length), padded_total]
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
+        local = model(
+            input_ids=packed, position_ids=positions, cu_seqlens=cu_seqlens, use_cache=False
+        ).logits
+        whole = self.sequence_gather.apply(local, group)[:, :total]
+        return whole.reshape(rows, length, -1)
 
     def _clip_grad_norm(self) -> float:
         return float(self.turbo.clip_grad_norm(model=self.module, max_norm=self.config.grad_clip))

@@ -66,6 +66,9 @@ class Case:
     max_new_tokens: int = 12
     lr: float = 1e-4
     reference_checks: bool | None = None  # default: on for tiny models
+    # fsdp_turbo with SP: each micro-batch fed as one packed row with position_ids and cu_seqlens,
+    # the convention verl's FSDP-Turbo engine feeds the library (False: padded rows, no positions)
+    packed: bool = False
     twin: TwinKind | None = None  # default: single when there is no in-rank reference, else none
     description: str = ""
 
@@ -123,6 +126,7 @@ class Case:
             sync_policy=self.gradient_sync,
             lr=self.lr,
             turbo_config=turbo_config or {},
+            packed=self.packed,
         )
         ppo = PPOSpec(
             num_prompts=self.num_prompts,
@@ -376,6 +380,13 @@ def validate_case(
             "sp_size",
             "1 unless backend is fsdp_turbo or verl:* (Ulysses SP lives there)",
             case.sp_size,
+        )
+    if case.packed and not (case.backend == "fsdp_turbo" and case.sp_size > 1):
+        raise where.error(
+            "packed",
+            "false unless backend is fsdp_turbo with sp_size > 1 (our FSDP-Turbo engine packs "
+            "what the library's Ulysses shards; verl's engine always packs)",
+            case.packed,
         )
     if case.turbo_config and not case.is_turbo:
         raise where.error(

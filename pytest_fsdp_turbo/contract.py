@@ -305,6 +305,7 @@ class EngineSpec:
     grad_clip: float = 1.0
     weight_decay: float = 0.0  # AdamW; the reference step uses the same
     turbo_config: dict = field(default_factory=dict)
+    packed: bool = False  # one packed row per micro-batch, with position_ids and cu_seqlens
 
 
 @dataclass(frozen=True)
