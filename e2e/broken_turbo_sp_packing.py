@@ -20,5 +20,5 @@ class _WithoutBounds(torch.nn.Module):
 
 @register(model_type="qwen3_5", backend="fsdp_turbo", device=["cpu", "cuda", "npu"])
 class PackedWithoutBoundsEngine(FSDPTurboEngineWithLMHead):
-    def _packed_logits(self, model, input_ids, group):
-        return super()._packed_logits(_WithoutBounds(model), input_ids, group)
+    def _packed_logits(self, model, input_ids, group, labels=None):
+        return super()._packed_logits(_WithoutBounds(model), input_ids, group, labels)

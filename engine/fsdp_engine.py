@@ -142,9 +142,30 @@ class FSDPEngineWithLMHead:
         logprobs = response_logprobs(logits, input_ids[:, prompt_len:])
         return logprobs, (entropy_from_logits(logits) if with_entropy else None)
 
+    def forward_logprobs_with_lm_loss(
+        self, input_ids: torch.Tensor, prompt_len: int, response_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probabilities and entropy of the response tokens under the policy, and the model's
+        own causal-LM loss (its loss function, given `labels`) over the response tokens the mask
+        keeps: the mean the model computes, in the same forward."""
+        labels = torch.full_like(input_ids, -100)
+        labels[:, prompt_len:] = torch.where(
+            response_mask.bool(), input_ids[:, prompt_len:], labels[:, prompt_len:]
+        )
+        logits, lm_mean = self._logits_and_loss(self.module, input_ids, labels)
+        logits = logits[:, prompt_len - 1 : -1].float()
+        logprobs = response_logprobs(logits, input_ids[:, prompt_len:])
+        return logprobs, entropy_from_logits(logits), lm_mean
+
     def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits over the whole sequence (a sequence-parallel engine gathers its chunks)."""
         return model(input_ids=input_ids, use_cache=False).logits
+
+    def _logits_and_loss(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(input_ids=input_ids, labels=labels, use_cache=False)
+        return out.logits, out.loss
 
     # --- gradient synchronisation ---------------------------------------------------------------
     def _set_gradient_sync(self, enabled: bool) -> None:

@@ -178,14 +178,30 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
         if model is not self.module:  # the unwrapped KL reference: the whole sequence, unpatched
             with library_patches_lifted(self.config.turbo_config):
                 return super()._logits(model, input_ids)
-        size, length = dist.get_world_size(group), input_ids.shape[1]
-        if self.config.packed:
-            return self._packed_logits(model, input_ids, group)
-        padded = torch.nn.functional.pad(input_ids, (0, -length % size))  # after it: causal
-        local = model(input_ids=padded, use_cache=False).logits  # this rank's chunk of the sequence
-        return self.sequence_gather.apply(local, group)[:, :length]
+        return self._sharded_forward(model, input_ids, group)[0]
 
-    def _packed_logits(self, model, input_ids: torch.Tensor, group) -> torch.Tensor:
+    def _logits_and_loss(self, model, input_ids: torch.Tensor, labels: torch.Tensor):
+        """Under Ulysses the labels cover the whole sequence, as callers of the library pass them;
+        the library's causal_lm_loss patch takes this rank's chunk of them and reduces over the
+        group, so every rank of the group gets the whole sequence's loss."""
+        group = self._ulysses_group()
+        if group is None:
+            return super()._logits_and_loss(model, input_ids, labels)
+        return self._sharded_forward(model, input_ids, group, labels)
+
+    def _sharded_forward(self, model, input_ids: torch.Tensor, group, labels=None):
+        """(logits over the whole sequence, the model's loss or None) from this rank's chunk."""
+        if self.config.packed:
+            return self._packed_logits(model, input_ids, group, labels)
+        size, length = dist.get_world_size(group), input_ids.shape[1]
+        padded = torch.nn.functional.pad(input_ids, (0, -length % size))  # after it: causal
+        extra = {}
+        if labels is not None:
+            extra["labels"] = torch.nn.functional.pad(labels, (0, -length % size), value=-100)
+        out = model(input_ids=padded, use_cache=False, **extra)  # this rank's chunk of the sequence
+        return self.sequence_gather.apply(out.logits, group)[:, :length], out.loss
+
+    def _packed_logits(self, model, input_ids: torch.Tensor, group, labels=None):
         """The rows as verl feeds the library: one packed row, `position_ids` restarting at each
         row (4 rows of them for a multimodal-RoPE model: text, then temporal, height, width, all
         the text positions for a text batch), and `cu_seqlens`, the rows' bounds. Each padded row
@@ -203,11 +219,19 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
             positions = positions.expand(4, 1, padded_total)
         bounds = [*range(0, total, length), padded_total]
         cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
-        local = model(
-            input_ids=packed, position_ids=positions, cu_seqlens=cu_seqlens, use_cache=False
-        ).logits
-        whole = self.sequence_gather.apply(local, group)[:, :total]
-        return whole.reshape(rows, length, -1)
+        extra = {}
+        if labels is not None:  # packed alike; each row's first label is a prompt token's -100
+            pad = (0, padded_total - total)
+            extra["labels"] = torch.nn.functional.pad(labels.reshape(1, total), pad, value=-100)
+        out = model(
+            input_ids=packed,
+            position_ids=positions,
+            cu_seqlens=cu_seqlens,
+            use_cache=False,
+            **extra,
+        )
+        whole = self.sequence_gather.apply(out.logits, group)[:, :total]
+        return whole.reshape(rows, length, -1), out.loss
 
     def _clip_grad_norm(self) -> float:
         return float(self.turbo.clip_grad_norm(model=self.module, max_norm=self.config.grad_clip))

@@ -310,10 +310,16 @@ def harness_micro_batches(ctx: Rank, batch: TrainBatch, tokens: float, probe: Mi
     for i, rows in enumerate(chunks):
         mb = batch.rows(rows)
         with engine.gradient_sync_context(is_last_micro_batch=i == len(chunks) - 1):
-            logprobs, entropy = engine.forward_logprobs(
-                mb.input_ids, mb.prompt_len, with_entropy=True
-            )
-            loss, _ = ppo_loss(logprobs, entropy, mb, tokens, ctx.cfg)
+            lm_mean = None
+            if ctx.cfg.lm_loss_coef and hasattr(engine, "forward_logprobs_with_lm_loss"):
+                logprobs, entropy, lm_mean = engine.forward_logprobs_with_lm_loss(
+                    mb.input_ids, mb.prompt_len, mb.mask
+                )
+            else:  # an engine without the model's loss path: the term in closed form
+                logprobs, entropy = engine.forward_logprobs(
+                    mb.input_ids, mb.prompt_len, with_entropy=True
+                )
+            loss, _ = ppo_loss(logprobs, entropy, mb, tokens, ctx.cfg, lm_mean)
             probe.loss_computed(logprobs, entropy, mb)
             (loss * ctx.dp_size).backward()  # FSDP averages over ranks; the loss is a sum
 

@@ -62,9 +62,12 @@ def ppo_loss(
     mb: TrainBatch,
     tokens: float,
     cfg: PPOConfig,
+    lm_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-mean over the global batch (`tokens`), so any split into ranks and micro-batches sums
-    to the same loss."""
+    to the same loss. With cfg.lm_loss_coef, the causal-LM term: `lm_mean`, the model's own loss
+    over this micro-batch's response tokens (a mean), rescaled to the global token mean; without
+    it, the same term in closed form from the log-probabilities."""
     pg_loss, clipfrac, ppo_kl = ppo.policy_loss(
         logprobs, mb.old_logprobs, mb.advantages, mb.mask, tokens, cfg.clip_ratio, cfg.clip_ratio_c
     )
@@ -80,5 +83,11 @@ def ppo_loss(
         ent = ppo.token_sum(entropy, mb.mask) / tokens
         loss = loss - cfg.entropy_coef * ent
         parts[Metric.ACTOR_ENTROPY] = ent
+    if cfg.lm_loss_coef:
+        if lm_mean is None:
+            lm = ppo.token_sum(-logprobs, mb.mask) / tokens
+        else:
+            lm = lm_mean * mb.mask.sum() / tokens
+        loss = loss + cfg.lm_loss_coef * lm
     parts[Metric.ACTOR_LOSS] = loss
     return loss, {k: v.detach() for k, v in parts.items()}

@@ -6,6 +6,7 @@ Every problem is a ConfigError naming the file, the case id, the field and what 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import typing
@@ -65,6 +66,7 @@ class Case:
     n: int = 4
     max_new_tokens: int = 12
     lr: float = 1e-4
+    lm_loss_coef: float = 0.0  # a causal-LM term through the model's loss path (labels)
     reference_checks: bool | None = None  # default: on for tiny models
     # fsdp_turbo with SP: each micro-batch fed as one packed row with position_ids and cu_seqlens,
     # the convention verl's FSDP-Turbo engine feeds the library (False: padded rows, no positions)
@@ -133,6 +135,7 @@ class Case:
             n=self.n,
             max_new_tokens=self.max_new_tokens,
             micro_batches=self.micro_batches,
+            lm_loss_coef=self.lm_loss_coef,
             rollout=self.rollout,
             reference_checks=self.with_reference_checks(),
             replay=replay,
@@ -381,6 +384,8 @@ def validate_case(
             "1 unless backend is fsdp_turbo or verl:* (Ulysses SP lives there)",
             case.sp_size,
         )
+    if not (case.lm_loss_coef >= 0 and math.isfinite(case.lm_loss_coef)):
+        raise where.error("lm_loss_coef", "a finite number >= 0", case.lm_loss_coef)
     if case.packed and not (case.backend == "fsdp_turbo" and case.sp_size > 1):
         raise where.error(
             "packed",

@@ -319,6 +319,9 @@ class PPOSpec:
     clip_ratio_c: float = 3.0
     kl_coef: float = 0.001
     entropy_coef: float = 0.0
+    # a causal-LM (NLL) term on the response tokens, token mean over the global batch; our engines
+    # compute it through the model's own loss path with labels (the library's SP loss patch)
+    lm_loss_coef: float = 0.0
     rollout: Rollout = Rollout.HF
     seed: int = 7
     reference_checks: bool = True  # single-process reference gradients, fingerprint (tiny models)

@@ -295,23 +295,35 @@ def gated_delta_net(fn, group):
 
 
 def causal_lm_loss(fn, group):
-    """`type: causal_lm_loss` on transformers' ForCausalLMLoss: logits and `shift_labels` hold this
-    rank's chunk; the token-loss sum is reduced over the ulysses group (gradient included) and
-    divided by `num_items_in_batch`, or by the group's count of labelled tokens."""
+    """`type: causal_lm_loss` on transformers' ForCausalLMLoss (the newest layout's; its source is
+    not published). Under Ulysses the logits are this rank's chunk of the sequence. The labels come
+    as callers of the library pass them, `labels` over the whole sequence: they are shifted over the
+    whole sequence and this rank's chunk taken (or `shift_labels`, already this rank's chunk). The
+    token-loss sum is reduced over the group, gradient included, and divided by
+    `num_items_in_batch`, or by the group's count of labelled tokens: every rank of the group gets
+    the whole sequence's loss, as the gathered logits give every rank the whole sequence's."""
 
     @functools.wraps(fn)
     def loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kwargs):
-        if dist.get_world_size(group) == 1:
+        size = dist.get_world_size(group)
+        if size == 1:
             return fn(logits, labels, vocab_size, num_items_in_batch, ignore_index, **kwargs)
+        local = logits.shape[1]
         shift_labels = kwargs.get("shift_labels")
         if shift_labels is None:
-            raise ValueError(
-                "[Context Parallel] causal_lm_loss needs shift_labels: each rank's chunk of the "
-                "labels, shifted over the whole sequence"
-            )
+            if labels is None or labels.shape[-1] != local * size:
+                raise ValueError(
+                    "[Context Parallel] causal_lm_loss takes labels over the whole sequence "
+                    f"({local * size} tokens) or shift_labels for this rank's {local}; got "
+                    f"{None if labels is None else tuple(labels.shape)}"
+                )
+            shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+            rank = dist.get_rank(group)
+            shift_labels = shifted[..., rank * local : (rank + 1) * local]
+        shift_labels = shift_labels.reshape(-1).to(logits.device)
         total = F.cross_entropy(
             logits.float().reshape(-1, vocab_size),
-            shift_labels.reshape(-1).to(logits.device),
+            shift_labels,
             ignore_index=ignore_index,
             reduction="sum",
         )
@@ -346,7 +358,23 @@ def apply_function_patches(cp_plan, group) -> None:
                 )
             for target in entry["target_functions"]:
                 owner, name = _owner(target)
-                setattr(owner, name, wrap(getattr(owner, name), group))
+                original = getattr(owner, name)
+                wrapped = wrap(original, group)
+                setattr(owner, name, wrapped)
+                if field_name == "loss_function_patches":
+                    _rebind_loss_mapping(original, wrapped)
+
+
+def _rebind_loss_mapping(original, wrapped) -> None:
+    """A model reaches its loss through transformers' LOSS_MAPPING (`model.loss_function`), which
+    holds the function object itself: replacing the module attribute alone would never reach a
+    model, so the mapping's entries that hold the target are replaced too. How the newest layout
+    reaches the model's loss is not published; that it must is what this stand-in assumes."""
+    from transformers.loss import loss_utils
+
+    for key, value in list(loss_utils.LOSS_MAPPING.items()):
+        if value is original:
+            loss_utils.LOSS_MAPPING[key] = wrapped
 
 
 def _owner(dotted: str):
