@@ -565,6 +565,7 @@ class RunResult:
             first = next((r for r in self.ranks if r.rank == self.first_failure), None)
             if first is not None and first.error is not None:  # its cause, before anything else
                 head += f" in phase {first.error.phase}: {first.error.type}: {first.error.message}"
+        in_head = "" if self.failure or self.timed_out else head
         parts = [head, f"artifacts: {self.artifacts_dir}"]
         told: dict[tuple[str, str, str], int] = {}  # an error every rank raised is shown once
         # the rank that failed first, then the others in rank order
@@ -586,7 +587,7 @@ class RunResult:
             trace = error.traceback.rstrip().splitlines()
             if trace and error.message and trace[-1].endswith(error.message):
                 trace = trace[:-1]  # the exception line: its message is in the head line
-            head = f"phase {error.phase}: {error.type}: {error.message}"
-            parts.append("\n".join([head, *trace]))
+            cause = f"phase {error.phase}: {error.type}: {error.message}"
+            parts.append("\n".join([*([] if in_head.endswith(cause) else [cause]), *trace]))
             parts.append("log tail:\n" + rank.log_tail(without=error.traceback))
         return "\n".join(parts)
