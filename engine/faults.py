@@ -11,9 +11,8 @@ import signal
 import sys
 import time
 
-from pytest_fsdp_turbo.faults import FAULT_VAR, FaultSpec, parse_fault
+from pytest_fsdp_turbo.faults import FAULT_VAR, STALL_SECONDS_VAR, FaultSpec, parse_fault
 
-STALL_SECONDS_VAR = "PYTEST_FSDP_TURBO_FAULT_STALL_S"  # how long "stall" sleeps (default 5)
 WARM_PARENT_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
 
 

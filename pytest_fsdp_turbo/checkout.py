@@ -36,6 +36,9 @@ _GIT_ENV = {
     "SSH_ASKPASS": "/bin/false",
     "GIT_SSH_COMMAND": "ssh -o BatchMode=yes",
     "GCM_INTERACTIVE": "never",
+    # the transports the harness means, whatever the environment allows (GIT_ALLOW_PROTOCOL=ext
+    # would let a crafted URL run a command)
+    "GIT_ALLOW_PROTOCOL": "file:https:ssh:git",
 }
 
 

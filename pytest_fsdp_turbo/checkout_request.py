@@ -31,6 +31,11 @@ class CheckoutRequest:
 def validate_repo(url: str, origin: str = "--fsdp-turbo-repo") -> str:
     if url.startswith("-"):
         raise ConfigError(f"{origin}: must not start with '-'; got {url!r}")
+    if "::" in url.split("/")[0]:  # git's <transport>::<address> (ext:: runs a command)
+        raise ConfigError(
+            f"{origin}: git's <transport>::<address> form is refused; expected an https://, "
+            f"ssh://, git:// or file:// URL or a local path; got {url!r}"
+        )
     if "://" in url:
         if not url.startswith(_ALLOWED_SCHEMES):
             raise ConfigError(

@@ -62,6 +62,9 @@ def default_cpu_slots() -> int:
     return max(8, os.cpu_count() or 1)
 
 
+MAX_DEVICE_COUNT = 4096  # devices (or CPU rank slots) one machine can offer
+
+
 def parse_device_override(value: str, origin: str) -> tuple[str, int | None]:
     """`cuda`, `npu:8`, `cpu:4` -> (kind, count or None)."""
     kind, _, count_text = value.strip().partition(":")
@@ -69,8 +72,11 @@ def parse_device_override(value: str, origin: str) -> tuple[str, int | None]:
         raise ConfigError(f"{origin}: expected one of cpu|cuda|npu[:N]; got {value!r}")
     if not count_text:
         return kind, None
-    if not count_text.isdigit() or int(count_text) < 1:
-        raise ConfigError(f"{origin}: expected a positive device count after ':'; got {value!r}")
+    if not count_text.isdigit() or not 1 <= int(count_text) <= MAX_DEVICE_COUNT:
+        raise ConfigError(
+            f"{origin}: expected a device count from 1 to {MAX_DEVICE_COUNT} after ':'; got "
+            f"{value!r}"
+        )
     return kind, int(count_text)
 
 

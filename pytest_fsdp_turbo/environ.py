@@ -130,13 +130,9 @@ def build_collective_env(
         if name in profile:
             parse_port_range(profile[name], name)
     if COLLECTIVE_TIMEOUT_VAR in from_user:
-        try:
-            collective = float(profile[COLLECTIVE_TIMEOUT_VAR])
-        except ValueError:
-            raise ConfigError(
-                f"{COLLECTIVE_TIMEOUT_VAR}: expected seconds as a number; "
-                f"got {profile[COLLECTIVE_TIMEOUT_VAR]!r}"
-            ) from None
+        from pytest_fsdp_turbo.bounds import seconds
+
+        collective = seconds(profile[COLLECTIVE_TIMEOUT_VAR], COLLECTIVE_TIMEOUT_VAR)
         Timeouts(collective, timeouts.case_s)
     env = {
         "MASTER_ADDR": master_addr,

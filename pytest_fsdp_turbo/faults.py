@@ -10,12 +10,14 @@ it was forked from; the local launcher only).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.vocab import Env
 
 FAULT_VAR = Env.FAULT
+STALL_SECONDS_VAR = Env.FAULT_STALL_S  # engine/faults.py reads it in the rank
 KINDS = ("crash", "hang", "nan", "stall", "exit", "kill_parent")
 # every phase a rank enters, in order (engine/worker.py and engine/step.py)
 PHASES = (
@@ -53,6 +55,11 @@ def parse_fault(value: str, world_size: int | None = None) -> FaultSpec | None:
     spec = FaultSpec(parts[0], int(parts[1]), *parts[2:])
     if spec.phase not in PHASES:
         raise ConfigError(f"{FAULT_VAR}: unknown phase {spec.phase!r}; expected {FORMS}")
+    stall_s = os.environ.get(STALL_SECONDS_VAR, "")
+    if spec.kind == "stall" and stall_s:  # the rank sleeps it: checked before any rank starts
+        from pytest_fsdp_turbo.bounds import DAY_S, number_in
+
+        number_in(stall_s, STALL_SECONDS_VAR, 0.0, DAY_S)
     if world_size is not None and spec.rank >= world_size:
         raise ConfigError(
             f"{FAULT_VAR}: rank {spec.rank} is outside the case's {world_size} ranks "

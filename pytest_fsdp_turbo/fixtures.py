@@ -110,7 +110,7 @@ def device_lease(
             taken = fsdp_turbo_lease_book.devices(
                 accelerator.kind, accelerator.ids, n, timeout_s=timeout_s
             )
-        except LeaseTimeout as exc:
+        except (LeaseTimeout, ConfigError) as exc:
             fail_line(f"device_lease({n}): {exc}")
         held.append(taken)
         return taken

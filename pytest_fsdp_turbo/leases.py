@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from pathlib import Path
 import psutil
 from filelock import FileLock
 
-from pytest_fsdp_turbo.errors import LeaseTimeout
+from pytest_fsdp_turbo.errors import ConfigError, LeaseTimeout
 from pytest_fsdp_turbo.private_dirs import private_dir, write_private
 from pytest_fsdp_turbo.vocab import Env
 
@@ -26,6 +27,7 @@ STATE_DIR_VAR = Env.STATE_DIR
 HCCL_RANGE_BASE = 61000  # above Linux's default ephemeral range (32768-60999)
 HCCL_RANGE_SPAN = 64
 HCCL_RANGE_SLOTS = (65535 - HCCL_RANGE_BASE + 1) // (2 * HCCL_RANGE_SPAN)
+LEASE_TABLES = ("ports", "devices", "ranges")
 
 
 def default_state_dir() -> Path:
@@ -76,19 +78,60 @@ class LeaseBook:
             "lease state folder",
             STATE_DIR_VAR,
         )
-        self._lock = FileLock(str(self.state_dir / "leases.lock"))
+        lock = self.state_dir / "leases.lock"
+        if lock.is_symlink() or (lock.exists() and not lock.is_file()):
+            raise ConfigError(
+                f"lease lock {lock}: expected a regular file (or none), found a "
+                f"{'symlink' if lock.is_symlink() else 'special file'}; remove it, or move the "
+                f"state with {STATE_DIR_VAR}"
+            )
+        self._lock = FileLock(str(lock))
         self._state_file = self.state_dir / "leases.json"
         self.owner_pid = owner_pid or os.getpid()
 
     def _read(self) -> dict[str, dict[str, dict]]:
-        try:
-            state = json.loads(self._state_file.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            state = {}
         return {
-            table: {key: owner for key, owner in state.get(table, {}).items() if _alive(owner)}
-            for table in ("ports", "devices", "ranges")
+            table: {key: owner for key, owner in rows.items() if _alive(owner)}
+            for table, rows in self._stored().items()
         }
+
+    def _stored(self) -> dict[str, dict[str, dict]]:
+        """The state file's tables. Opened without following a symlink and without blocking (a
+        FIFO there would hang every session); anything but the harness's own JSON is refused in
+        one line naming the file (an unreadable half-write, cut JSON, counts as empty)."""
+        path = self._state_file
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return {table: {} for table in LEASE_TABLES}
+        except OSError as exc:
+            raise self._bad(f"cannot be opened ({exc.strerror})") from None
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise self._bad("is not a regular file")
+            raw = handle.read()
+        try:
+            state = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+        except UnicodeDecodeError:
+            raise self._bad("is not UTF-8 text") from None
+        except json.JSONDecodeError:
+            state = {}
+        if not isinstance(state, dict) or not all(
+            isinstance(state.get(table, {}), dict)
+            and all(isinstance(owner, dict) for owner in state.get(table, {}).values())
+            for table in LEASE_TABLES
+        ):
+            raise self._bad(
+                f"expected a JSON object of tables {', '.join(LEASE_TABLES)}, each mapping a key "
+                f"to its owner; got {type(state).__name__}"
+            )
+        return {table: dict(state.get(table, {})) for table in LEASE_TABLES}
+
+    def _bad(self, what: str) -> ConfigError:
+        return ConfigError(
+            f"lease state file {self._state_file} {what}; remove it (the harness rebuilds it), "
+            f"or move the state with {STATE_DIR_VAR}"
+        )
 
     def _write(self, state: dict) -> None:
         write_private(self._state_file, json.dumps(state, sort_keys=True))

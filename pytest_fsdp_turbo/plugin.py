@@ -36,10 +36,12 @@ from pytest_fsdp_turbo.session import (
     SETTINGS_KEY,
     accelerator_of,
     cases_of,
+    progress_ini,
     settings_of,
     strict_of,
 )
 
+PROGRESS_INI = ("fsdp_turbo_stall_share", "fsdp_turbo_quiet_s")
 MARKERS = (
     "e2e: a distributed end-to-end test (runs on whatever hardware is detected)",
     "cpu_e2e: an e2e test that runs on CPU rank processes over gloo",
@@ -95,6 +97,11 @@ def pytest_configure(config: pytest.Config) -> None:
     for key in ("fsdp_turbo_cases", "fsdp_turbo_goldens", "fsdp_turbo_tiny_models"):
         if values[key] is None and config.getini(key):
             values[key] = str(config.rootpath / config.getini(key))
+    if any(key in config.inicfg for key in PROGRESS_INI):  # the defaults need no check
+        try:
+            progress_ini(config)  # a bad value is one line now, not an error in a hook later
+        except ConfigError as exc:
+            raise pytest.UsageError(str(exc)) from None
     if any(values.values()) or env_given():
         # validated now, so bad input fails the session at start-up in one line; with nothing
         # given, settings_of() builds the defaults on first use and a suite that never asks
@@ -137,8 +144,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     watcher = ArtifactWatcher(
         artifacts_root(config),
         line,
-        float(config.getini("fsdp_turbo_stall_share")),
-        float(config.getini("fsdp_turbo_quiet_s")),
+        *progress_ini(config),
     )
     watcher.start()
     config.stash[_WATCHER] = watcher

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_fsdp_turbo.errors import ConfigError, LeaseTimeout, fail_line, skip_or_fail
+from pytest_fsdp_turbo.session import progress_ini
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.cases import Case, CaseParam
@@ -62,8 +63,7 @@ def terminal_progress(config: pytest.Config):
         return None
     from pytest_fsdp_turbo.progress import Progress
 
-    share = float(config.getini("fsdp_turbo_stall_share"))
-    quiet = float(config.getini("fsdp_turbo_quiet_s"))
+    share, quiet = progress_ini(config)
     capture = config.pluginmanager.getplugin("capturemanager")
 
     def uncaptured():  # as pytest's live logging does: past the test's output capture

@@ -87,3 +87,18 @@ def resolve_artifacts(given: Path | None, invocation_dir: Path, rootdir: Path) -
     if given is None:
         return rootdir / DEFAULT_ARTIFACTS
     return given if given.is_absolute() else invocation_dir / given
+
+
+def progress_ini(config: pytest.Config) -> tuple[float, float]:
+    """(stall share, quiet seconds) of the live progress, from the ini, bounded (ConfigError)."""
+    from pytest_fsdp_turbo.bounds import DAY_S, number_in
+
+    share = number_in(
+        config.getini("fsdp_turbo_stall_share"),
+        "ini fsdp_turbo_stall_share",
+        0.0,
+        1.0,
+        low_open=True,
+    )
+    quiet = number_in(config.getini("fsdp_turbo_quiet_s"), "ini fsdp_turbo_quiet_s", 0.0, DAY_S)
+    return share, quiet

@@ -96,10 +96,6 @@ def launcher_named(name: str, origin: str) -> Launcher:
 
 
 def _positive_seconds(value: str, origin: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = 0.0
-    if not seconds > 0:
-        raise ConfigError(f"{origin}: expected a positive number of seconds; got {value!r}")
-    return seconds
+    from pytest_fsdp_turbo.bounds import DAY_S, seconds
+
+    return seconds(value, origin, high=DAY_S)

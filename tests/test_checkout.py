@@ -234,3 +234,25 @@ def test_good_urls_accepted(url):
 def test_bad_refs_rejected(ref):
     with pytest.raises(ConfigError, match=r"^--fsdp-turbo-ref: expected"):
         validate_ref(ref)
+
+
+def test_a_transport_address_is_refused_even_where_it_exists_as_a_folder(tmp_path, monkeypatch):
+    """`ext::sh -c ...` named as FSDP_TURBO_REPO: refused before git runs, also when a folder of
+    that name exists in the working directory (the old check took it for a local path)."""
+    payload = f"ext::sh -c touch% {tmp_path / 'ran'}"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / payload.split("/")[0]).mkdir()
+    with pytest.raises(ConfigError, match=r"^FSDP_TURBO_REPO: git's <transport>::<address> form"):
+        validate_repo(payload, "FSDP_TURBO_REPO")
+
+
+def test_git_runs_only_the_transports_the_harness_means(tmp_path, monkeypatch):
+    """Past the check (here called directly), git itself refuses the ext transport even when the
+    environment allows it: the harness pins GIT_ALLOW_PROTOCOL for its own git calls."""
+    from pytest_fsdp_turbo.checkout import _clone_once
+
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("GIT_ALLOW_PROTOCOL", "ext:file")
+    with pytest.raises(CheckoutUnavailable, match="git clone failed"):
+        _clone_once(f"ext::sh -c touch% {marker}", None, tmp_path / "scratch", 30)
+    assert not marker.exists()

@@ -141,3 +141,52 @@ def test_leases_are_released_when_the_test_fails(pytester, tmp_path, monkeypatch
     result = pytester.runpytest("--fsdp-turbo-device=cpu:4", "-p", "no:randomly")
     result.assert_outcomes(passed=1, failed=1)
     assert LeaseBook(tmp_path / "state").holders() == {"ports": {}, "devices": {}, "ranges": {}}
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"[1, 2]", "expected a JSON object of tables ports, devices, ranges"),
+        (b'{"ports": {"80": "me"}}', "expected a JSON object of tables"),
+        (b"\xff\xfe not text", "is not UTF-8 text"),
+    ],
+)
+def test_a_foreign_lease_state_file_is_one_line_naming_it(tmp_path, content, said):
+    from pytest_fsdp_turbo.errors import ConfigError
+
+    (tmp_path / "leases.json").write_bytes(content)
+    with pytest.raises(ConfigError) as refused:
+        LeaseBook(tmp_path).port()
+    message = str(refused.value)
+    assert message.startswith(f"lease state file {tmp_path / 'leases.json'} ")
+    assert said in message and "\n" not in message
+
+
+def test_a_fifo_at_the_lease_state_file_is_refused_not_waited_on(tmp_path):
+    """Opened for reading, a FIFO with no writer blocks forever: every session on the folder hung.
+    Checked in a subprocess with a deadline, so a regression fails instead of hanging the suite."""
+    import os
+
+    os.mkfifo(tmp_path / "leases.json")
+    code = (
+        "import sys; from pytest_fsdp_turbo.leases import LeaseBook\n"
+        "try:\n    LeaseBook(sys.argv[1]).port()\n"
+        "except Exception as exc:\n    print(type(exc).__name__, exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.startswith(
+        f"ConfigError lease state file {tmp_path / 'leases.json'} is not a regular file"
+    )
+
+
+def test_a_symlink_at_the_lease_lock_is_refused(tmp_path):
+    from pytest_fsdp_turbo.errors import ConfigError
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / "leases.lock").symlink_to(victim)
+    with pytest.raises(ConfigError, match=r"^lease lock .*leases.lock: expected a regular file"):
+        LeaseBook(tmp_path)
+    assert victim.read_text() == "keep me"

@@ -332,3 +332,83 @@ def test_every_fixture_in_the_fixtures_module_is_registered_through_the_plugin(p
     listed = {line.split()[0] for line in result.stdout.lines if line and not line[0].isspace()}
     missing = [name for name in defined if name not in listed]
     assert not missing, f"fixtures.py defines fixtures pytest does not see: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("ini", "said"),
+    [
+        (
+            "fsdp_turbo_stall_share = half",
+            "ini fsdp_turbo_stall_share: expected a number in (0, 1]; got 'half'",
+        ),
+        (
+            "fsdp_turbo_quiet_s = ten",
+            "ini fsdp_turbo_quiet_s: expected a number in [0, 86400]; got 'ten'",
+        ),
+        (
+            "fsdp_turbo_quiet_s = nan",
+            "ini fsdp_turbo_quiet_s: expected a number in [0, 86400]; got 'nan'",
+        ),
+    ],
+)
+def test_a_bad_progress_ini_value_is_one_line_also_under_xdist(pytester, ini, said):
+    pytester.makeini(f"[pytest]\n{ini}\n")
+    pytester.makepyfile("def test_plain(): pass")
+    for args in ((), ("-n", "2")):
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, args
+        assert said in result.stderr.str()
+        assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("PYTEST_FSDP_TURBO_RAY_CONNECT_TIMEOUT_S", "1e10", "expected a number in (0, 86400]"),
+        ("PYTEST_FSDP_TURBO_RAY_CONNECT_TIMEOUT_S", "nan", "expected a number in (0, 86400]"),
+        (
+            "PYTEST_FSDP_TURBO_DEVICE",
+            "cpu:1000000000000",
+            "expected a device count from 1 to 4096 after ':'",
+        ),
+    ],
+)
+def test_bad_numbers_in_variables_are_one_line_naming_the_variable(
+    pytester, monkeypatch, variable, value, said
+):
+    monkeypatch.setenv(variable, value)
+    pytester.makepyfile("def test_plain(): pass")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"{variable}: {said}; got {value!r}" in result.stderr.str()
+    assert "Traceback" not in result.stderr.str()
+
+
+@pytest.mark.parametrize("value", ["nan", "-5", "inf"])
+def test_a_bad_collective_timeout_names_its_variable(value):
+    from pytest_fsdp_turbo.environ import build_collective_env
+    from pytest_fsdp_turbo.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError,
+        match=rf"^PYTEST_FSDP_TURBO_COLLECTIVE_TIMEOUT_S: expected a number in \(0, 604800\]; got '{value}'",
+    ):
+        build_collective_env(
+            "cpu",
+            (0, 1),
+            29555,
+            world_size=2,
+            user_env={"PYTEST_FSDP_TURBO_COLLECTIVE_TIMEOUT_S": value},
+        )
+
+
+def test_a_bad_stall_fault_duration_names_its_variable(monkeypatch):
+    from pytest_fsdp_turbo.errors import ConfigError
+    from pytest_fsdp_turbo.faults import parse_fault
+
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_FAULT_STALL_S", "abc")
+    with pytest.raises(
+        ConfigError,
+        match=r"^PYTEST_FSDP_TURBO_FAULT_STALL_S: expected a number in \[0, 86400\]; got 'abc'",
+    ):
+        parse_fault("stall:0", 2)
