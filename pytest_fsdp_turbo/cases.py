@@ -38,7 +38,8 @@ BUILTIN_BACKENDS = ("fsdp", "fsdp_turbo")
 VERL_NAME = re.compile(r"^verl:[A-Za-z0-9_]+$")
 BACKEND_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 # Ids become test ids and folder names (goldens, artifacts): no separators, no "..", no spaces.
-CASE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # whole id (fullmatch: no trailing newline)
+CASE_ID_MAX = 100  # a folder name under the artifacts and goldens, with room for suffixes
 ENGINE_ENTRY_POINTS = "pytest_fsdp_turbo.engines"
 DEFAULT_CASES = Path("e2e") / "cases.toml"  # under the rootdir, unless an option or ini names one
 TURBO_DEVICES = (DeviceKind.CUDA, DeviceKind.NPU)
@@ -327,10 +328,16 @@ def validate_case(
     plain backend name is accepted and the rank's registry lookup names it if it is missing."""
     case_id = raw.get("id")
     where = _Where(path, case_id if isinstance(case_id, str) else "?")
-    if not isinstance(case_id, str) or not CASE_ID.match(case_id) or ".." in case_id:
+    if (
+        not isinstance(case_id, str)
+        or not CASE_ID.fullmatch(case_id)
+        or ".." in case_id
+        or len(case_id) > CASE_ID_MAX
+    ):
         raise where.error(
             "id",
-            "letters, digits, '.', '_' and '-', starting with a letter or digit, no '..'",
+            "letters, digits, '.', '_' and '-', starting with a letter or digit, no '..', at "
+            f"most {CASE_ID_MAX} characters",
             case_id,
         )
     unknown = sorted(set(raw) - set(_FIELDS))
@@ -466,10 +473,11 @@ def load_cases(
     import tomllib
 
     if not path.is_file():
-        raise ConfigError(f"--fsdp-turbo-cases / fsdp_turbo_cases: case file {path} does not exist")
+        what = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"--fsdp-turbo-cases / fsdp_turbo_cases: case file {path} {what}")
     try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     rows = data.get("case")
     if not isinstance(rows, list) or not rows:

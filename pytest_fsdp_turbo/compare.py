@@ -48,7 +48,16 @@ def _case_folders(root: Path) -> dict[str, Path]:
     )
     if not folders:
         raise ConfigError(f"compare: {root} holds no case artifacts (no case.json found)")
-    return {read_case_artifacts(f)["case"]["id"]: f for f in folders}
+    by_id: dict[str, list[Path]] = {}
+    for folder in folders:
+        by_id.setdefault(read_case_artifacts(folder)["case"]["id"], []).append(folder)
+    for case_id, same in sorted(by_id.items()):
+        if len(same) > 1:  # which one to compare is the user's choice, never a silent pick
+            raise ConfigError(
+                f"compare: {root} holds case {case_id} in {len(same)} folders "
+                f"({', '.join(p.name for p in same)}); name one of them"
+            )
+    return {case_id: same[0] for case_id, same in by_id.items()}
 
 
 def compare_runs(a: Path, b: Path) -> tuple[list[Row], str, str]:

@@ -7,6 +7,7 @@ or an artifact file."""
 from __future__ import annotations
 
 import json
+import os
 import typing
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -16,6 +17,7 @@ from typing import Any, ClassVar, overload
 from pytest_fsdp_turbo.vocab import DeviceKind, Dtype, Rollout, SyncPolicy
 
 LOG_TAIL_LINES = 30
+LOG_TAIL_BYTES = 8192  # a rank that printed megabytes without a newline still gets a short tail
 # The StepMetrics a failed step had filled ride on its exception under this attribute (the step
 # sets it, the worker writes them as rankN.partial-metrics.json), so nothing measured is lost.
 PARTIAL_METRICS_ATTR = "partial_metrics"
@@ -489,12 +491,19 @@ class RankResult:
     def log_tail(self, lines: int = LOG_TAIL_LINES, without: str = "") -> str:
         """The log's last lines; `without`: a text (the traceback already shown) left out."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as log:
+                size = log.seek(0, os.SEEK_END)
+                # enough for the traceback to be recognised and left out, then cut to the tail
+                log.seek(max(0, size - LOG_TAIL_BYTES - 4 * len(without)))
+                text = log.read().decode(errors="replace")
         except OSError:
             return "(no log)"
         if without.strip():
             text = text.replace(without.strip(), "(the traceback above)")
-        return "\n".join(text.splitlines()[-lines:])
+        tail = "\n".join(text.splitlines()[-lines:])
+        if len(tail) > LOG_TAIL_BYTES:
+            tail = f"(... {len(tail) - LOG_TAIL_BYTES} characters cut)" + tail[-LOG_TAIL_BYTES:]
+        return tail
 
 
 @dataclass

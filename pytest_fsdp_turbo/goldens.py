@@ -65,11 +65,31 @@ def record_golden(path: Path, metrics: dict) -> None:
     path.write_text(json.dumps(values, indent=1, sort_keys=True) + "\n")
 
 
+def read_golden(path: Path) -> dict[str, float]:
+    """A golden file: a JSON object of metric key to number, or one line naming what is wrong."""
+    fix = f"re-record it: {RECORD_COMMAND}"
+    try:
+        golden = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckFailure(f"check g: golden {path} cannot be read ({exc}); {fix}") from None
+    if not isinstance(golden, dict):
+        raise CheckFailure(
+            f"check g: golden {path}: expected a JSON object of metric to number; got "
+            f"{type(golden).__name__}; {fix}"
+        )
+    for key, value in golden.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CheckFailure(
+                f"check g: golden {path}: metric {key} should be a number; got {value!r}; {fix}"
+            )
+    return golden
+
+
 def compare_golden(
     path: Path, metrics: dict, tier: str, relative: float = RELATIVE_TOL
 ) -> list[str]:
     """Mismatches as messages (empty when everything is within the tier)."""
-    expected = json.loads(path.read_text())
+    expected = read_golden(path)
     problems = [
         f"check g: golden {path} has no {key} (recorded before the harness measured it); "
         f"re-record it: {RECORD_COMMAND}"

@@ -247,6 +247,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:  # no setup will run to say it: say it now
+        broken = (_case_param(item) for item in session.items)
+        message = next((p.message for p in broken if isinstance(p, BrokenCaseFile)), None)
+        if message:
+            raise pytest.UsageError(message)
     if not strict_of(session.config):
         return
     e2e = [item for item in session.items if _is_e2e(item)]

@@ -190,6 +190,9 @@ def test_a_broken_case_file_fails_only_the_tests_that_take_a_case_in_one_line(py
     assert errors_section.count("field 'gradient_sync': expected one of deferred") == 1  # once
     selected = pytester.runpytest("--fsdp-turbo-cases=cases.toml", "-m", "cpu_e2e")
     selected.assert_outcomes(errors=1)  # an e2e selection still shows the broken file
+    listed = pytester.runpytest("--fsdp-turbo-cases=cases.toml", "--collect-only", "-q")
+    assert listed.ret == pytest.ExitCode.USAGE_ERROR  # no setup runs to say it: collection does
+    listed.stderr.fnmatch_lines(["ERROR: *cases.toml: case 'ok': field 'gradient_sync'*"])
 
 
 def test_turbo_config_contradicting_the_case_is_a_collection_error(tmp_path):
@@ -330,3 +333,28 @@ def test_closed_set_fields_load_as_the_vocabularys_enums(tmp_path):
         ConfigError, match="field 'devices': expected one of cpu, cuda, npu; got 'tpu'"
     ):
         load_cases(write(tmp_path, GOOD + 'devices = ["cpu", "tpu"]\n'))
+
+
+@pytest.mark.parametrize(
+    "case_id", ["ends-in-newline\n", "x" * 101, "has space", "-leading-dash", "a..b"]
+)
+def test_a_case_id_that_cannot_name_a_folder_is_one_line(tmp_path, case_id):
+    import json
+
+    from pytest_fsdp_turbo.cases import load_cases
+    from pytest_fsdp_turbo.errors import ConfigError
+
+    path = tmp_path / "cases.toml"
+    path.write_text(f'[[case]]\nid = {json.dumps(case_id)}\nmodel = "tiny-qwen3"\n')
+    with pytest.raises(ConfigError) as refused:
+        load_cases(path)
+    assert "field 'id': expected letters, digits" in str(refused.value)
+    assert "at most 100 characters" in str(refused.value)
+
+
+def test_a_case_file_that_is_a_folder_says_so(tmp_path):
+    from pytest_fsdp_turbo.cases import load_cases
+    from pytest_fsdp_turbo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"case file .* is a folder, not a file$"):
+        load_cases(tmp_path)

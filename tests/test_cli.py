@@ -113,6 +113,14 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
     assert any(Metric.ACTOR_GRAD_NORM in line and line.rstrip().endswith("match") for line in lines)
     assert any(Metric.ACTOR_PG_LOSS in line and "differs (relative)" in line for line in lines)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # one case id in two folders of one side: refused, never a silent pick
+    shutil.copytree(tmp_path / "b" / "tiny-qwen3-single-rank-cpu", tmp_path / "b" / "again")
+    twice = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert twice.returncode == 2
+    assert (
+        "holds case tiny-qwen3-single-rank in 2 folders (again, tiny-qwen3-single-rank-cpu); "
+        "name one of them"
+    ) in twice.stderr
 
 
 def test_run_unknown_case_and_compare_empty_folder(tmp_path):

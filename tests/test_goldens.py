@@ -100,3 +100,20 @@ def test_bf16_goldens_allow_bf16_rounding_and_no_more(tmp_path):
     far = {**METRICS, Metric.ACTOR_PG_LOSS: METRICS[Metric.ACTOR_PG_LOSS] * (1 + 2e-2)}
     (problem,) = goldens.compare_golden(path, far, "relative", bf16)
     assert "relative 0.01" in problem
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("[1, 2]", "expected a JSON object of metric to number; got list"),
+        ('{"actor/grad_norm": "0.5"}', "metric actor/grad_norm should be a number; got '0.5'"),
+        ("{not json", "cannot be read"),
+    ],
+)
+def test_a_broken_golden_file_is_one_check_failure_naming_it(tmp_path, text, said):
+    path = tmp_path / "g.json"
+    path.write_text(text)
+    with pytest.raises(CheckFailure) as failed:
+        goldens.compare_golden(path, METRICS, "relative")
+    assert str(failed.value).startswith(f"check g: golden {path}")
+    assert said in str(failed.value) and "\n" not in str(failed.value)

@@ -104,3 +104,17 @@ def test_the_launcher_is_chosen_in_one_place_and_a_wrong_name_is_one_line(ppo_ru
         ppo_run("tiny-qwen3-single-rank", launcher="slurm")
     message = str(failed.value)
     assert message == "launcher: expected one of local, spawn, ray; got 'slurm'", message
+
+
+def test_a_log_without_newlines_gives_a_tail_bounded_in_bytes(tmp_path):
+    """A rank that wrote 50 MB without a newline: its tail in the failure text stays short."""
+    from pytest_fsdp_turbo.contract import LOG_TAIL_BYTES, RankResult
+
+    log = tmp_path / "rank0.log"
+    with open(log, "w") as out:
+        for _ in range(50):
+            out.write("x" * 1_000_000)
+        out.write("\nthe last line\n")
+    tail = RankResult(rank=0, exit_code=1, duration_s=1.0, log_path=log).log_tail()
+    assert tail.endswith("the last line")
+    assert len(tail) <= LOG_TAIL_BYTES + 60
