@@ -49,7 +49,8 @@ def fsdp_turbo_env_guard(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     env, cwd = dict(os.environ), os.getcwd()
     yield
-    patcher = getattr(request.node, "funcargs", {}).get("monkeypatch")
+    # funcargs is None once pytest has torn the test down early (Ctrl-C during the test)
+    patcher = (getattr(request.node, "funcargs", None) or {}).get("monkeypatch")
     if patcher is not None:
         # what monkeypatch set, it restores: let it do so now, whichever of the two pytest set up
         # first (torn down first, the guard would otherwise see its changes as the test's); a

@@ -41,7 +41,7 @@ from pytest_fsdp_turbo.session import (
     strict_of,
 )
 
-PROGRESS_INI = ("fsdp_turbo_stall_share", "fsdp_turbo_quiet_s")
+PROGRESS_INI = {"fsdp_turbo_stall_share": "0.5", "fsdp_turbo_quiet_s": "10"}  # key: default
 MARKERS = (
     "e2e: a distributed end-to-end test (runs on whatever hardware is detected)",
     "cpu_e2e: an e2e test that runs on CPU rank processes over gloo",
@@ -75,12 +75,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         "fsdp_turbo_stall_share",
         "warn when a rank stays in one phase longer than this share of the case timeout",
-        default="0.5",
+        default=PROGRESS_INI["fsdp_turbo_stall_share"],
     )
     parser.addini(
         "fsdp_turbo_quiet_s",
         "seconds a case runs before its live status line shows (a quicker case prints none)",
-        default="10",
+        default=PROGRESS_INI["fsdp_turbo_quiet_s"],
     )
     parser.addini(
         "fsdp_turbo_env_guard",
@@ -97,7 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for key in ("fsdp_turbo_cases", "fsdp_turbo_goldens", "fsdp_turbo_tiny_models"):
         if values[key] is None and config.getini(key):
             values[key] = str(config.rootpath / config.getini(key))
-    if any(key in config.inicfg for key in PROGRESS_INI):  # the defaults need no check
+    if any(config.getini(key) != default for key, default in PROGRESS_INI.items()):
         try:
             progress_ini(config)  # a bad value is one line now, not an error in a hook later
         except ConfigError as exc:

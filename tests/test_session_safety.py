@@ -240,3 +240,53 @@ def test_ray_connect_timeout_is_validated() -> None:
     assert resolve({}, env={}).ray_connect_timeout_s == 30.0
     with pytest.raises(ConfigError, match="PYTEST_FSDP_TURBO_RAY_CONNECT_TIMEOUT_S: expected a"):
         resolve({}, env={"PYTEST_FSDP_TURBO_RAY_CONNECT_TIMEOUT_S": "soon"})
+
+
+CTRL_C_SESSION = """
+def test_a_case_interrupted(ppo_run):
+    ppo_run("tiny-qwen3-single-rank")
+"""
+
+
+def test_ctrl_c_during_a_case_ends_with_pytests_own_summary_and_cleans_up(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGINT while the ranks run (one stalls in rollout): exit 2 with pytest's interrupted summary,
+    no traceback of the harness's, no rank left running, no lease left held."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from pytest_fsdp_turbo.leases import LeaseBook
+
+    pytester.makepyfile(test_interrupted=CTRL_C_SESSION)
+    state = pytester.path / "state"
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_STATE_DIR", str(state))
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_FAULT", "stall:0:rollout")
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_FAULT_STALL_S", "60")
+    monkeypatch.delenv("PYTEST_FSDP_TURBO_WARM_SOCKET", raising=False)
+    artifacts = pytester.path / "artifacts"
+    session = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--fsdp-turbo-device=cpu",
+         f"--fsdp-turbo-cases={REPO / 'e2e' / 'cases.toml'}", f"--fsdp-turbo-artifacts={artifacts}"],
+        cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(artifacts.glob("*/rank0.phases.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # the rank is in its stall now
+    ranks = [
+        p for p in psutil.process_iter(["cmdline"])
+        if str(artifacts) in " ".join(p.info["cmdline"] or [])
+    ]  # fmt: skip
+    assert ranks, "the case never started its ranks"
+    session.send_signal(signal.SIGINT)
+    out, _ = session.communicate(timeout=60)
+    assert session.returncode == pytest.ExitCode.INTERRUPTED, out[-3000:]
+    assert "KeyboardInterrupt" in out and "AttributeError" not in out, out[-3000:]
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive, [p.pid for p in alive]
+    assert all(not rows for rows in LeaseBook(state).holders().values())
