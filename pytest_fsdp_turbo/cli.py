@@ -11,7 +11,7 @@ from pathlib import Path
 from pytest_fsdp_turbo.checkout import resolve_checkout
 from pytest_fsdp_turbo.devices import KINDS, detect
 from pytest_fsdp_turbo.environ import build_collective_env, mask_secrets
-from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError
+from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, LeaseTimeout
 from pytest_fsdp_turbo.leases import hccl_port_ranges
 from pytest_fsdp_turbo.settings import resolve
 from pytest_fsdp_turbo.vocab import DeviceKind
@@ -163,9 +163,12 @@ def run(args: argparse.Namespace) -> int:
     name = f"{case.id}-{accel.kind}"
     try:
         result = runner.run(case, name)
-    except Unavailable as why:
+    except (Unavailable, LeaseTimeout) as why:
         print(f"pytest-fsdp-turbo run: {why}", file=sys.stderr)
         return 2
+    if not result.ok:  # the cause first, as the failure section of a test shows it
+        print(result.failure_text(), file=sys.stderr)
+        return 1
     print(json.dumps(result.metrics, indent=1, sort_keys=True))
     try:
         verdict = checks.check_all(result)
@@ -253,7 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
     doc = verbs.add_parser("doctor", help="show detected hardware, env, FSDPTurbo and versions")
     doc.add_argument("--device", help="override detection: cpu|cuda|npu[:N]")
-    doc.add_argument("--require", choices=KINDS, help="exit 1 unless this device kind is present")
+    doc.add_argument(
+        "--require",
+        choices=[str(kind) for kind in KINDS],  # plain names in the usage and the error
+        help="exit 1 unless this device kind is present",
+    )
     doc.add_argument("--clone", action="store_true", help="clone FSDPTurbo if not yet cached")
     doc.set_defaults(func=doctor)
     one = verbs.add_parser("run", help="run one case outside pytest and print its metrics")

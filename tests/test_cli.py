@@ -270,3 +270,32 @@ def test_artifacts_default_to_the_rootdir_wherever_pytest_starts(tmp_path):
     assert resolve_artifacts(None, deep, root) == root / "fsdp-turbo-artifacts"
     assert resolve_artifacts(Path("mine"), deep, root) == deep / "mine"  # as given on the line
     assert resolve_artifacts(tmp_path / "abs", deep, root) == tmp_path / "abs"
+
+
+def test_run_on_hardware_the_box_lacks_is_one_line_before_any_rank(tmp_path):
+    artifacts = ["--artifacts", str(tmp_path)]
+    cuda = cli("run", "tiny-qwen3-single-rank", "--device", "cuda", *artifacts)
+    assert cuda.returncode == 2 and len(cuda.stderr.strip().splitlines()) == 1, cuda.stderr
+    assert "case tiny-qwen3-single-rank: needs 1 cuda devices; cuda: 0 devices" in cuda.stderr
+    npu = cli("run", "tiny-qwen3-single-rank", "--device", "npu:2", *artifacts)
+    assert npu.returncode == 2 and len(npu.stderr.strip().splitlines()) == 1, npu.stderr
+    assert "its backend needs torch_npu, which is not importable here" in npu.stderr
+    assert not list(tmp_path.iterdir())  # nothing was launched
+    doctor = cli("doctor", "--require", "gpu")
+    assert "(choose from 'cpu', 'cuda', 'npu')" in doctor.stderr
+
+
+def test_run_of_a_failing_case_says_its_cause_first_and_exits_1(tmp_path):
+    done = cli(
+        "run",
+        "tiny-qwen3-single-rank",
+        "--device",
+        "cpu",
+        "--artifacts",
+        str(tmp_path),
+        env={"PYTEST_FSDP_TURBO_FAULT": "crash:0:train"},
+    )
+    assert done.returncode == 1 and done.stdout.strip() == "", done.stdout[-500:]
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("case tiny-qwen3-single-rank: rank 0 failed first in phase train: ")
+    assert "InjectedFault" in first
