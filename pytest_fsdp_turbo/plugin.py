@@ -360,23 +360,38 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 
+def _first_cause(report) -> str:
+    """The first `check x:` line of a failed test's report (or its last line), cut short."""
+    import re
+
+    text = getattr(report, "longreprtext", "") or ""
+    found = re.search(r"check [a-z]: [^\n]*", text)
+    line = found.group(0) if found else (text.strip().splitlines() or [""])[-1]
+    return line[:60]
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """One row per run of each test (a test may run several cases), with the test's worst outcome
     over setup, call and teardown: a run that passed and then errored in teardown is one "error"."""
     runs: dict[tuple[str, int], dict] = {}
     worst: dict[str, str] = {}
+    why: dict[str, str] = {}  # a failed test's first check message, in a few words
     for outcome in OUTCOME_RANK:
         for report in terminalreporter.stats.get(outcome, []):
             nodeid = getattr(report, "nodeid", "")
             if OUTCOME_RANK[outcome] > OUTCOME_RANK.get(worst.get(nodeid, "passed"), 0):
                 worst[nodeid] = outcome
+                why[nodeid] = _first_cause(report) if outcome in ("failed", "error") else ""
             summaries = [
                 v for n, v in getattr(report, "user_properties", ()) if n == SUMMARY_PROPERTY
             ]
             for index, value in enumerate(summaries):
                 runs.setdefault((nodeid, index), json.loads(value))
     if runs:
-        rows = [(row, worst.get(nodeid, "passed")) for (nodeid, _), row in runs.items()]
+        rows = [
+            (row, worst.get(nodeid, "passed"), why.get(nodeid, ""))
+            for (nodeid, _), row in runs.items()
+        ]
         from pytest_fsdp_turbo.report import render_table
 
         terminalreporter.write_sep("=", "fsdp-turbo e2e runs")

@@ -33,14 +33,15 @@ class PPORun:
         name = artifact_name(self.request.node.nodeid)
         return name + (f"-{self.calls}" if self.calls > 1 else "")
 
-    def record(self, result: RunResult) -> None:
+    def record(self, result: RunResult, options: dict) -> None:
         from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, junit_properties, summary_row
 
         self.request.node.user_properties.extend(junit_properties(result))
         for note in result.notes:
             if note.startswith("fsdp-turbo: stall:"):
                 self.request.node.user_properties.append(("fsdp_turbo/stall", note))
-        self.request.node.user_properties.append((SUMMARY_PROPERTY, summary_row(result)))
+        row = summary_row(result, test=self.request.node.name, options=options)
+        self.request.node.user_properties.append((SUMMARY_PROPERTY, row))
 
     def __call__(self, case: Case | CaseParam | str, **options: object) -> RunResult:
         from pytest_fsdp_turbo.run_path import Unavailable
@@ -51,7 +52,7 @@ class PPORun:
             skip_or_fail(self.runner.settings.strict, str(why))
         except (ConfigError, LeaseTimeout) as exc:
             fail_line(str(exc))
-        self.record(result)
+        self.record(result, options)
         return result
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from pytest_fsdp_turbo.contract import RunResult
 
 COLUMNS = (
+    "test",
     "case",
     "device",
     "ranks",
@@ -59,10 +60,21 @@ def junit_properties(result: RunResult) -> list[tuple[str, object]]:
     return props
 
 
-def summary_row(result: RunResult) -> str:
+# ppo_run options that say where a run comes from, not what it changes in the case
+NOT_OVERRIDES = ("checkout", "extra_env", "engine_modules", "pythonpath", "launcher")
+CAUSE_CHARS = 60
+
+
+def summary_row(result: RunResult, test: str = "", options: dict | None = None) -> str:
     m = result.metrics
+    overrides = {
+        k: v for k, v in (options or {}).items() if k not in NOT_OVERRIDES and v is not None
+    }
     row = {
+        "test": test,
         "case": result.case_id,
+        "overrides": [f"{k}={v}" for k, v in sorted(overrides.items())],
+        "cause": run_cause(result),
         "device": m.get(Metric.CASE_DEVICE) or _spec_device(result),
         "ranks": result.world_size,
         "grad_norm": m.get(Metric.ACTOR_GRAD_NORM),
@@ -76,6 +88,21 @@ def summary_row(result: RunResult) -> str:
         "not_applicable": _not_applicable(result),
     }
     return json.dumps(row)
+
+
+def run_cause(result: RunResult) -> str:
+    """Why the run failed, in a few words ("" when it completed): the first failing rank, its phase
+    and its exception type; a timeout; or why the group failed."""
+    if result.ok:
+        return ""
+    if result.timed_out:
+        return f"timed out after {result.timeout_s:g}s"
+    if result.failure:
+        return result.failure[:CAUSE_CHARS]
+    first = next((r for r in result.ranks if r.rank == result.first_failure), None)
+    if first is not None and first.error is not None:
+        return f"rank {first.rank} {first.error.phase}: {first.error.type}"
+    return f"rank {result.first_failure} exited {first.exit_code if first else '?'}"
 
 
 def _spec_device(result: RunResult) -> str:
@@ -100,14 +127,19 @@ def _fmt(value, kind: str) -> str:
     return str(value)
 
 
-def render_table(rows: list[tuple[dict, str]]) -> list[str]:
-    """rows: (summary row, test outcome) -> aligned text lines."""
+def render_table(rows: list[tuple[dict, str, str]]) -> list[str]:
+    """rows: (summary row, test outcome, the test's own first failure line) -> aligned lines."""
     cells = [COLUMNS]
-    for row, outcome in rows:
-        verdict = outcome if row.get("ok") else f"{outcome} (run failed)"
+    for row, outcome, why in rows:
+        cause = row.get("cause") or why
+        verdict = f"{outcome}: {cause}" if cause and outcome != "passed" else outcome
+        if not row.get("ok") and outcome == "passed":  # a test that expects its run to fail
+            verdict = f"passed (run failed: {row.get('cause') or '?'})"
+        case = row["case"] + (f" [{', '.join(row['overrides'])}]" if row.get("overrides") else "")
         cells.append(
             (
-                row["case"],
+                row.get("test") or "-",
+                case,
                 row["device"],
                 str(row["ranks"]),
                 _fmt(row["grad_norm"], "float"),

@@ -412,3 +412,22 @@ def test_a_bad_stall_fault_duration_names_its_variable(monkeypatch):
         match=r"^PYTEST_FSDP_TURBO_FAULT_STALL_S: expected a number in \[0, 86400\]; got 'abc'",
     ):
         parse_fault("stall:0", 2)
+
+
+def test_the_summary_row_names_the_test_its_overrides_and_the_first_cause(pytester, monkeypatch):
+    repo = Path(__file__).resolve().parent.parent
+    pytester.makepyfile(
+        "from pytest_fsdp_turbo import checks\n"
+        "def test_crashes(ppo_run):\n"
+        "    checks.check_completed(ppo_run('tiny-qwen3-single-rank', micro_batches=1))\n"
+    )
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_FAULT", "crash:0:train")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--fsdp-turbo-device=cpu",
+        f"--fsdp-turbo-cases={repo / 'e2e' / 'cases.toml'}",
+    )  # fmt: skip
+    result.assert_outcomes(failed=1)
+    table = result.stdout.str().split("fsdp-turbo e2e runs")[1]
+    row = next(line for line in table.splitlines() if line.startswith("test_crashes"))
+    assert "tiny-qwen3-single-rank [micro_batches=1]" in row
+    assert "failed: rank 0 train: InjectedFault" in row
