@@ -17,7 +17,19 @@ from typing import Any, ClassVar, overload
 from pytest_fsdp_turbo.vocab import DeviceKind, Dtype, Rollout, SyncPolicy
 
 LOG_TAIL_LINES = 30
-LOG_TAIL_BYTES = 8192  # a rank that printed megabytes without a newline still gets a short tail
+LOG_TAIL_BYTES = 8192
+FOLLOWER_CHARS = 160  # a rank that failed after the first one: its exception line, cut
+# what a rank's collective says when a peer it waits on died (gloo, NCCL, HCCL, the store)
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "connection refused",
+    "communicator was aborted",
+    "NCCL error",
+    "HCCL",
+)  # a rank that printed megabytes without a newline still gets a short tail
 # The StepMetrics a failed step had filled ride on its exception under this attribute (the step
 # sets it, the worker writes them as rankN.partial-metrics.json), so nothing measured is lost.
 PARTIAL_METRICS_ATTR = "partial_metrics"
@@ -559,6 +571,31 @@ class RunResult:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    def _follower(self, rank: RankResult) -> bool:
+        """A rank that failed after the first one, in a run that did not hang."""
+        first = next((r for r in self.ranks if r.rank == self.first_failure), None)
+        hang = first is not None and first.error is not None and "imed out" in first.error.message
+        return (  # a collective that timed out is a hang: every rank's stacks are the story
+            not self.timed_out
+            and not self.failure
+            and not hang
+            and first is not None
+            and rank.rank != self.first_failure
+        )
+
+    def _follower_line(self, rank: RankResult, told: dict) -> str:
+        error = rank.error
+        if error is None:
+            return f"stopped after rank {self.first_failure} failed"
+        key = (error.phase, error.type, error.message)
+        if key in told:
+            return f"phase {error.phase}: {error.type}: as rank {told[key]}"
+        told[key] = rank.rank
+        line = (error.message.strip().splitlines() or [""])[0][:FOLLOWER_CHARS]
+        waiting = any(mark in error.message for mark in PEER_GONE)
+        tail = f" (waiting for rank {self.first_failure})" if waiting else ""
+        return f"phase {error.phase}: {error.type}: {line}{tail}"
+
     def failure_text(self) -> str:
         if self.ok:
             return ""
@@ -581,7 +618,11 @@ class RunResult:
         for rank in sorted(self.ranks, key=lambda r: r.rank != self.first_failure):
             if rank.exit_code == 0 and rank.metrics and not self.timed_out:
                 continue
-            parts.append(f"--- rank {rank.rank}: exit {rank.exit_code}, log {rank.log_path}")
+            where = f"--- rank {rank.rank}: exit {rank.exit_code}, log {rank.log_path}"
+            if self._follower(rank):  # one line: what it did, not its traceback or log tail
+                parts.append(f"{where}: {self._follower_line(rank, told)}")
+                continue
+            parts.append(where)
             if rank.exit_code == 0 and not rank.metrics:
                 parts.append("exited with code 0 without writing its results (did it call exit?)")
             error = rank.error

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,9 @@ from pytest_fsdp_turbo.session import (
     strict_of,
 )
 
+CHECK_FAILURE = (
+    "pytest_fsdp_turbo.checks.CheckFailure"  # by name: the plugin does not import checks
+)
 PROGRESS_INI = {"fsdp_turbo_stall_share": "0.5", "fsdp_turbo_quiet_s": "10"}  # key: default
 MARKERS = (
     "e2e: a distributed end-to-end test (runs on whatever hardware is detected)",
@@ -397,3 +401,38 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_sep("=", "fsdp-turbo e2e runs")
         for line in render_table(rows):
             terminalreporter.write_line(line)
+    skipped = _e2e_skip_reasons(terminalreporter.stats.get("skipped", []))
+    if skipped:  # as -rs would list them, once per reason, for e2e tests only
+        terminalreporter.write_sep("=", "fsdp-turbo e2e skips")
+        for reason, count in sorted(skipped.items(), key=lambda item: (-item[1], item[0])):
+            terminalreporter.write_line(f"{count} x {reason}")
+
+
+def _e2e_skip_reasons(reports) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for report in reports:
+        if "e2e" not in getattr(report, "keywords", {}):
+            continue
+        longrepr = getattr(report, "longrepr", None)
+        reason = (
+            longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        )
+        reason = reason.removeprefix("Skipped: ")
+        counts[reason] = counts.get(reason, 0) + 1
+    return counts
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A check's failure is its message, cause first, then where the test raised it: the message
+    names the case, the rank, the phase and the metric, so pytest's traceback through the test
+    and the check would only push the cause down the failure section."""
+    report = yield
+    error = call.excinfo.value if call.excinfo is not None else None
+    if report.failed and type(error).__module__ + "." + type(error).__name__ == CHECK_FAILURE:
+        place = next(
+            (e for e in reversed(call.excinfo.traceback) if Path(e.path) == item.path), None
+        )
+        where = f"\n(raised at {place.path}:{place.lineno + 1})" if place is not None else ""
+        report.longrepr = f"{error}{where}"
+    return report

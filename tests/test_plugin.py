@@ -431,3 +431,19 @@ def test_the_summary_row_names_the_test_its_overrides_and_the_first_cause(pytest
     row = next(line for line in table.splitlines() if line.startswith("test_crashes"))
     assert "tiny-qwen3-single-rank [micro_batches=1]" in row
     assert "failed: rank 0 train: InjectedFault" in row
+
+
+def test_skipped_e2e_tests_list_their_reasons_once_each(pytester):
+    """`pytest -m e2e` ending in "N skipped" says why, grouped, without -rs."""
+    pytester.makefile(
+        ".toml",
+        cases='[[case]]\nid = "gpu-only"\nmodel = "tiny-qwen3"\nworld_size = 1\n'
+        'devices = ["cuda"]\n[[case]]\nid = "npu-only"\nmodel = "tiny-qwen3"\n'
+        'world_size = 1\ndevices = ["npu"]\n',
+    )
+    pytester.makepyfile("def test_run(fsdp_turbo_case, ppo_run):\n    ppo_run(fsdp_turbo_case)\n")
+    result = pytester.runpytest("--fsdp-turbo-cases=cases.toml", "--fsdp-turbo-device=cpu")
+    result.assert_outcomes(skipped=2)
+    section = result.stdout.str().split("fsdp-turbo e2e skips")[1]
+    lines = [line for line in section.splitlines() if " x " in line]
+    assert len(lines) == 2 and all(line.startswith("1 x ") for line in lines), lines

@@ -333,3 +333,50 @@ def test_failed_case_keeps_every_log_traceback_and_metric(ppo_run):
     assert "phase checks" in result.ranks[1].log_path.read_text()
     partial = json.loads((result.artifacts_dir / "rank0.partial-metrics.json").read_text())
     assert partial[Metric.ACTOR_GRAD_NORM] > 0 and Metric.SYNC_GRAD_MAX_REL_ERR in partial
+
+
+FLAKY_ENGINE = """
+import torch.distributed as dist
+from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
+from pytest_fsdp_turbo_engine.registry import register
+
+
+@register(backend="flaky_step", device=["cpu"])
+class FlakyStep(FSDPEngineWithLMHead):
+    def optimizer_step(self):
+        if dist.get_rank() == 1:
+            raise RuntimeError("the downstream optimizer blew up on rank 1")
+        return super().optimizer_step()
+"""
+FLAKY_TEST = """
+from pathlib import Path
+from pytest_fsdp_turbo import checks
+
+
+def test_downstream(ppo_run):
+    here = str(Path(__file__).parent)
+    result = ppo_run("tiny-qwen3-single-rank", world_size=2, backend="flaky_step",
+                     engine_modules=["flaky_engines"], pythonpath=[here])
+    checks.check_completed(result)
+"""
+
+
+def test_a_downstream_engine_failing_on_one_rank_shows_its_cause_first(pytester):
+    """The cause in the first lines of pytest's failure section; the rank that only waited for it
+    in one line; where the test raised it last."""
+    pytester.makepyfile(flaky_engines=FLAKY_ENGINE, test_ds=FLAKY_TEST)
+    repo = Path(__file__).resolve().parent.parent
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--fsdp-turbo-device=cpu",
+        f"--fsdp-turbo-cases={repo / 'e2e' / 'cases.toml'}",
+    )  # fmt: skip
+    result.assert_outcomes(failed=1)
+    lines = result.stdout.str().split("_ test_downstream _")[1].splitlines()[1:]
+    assert any(
+        "rank 1 failed first in phase optimizer: RuntimeError: the downstream optimizer blew up"
+        in line
+        for line in lines[:5]
+    ), lines[:5]
+    (waiting,) = [line for line in lines if line.startswith("--- rank 0:")]
+    assert waiting.endswith("(waiting for rank 1)") or waiting.endswith("failed"), waiting
+    assert "(raised at " in "\n".join(lines)
