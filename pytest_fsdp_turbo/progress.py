@@ -61,6 +61,13 @@ def group_ranks(phases: dict[int, str]) -> str:
     return "  ".join(parts)
 
 
+def _order(phase: str) -> int:
+    """A phase's place in the step (an unknown one, "starting" included, counts as first)."""
+    from pytest_fsdp_turbo.faults import PHASES
+
+    return PHASES.index(phase) if phase in PHASES else -1
+
+
 @dataclass
 class Progress:
     case_id: str
@@ -88,9 +95,15 @@ class Progress:
         now = time.time()
         phases = self.current()
         limit = self.stall_share * self.timeout_s
+        # a rank already in a later phase than another is waiting for it, not stalled itself
+        behind = min((_order(phase) for phase, _ in phases.values()), default=0)
         for rank, (phase, since) in phases.items():
+            if _order(phase) > behind:
+                continue
             if since and now - since > limit and (rank, phase) not in self._warned:
                 self._warned.add((rank, phase))
+                if self._shown and self.live is not None:
+                    self.live("")  # the status line goes before the warning takes its place
                 message = (
                     f"fsdp-turbo: stall: case {self.case_id} rank {rank} has been in phase "
                     f"{phase} for {now - since:.0f}s (over {self.stall_share:g} of the "

@@ -104,3 +104,24 @@ def test_under_xdist_the_controller_reports_its_workers_runs(pytester, tmp_path)
     status = [line for line in lines if line.startswith("fsdp-turbo: tiny-qwen3-single-rank ")]
     assert any(" r0 rollout" in line for line in status), lines
     assert not [line for line in lines if "fsdp-turbo:" in line and not line.startswith("fsdp")]
+
+
+def test_only_the_rank_behind_is_stalled_and_the_status_line_is_cleared_first(tmp_path):
+    """Rank 0 stalls in rollout; rank 1 went on to logprobs and waits there for it: one warning,
+    for rank 0, written after the live status line was cleared."""
+    now, long_ago = time.time(), time.time() - 200
+    write_phase(tmp_path, 0, "rollout", now)
+    write_phase(tmp_path, 1, "logprobs", long_ago)
+    events = []
+    live = Progress(
+        "c", 2, 300, tmp_path, lambda s: events.append(("live", s)),
+        lambda s: events.append(("line", s)), quiet_s=0, stall_share=0.5,
+    )  # fmt: skip
+    live.tick(1.0)  # rank 0 fresh in rollout; rank 1 ahead, waiting: no warning, a status
+    assert [kind for kind, _ in events] == ["live"]
+    write_phase(tmp_path, 0, "rollout", long_ago)  # now rank 0 has been there 200 s
+    live.tick(2.0)
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["live", "live", "line", "live"], events  # status, cleared, warning, status
+    assert events[1] == ("live", "")
+    assert events[2][1].startswith("fsdp-turbo: stall: case c rank 0 has been in phase rollout")
