@@ -210,7 +210,11 @@ def collect_result(
     timed_out, first_failure, ends = outcome
     from pytest_fsdp_turbo.progress import write_timeline
 
-    write_timeline(artifacts_dir, len(handles))  # what every rank did when, kept with the logs
+    notes = []
+    try:
+        write_timeline(artifacts_dir, len(handles))  # what every rank did when, kept with the logs
+    except OSError as exc:  # a full disk must not hide what the ranks did
+        notes.append(f"fsdp-turbo: timeline not written to {artifacts_dir}: {exc.strerror}")
     now = time.monotonic()
     folder = RunFolder(artifacts_dir)
     ranks = [
@@ -233,6 +237,7 @@ def collect_result(
         timed_out=timed_out,
         timeout_s=timeout_s,
         first_failure=first_failure,
+        notes=notes,
     )
 
 

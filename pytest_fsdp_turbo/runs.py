@@ -17,6 +17,7 @@ from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.contract import RankSpec, RunFolder, RunResult
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
+from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.faults import FAULT_VAR, parse_fault
 from pytest_fsdp_turbo.launch import launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
@@ -100,12 +101,22 @@ def _set_aside(out: Path, folder: Path) -> None:
 
 
 def _prepare(request: RunRequest) -> Path:
+    """A fresh run folder with the spec and the case, or one line naming the folder."""
     out = request.artifacts_dir
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    folder = RunFolder(out)
-    rank_spec(request).write(folder.spec)
-    folder.case.write_text(json.dumps(asdict(request.case), indent=1, default=list))
+    fix = "choose another folder with --fsdp-turbo-artifacts"
+    if out.is_symlink():  # the folder is replaced for each run: never through a link
+        raise ConfigError(f"artifacts folder {out} is a symlink; remove it or {fix}")
+    try:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        folder = RunFolder(out)
+        rank_spec(request).write(folder.spec)
+        folder.case.write_text(json.dumps(asdict(request.case), indent=1, default=list))
+    except OSError as exc:  # below a regular file, not writable, the disk full
+        where = exc.filename or out
+        raise ConfigError(
+            f"artifacts folder {out}: cannot write {where}: {exc.strerror or exc}; {fix}"
+        ) from None
     return out
 
 

@@ -380,3 +380,42 @@ def test_a_downstream_engine_failing_on_one_rank_shows_its_cause_first(pytester)
     (waiting,) = [line for line in lines if line.startswith("--- rank 0:")]
     assert waiting.endswith("(waiting for rank 1)") or waiting.endswith("failed"), waiting
     assert "(raised at " in "\n".join(lines)
+
+
+def test_a_full_disk_at_the_timeline_keeps_the_ranks_own_failure(ppo_run, monkeypatch):
+    """ENOSPC when the timeline is written (after the ranks ended): the rank's failure stays the
+    verdict, and the lost timeline is a note naming the folder."""
+    import errno
+
+    from pytest_fsdp_turbo import progress
+
+    def disk_full(*_args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(progress, "write_timeline", disk_full)
+    result = ppo_run("tiny-qwen3-single-rank", extra_env={FAULT: "crash:0:train"})
+    assert not result.ok
+    assert result.failure_text().startswith(
+        "case tiny-qwen3-single-rank: rank 0 failed first in phase train: InjectedFault"
+    )
+    assert any("timeline not written" in note and "No space left" in note for note in result.notes)
+
+
+def test_an_artifacts_folder_that_cannot_be_made_is_one_line(pytester, tmp_path):
+    """Below a regular file, or a symlink: one line naming the folder, before any rank starts."""
+    repo = Path(__file__).resolve().parent.parent
+    pytester.makepyfile("def test_run(ppo_run):\n    ppo_run('tiny-qwen3-single-rank')\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    linked = tmp_path / "runs"
+    (linked / "test_run").parent.mkdir()
+    (linked / "test_run").symlink_to(tmp_path)  # the test's run folder is a link
+    for root, said in ((blocker / "below", "cannot write"), (linked, "is a symlink")):
+        result = pytester.runpytest(
+            "-p", "no:cacheprovider", "--fsdp-turbo-device=cpu",
+            f"--fsdp-turbo-cases={repo / 'e2e' / 'cases.toml'}", f"--fsdp-turbo-artifacts={root}",
+        )  # fmt: skip
+        result.assert_outcomes(failed=1)
+        text = result.stdout.str()
+        assert "Traceback" not in text and f"artifacts folder {root}" in text, text[-2000:]
+        assert said in text
