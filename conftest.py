@@ -35,11 +35,15 @@ LONGEST_FIRST = (
     "tests/test_ray_launcher.py",
     "tests/test_warm_ranks.py::test_forked_and_spawned_ranks_give_identical_results",
     "tests/test_progress.py",
+    "tests/test_session_safety.py::test_ctrl_c_during_a_case",
     # the 4-rank runs next, so that no worker is left with them at the end while the other idles
     "e2e/test_ppo_e2e.py::test_ppo_one_step[tiny-qwen3_5-verl-fsdp_turbo",
     "e2e/test_ppo_e2e.py::test_ppo_one_step[tiny-qwen3_5-fsdp_turbo",
     "e2e/test_mutations.py::test_check_catches_broken_engine[broken_turbo",
     "e2e/test_mutations.py::test_verl",
+    "e2e/test_mutations.py::test_sp_loss",
+    "e2e/test_mutations.py::test_packed_rows",
+    "e2e/test_mutations.py::test_units_that_never",
     "tests/test_leases.py::test_concurrent_leases_under_xdist_never_overlap",
 )
 

@@ -23,7 +23,7 @@ from pytest_fsdp_turbo.cases import (
 from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.contract import RunResult
 from pytest_fsdp_turbo.devices import Accelerator
-from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
 from pytest_fsdp_turbo.runs import RunRequest, launcher_for, run_with_twin
@@ -32,10 +32,6 @@ from pytest_fsdp_turbo.settings import Settings, launcher_named
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.ray_driver import RayDriver
-
-
-class Unavailable(Exception):
-    """The case cannot run here (what was looked for is in the message)."""
 
 
 @dataclass
@@ -65,25 +61,9 @@ class CaseRunner:
             return case
         return with_overrides(case, overrides, modules, pythonpath, self.settings.tiny_models)
 
-    def hardware_problem(self, case: Case) -> str | None:
-        """What the accelerator (detected, or forced by --fsdp-turbo-device) lacks for this case,
-        said before any rank starts: a forced npu without torch_npu (ranks would die on an unknown
-        hccl backend), fewer devices than ranks (the lease would wait them out)."""
-        import importlib.util
-
-        accel = self.accelerator
-        if accel.kind == "npu" and importlib.util.find_spec("torch_npu") is None:
-            return f"{accel.describe()}; its backend needs torch_npu, which is not importable here"
-        if accel.kind != "cpu" and accel.count < case.world_size:
-            return f"needs {case.world_size} {accel.kind} devices; {accel.describe()}"
-        return None
-
     def gate(self, case: Case, checkout: Checkout | None) -> tuple[Path, Checkout | None]:
         from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
 
-        problem = self.hardware_problem(case)
-        if problem:
-            raise Unavailable(f"case {case.id}: {problem}")
         try:
             model = resolve_model(
                 case.model, self.settings.models, tiny_models=self.settings.tiny_models

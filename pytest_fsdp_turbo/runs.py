@@ -17,7 +17,7 @@ from pytest_fsdp_turbo.checkout import Checkout
 from pytest_fsdp_turbo.contract import RankSpec, RunFolder, RunResult
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
-from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo.faults import FAULT_VAR, parse_fault
 from pytest_fsdp_turbo.launch import launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
@@ -100,9 +100,28 @@ def _set_aside(out: Path, folder: Path) -> None:
         path.rename(folder / path.name)
 
 
+def refuse_missing_hardware(request: RunRequest) -> None:
+    """What the accelerator (detected, or forced by --fsdp-turbo-device) lacks for the case, said
+    before any rank starts and after every other gate (so a box that pretends to be an NPU box
+    still meets those): a forced npu without torch_npu (its ranks would die on an unknown hccl
+    backend), fewer devices than ranks (the lease would wait them out)."""
+    import importlib.util
+
+    accel, case = request.accelerator, request.case
+    if accel.kind == DeviceKind.NPU and importlib.util.find_spec("torch_npu") is None:
+        problem = f"{accel.describe()}; its backend needs torch_npu, which is not importable here"
+    elif accel.kind != DeviceKind.CPU and accel.count < case.world_size:
+        problem = f"needs {case.world_size} {accel.kind} devices; {accel.describe()}"
+    else:
+        return
+    raise Unavailable(f"case {case.id}: {problem}")
+
+
 def _prepare(request: RunRequest) -> Path:
     """A fresh run folder with the spec and the case, or one line naming the folder."""
     out = request.artifacts_dir
+    spec = rank_spec(request)  # a turbo_config that does not fit fails here, before anything else
+    refuse_missing_hardware(request)
     fix = "choose another folder with --fsdp-turbo-artifacts"
     if out.is_symlink():  # the folder is replaced for each run: never through a link
         raise ConfigError(f"artifacts folder {out} is a symlink; remove it or {fix}")
@@ -110,7 +129,7 @@ def _prepare(request: RunRequest) -> Path:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         folder = RunFolder(out)
-        rank_spec(request).write(folder.spec)
+        spec.write(folder.spec)
         folder.case.write_text(json.dumps(asdict(request.case), indent=1, default=list))
     except OSError as exc:  # below a regular file, not writable, the disk full
         where = exc.filename or out

@@ -85,6 +85,7 @@ def test_summary_has_one_row_per_run_with_the_worst_outcome(pytester):
     result = pytester.runpytest(f"--fsdp-turbo-cases={REPO / 'e2e' / 'cases.toml'}")
     result.assert_outcomes(passed=1, errors=1)
     table = result.stdout.str().split("fsdp-turbo e2e runs")[1].splitlines()
-    rows = [line for line in table if line.startswith("tiny-qwen3-single-rank")]
+    rows = [line for line in table if line.startswith("test_run_then_leak")]
     assert len(rows) == 1, table
-    assert " error " in rows[0] + " "
+    assert " tiny-qwen3-single-rank " in rows[0]
+    assert " error: " in rows[0] and "LEAKED_AFTER_THE_RUN" in rows[0], rows[0]
