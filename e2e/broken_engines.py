@@ -262,3 +262,13 @@ class EntropyInBitsEngine(FSDPEngineWithLMHead):
             input_ids, prompt_len, module=module, with_entropy=with_entropy
         )
         return logprobs, (entropy / math.log(2) if entropy is not None else None)
+
+
+@register(backend="fsdp_data_rank_from_shard", device=EVERYWHERE)
+class DataRankFromShardEngine(FSDPEngineWithLMHead):
+    """On an HSDP mesh, the data rank taken from the shard dimension: the two replicas of each
+    shard train on the same rows (8 distinct rows of the 16), and a reference or a twin replaying
+    that batch agrees with every number."""
+
+    def data_parallel_rank(self) -> int:
+        return self.mesh.get_local_rank("shard") if self.replicate_group() else dist.get_rank()

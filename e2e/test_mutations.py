@@ -38,7 +38,7 @@ ONE_MODE = {
     "reference": {"reference_checks": True, "twin": "none"},
     "twin": {"reference_checks": False, "twin": "single"},
 }
-ALL_CHECKS = "abcdefghi"
+ALL_CHECKS = "abcdefghij"
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,12 @@ class Mutant:
     module: str = "broken_engines"  # the engine module that registers it
     run: tuple[tuple[str, object], ...] = ()  # further ppo_run options (SP: ranks, checkout)
     label: str = ""  # the test id, where backend and module do not tell two mutants apart
+    judge_golden: bool = True  # False: a bug that changes the batch itself, which g sees too
 
     @property
     def golden(self) -> bool:
         """g judges runs of the case as recorded (the SP mutants change its layout: no golden)."""
-        return not self.run
+        return self.judge_golden and not self.run
 
     @property
     def shares_run(self) -> bool:
@@ -233,6 +234,15 @@ MUTANTS = (
         case=HSDP_CASE,
     ),
     Mutant("fsdp_entropy_in_bits", both(("g", "check g: metric actor/entropy = "))),
+    # the data rank from the shard dimension: replicas train on the same rows. Half the batch is
+    # then another batch, so the goldens differ too (g fails as well, measured); judged without
+    # g, j alone names it, in both modes: the reference and the twin replay the same rows
+    Mutant(
+        "fsdp_data_rank_from_shard",
+        both(("j", "trained on the same rows")),
+        case=HSDP_CASE,
+        judge_golden=False,
+    ),
     # sdpa attention while the Ulysses patch wraps the eager function: attention runs sequence-local
     Mutant(
         "fsdp_turbo",

@@ -211,6 +211,7 @@ def score_batch(batch: RolloutBatch, tokenizer, targets: list[str]) -> torch.Ten
 class Collected:
     batch: TrainBatch
     scores: torch.Tensor | None  # None when replayed
+    rows: list[int]  # the global batch's rows this rank holds, as the harness handed them out
 
 
 def collect(ctx: Rank) -> Collected:
@@ -219,6 +220,8 @@ def collect(ctx: Rank) -> Collected:
     ctx.phase.enter("rollout")
     prompts = load_prompts(cfg.prompts)[: cfg.num_prompts]
     local = prompts[ctx.dp_rank :: ctx.dp_size]
+    indices = range(len(prompts))[ctx.dp_rank :: ctx.dp_size]
+    rows = [prompt * cfg.n + response for prompt in indices for response in range(cfg.n)]
     prompt_ids = torch.tensor(
         [ctx.tokenizer(p.text, add_special_tokens=False).input_ids for p in local]
     )
@@ -239,7 +242,7 @@ def collect(ctx: Rank) -> Collected:
     batch = TrainBatch(
         rolled.input_ids, rolled.prompt_len, rolled.response_mask, advantages, old, ref
     )
-    return Collected(batch, scores)
+    return Collected(batch, scores, rows)
 
 
 def replayed(ctx: Rank) -> Collected:
@@ -248,7 +251,7 @@ def replayed(ctx: Rank) -> Collected:
     whole = TrainBatch.load(RunFolder(Path(ctx.cfg.replay)).batch)
     block = whole.size // ctx.dp_size
     rows = torch.arange(ctx.dp_rank * block, (ctx.dp_rank + 1) * block)
-    return Collected(whole.rows(rows).to(ctx.device), None)
+    return Collected(whole.rows(rows).to(ctx.device), None, rows.tolist())
 
 
 @dataclass
@@ -608,6 +611,7 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
         seq_len=int(batch.input_ids.shape[1]),
         # rows of the largest micro-batch: both loops split as torch.chunk does
         micro_batch_rows=-(-batch.size // ctx.cfg.micro_batches),
+        data_rows=collected.rows,
         sp_size=ctx.sp,
         retained_grad_bytes=trained.retained_grad_bytes,
     )

@@ -451,6 +451,39 @@ def check_optimizer_step(result: RunResult) -> None:
         )
 
 
+def check_data_rows(result: RunResult) -> None:
+    """j. Data-parallel ranks train on disjoint rows: the ranks that share rows are exactly one
+    sequence-parallel group (sp_size ranks), and no row is trained by two groups. Read from the
+    rows the harness handed each rank, so an engine whose data rank is wrong (an HSDP engine that
+    takes it from the shard dimension) cannot hide behind a reference or twin that replays the
+    same duplicated batch."""
+    rows = {r.rank: r.metrics.get(Metric.SYNC_DATA_ROWS) for r in result.ranks if r.metrics}
+    if len(rows) < 2:
+        raise NotApplicable("one rank")
+    if any(v is None for v in rows.values()):
+        raise NotApplicable("no data rows recorded")
+    sp = int(result.metrics.get(Metric.CASE_SP_SIZE) or 1)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank, held in sorted(rows.items()):
+        groups.setdefault(tuple(sorted(held)), []).append(rank)
+    for held, ranks in groups.items():
+        if len(ranks) != sp:
+            raise CheckFailure(
+                f"check j: ranks {ranks} trained on the same rows {list(held)[:8]}"
+                f"{'...' if len(held) > 8 else ''} ({Metric.SYNC_DATA_ROWS}); with sp_size {sp} "
+                f"each row belongs to one data-parallel rank of {sp} rank(s)"
+            )
+    seen: dict[int, list[int]] = {}
+    for held, ranks in groups.items():
+        for row in held:
+            if row in seen:
+                raise CheckFailure(
+                    f"check j: row {row} was trained by ranks {seen[row]} and by ranks {ranks} "
+                    f"({Metric.SYNC_DATA_ROWS}): data-parallel ranks must hold disjoint rows"
+                )
+            seen[row] = ranks
+
+
 CHECKS: tuple[tuple[str, Callable[[RunResult, float | None], None]], ...] = (
     ("a", lambda r, _: check_grad_norm(r)),
     ("b", lambda r, _: check_on_policy(r)),
@@ -460,6 +493,7 @@ CHECKS: tuple[tuple[str, Callable[[RunResult, float | None], None]], ...] = (
     ("f", check_memory),
     ("h", lambda r, _: check_sync_contract(r)),
     ("i", lambda r, _: check_optimizer_step(r)),
+    ("j", lambda r, _: check_data_rows(r)),
 )
 
 

@@ -86,6 +86,7 @@ class Metric:
     SYNC_HANDOFF_WEIGHT_WORST = "sync/handoff_weight_worst"
     SYNC_LAYER_TOKENS = "sync/layer_tokens"
     SYNC_MICRO_BATCH_ROWS = "sync/micro_batch_rows"
+    SYNC_DATA_ROWS = "sync/data_rows"  # the global batch rows this rank trained on
     SYNC_REFERENCE_GRAD_NORM = "sync/reference_grad_norm"
     SYNC_REPLICA_MAX_ABS_DIFF = "sync/replica_max_abs_diff"
     SYNC_RETAINED_GRAD_BYTES = "sync/retained_grad_bytes"
@@ -183,6 +184,7 @@ class TrainRecord(Record):
     layer_tokens: int | None = metric(Metric.SYNC_LAYER_TOKENS)
     seq_len: int | None = metric(Metric.SYNC_SEQ_LEN)
     micro_batch_rows: int | None = metric(Metric.SYNC_MICRO_BATCH_ROWS)
+    data_rows: list[int] | None = metric(Metric.SYNC_DATA_ROWS)
     sp_size: int | None = metric(Metric.CASE_SP_SIZE)
     retained_grad_bytes: int | None = metric(Metric.SYNC_RETAINED_GRAD_BYTES)
 

@@ -37,6 +37,7 @@ def healthy(rank: int, **changes) -> dict:
         Metric.ACTOR_PARAM_UPDATE_MAX_ABS: 1e-4,
         Metric.ACTOR_LOCAL_PARAM_NUMEL: 100,
         Metric.PERF_PEAK_MEMORY_BYTES: 2**28,
+        Metric.SYNC_DATA_ROWS: [4 * rank + i for i in range(4)],
         "rank": rank,
     }
     return {**metrics, **changes}
@@ -179,3 +180,17 @@ def test_on_policy_holds_each_token_in_fp32_where_a_mean_can_cancel():
         checks.check_on_policy(result_of(healthy(0), healthy(1, **off)))
     bf16 = {**off, Metric.CASE_DTYPE: "bf16"}
     checks.check_on_policy(result_of(healthy(0, **bf16), healthy(1, **bf16)))
+
+
+def test_data_ranks_must_train_on_disjoint_rows():
+    same = [healthy(r, **{Metric.SYNC_DATA_ROWS: [0, 1, 2, 3]}) for r in (0, 1)]
+    with pytest.raises(checks.CheckFailure, match=r"^check j: ranks \[0, 1\] trained on the same"):
+        checks.check_data_rows(result_of(*same))
+    # an SP group of 2 shares its rows, and that is right
+    sp = [healthy(r, **{Metric.SYNC_DATA_ROWS: [r // 2], Metric.CASE_SP_SIZE: 2}) for r in range(4)]
+    checks.check_data_rows(result_of(*sp))
+    overlap = [healthy(0), healthy(1, **{Metric.SYNC_DATA_ROWS: [3, 4, 5, 6]})]
+    with pytest.raises(checks.CheckFailure, match=r"^check j: row 3 was trained by ranks \[0\]"):
+        checks.check_data_rows(result_of(*overlap))
+    with pytest.raises(checks.NotApplicable, match="one rank"):
+        checks.check_data_rows(result_of(healthy(0)))
