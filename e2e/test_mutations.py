@@ -520,3 +520,15 @@ def test_sp_loss_normalised_per_rank_is_caught(ppo_run):
     for mode in MODES:
         failed = failed_checks(result, mode)
         assert set(failed) == expected[mode], (mode, failed)
+
+
+def test_parameter_names_that_differ_from_the_reference_are_check_c_naming_them(ppo_run):
+    """An engine with a tensor the checkpoint lacks: the run completes (no KeyError in the
+    harness's post-step) and check c names the tensor and the side that has it."""
+    result = run_broken(ppo_run, "fsdp_lm_head_bias_added", CASE, modes=ONE_MODE["reference"])
+    checks.check_completed(result)
+    failed = failed_checks(result, "reference")
+    assert failed["c"].startswith(
+        "check c: rank 0: the engine's parameter names differ from the reference's: only in the "
+        "engine: lm_head.bias; only in the reference: -"
+    ), failed["c"]

@@ -11,6 +11,8 @@ from pytest_fsdp_turbo_engine import ppo
 from pytest_fsdp_turbo_engine.config import EngineConfig, PPOConfig
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
 
+from pytest_fsdp_turbo.contract import NAMES_DIFFER
+
 FINGERPRINT_VALUES = 16
 
 
@@ -32,6 +34,19 @@ def reference_gradients(
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads
+
+
+def name_mismatch(engine_names, reference_names) -> str | None:
+    """The tensors one side has and the other lacks (an engine that unties, ties or adds a
+    parameter the checkpoint does not have), said by name; None when the sets agree."""
+    only_engine = sorted(set(engine_names) - set(reference_names))
+    only_reference = sorted(set(reference_names) - set(engine_names))
+    if not only_engine and not only_reference:
+        return None
+    return (
+        f"{NAMES_DIFFER}: only in the engine: {', '.join(only_engine) or '-'}; only in the "
+        f"reference: {', '.join(only_reference) or '-'}"
+    )
 
 
 def gradient_norm(grads: dict[str, torch.Tensor]) -> float:

@@ -29,6 +29,7 @@ from pytest_fsdp_turbo_engine.reference import (
     fingerprint,
     gradient_norm,
     max_abs_error,
+    name_mismatch,
     reference_gradients,
     reference_step,
     relative_l2_error,
@@ -378,6 +379,9 @@ def reference(ctx: Rank, global_batch: TrainBatch, tokens: float, copy) -> Refer
     sharded = fsdp_probe.unsharded_gradients(ctx.engine.module)  # read by the harness
     grads = reference_gradients(copy, global_batch, tokens, ctx.cfg)
     err, name = max_abs_error(sharded, grads)
+    names = fsdp_probe.parameter_names(ctx.engine.module)
+    if mismatch := name_mismatch(names, [n for n, _ in copy.named_parameters()]):
+        err, name = math.inf, mismatch  # check c says which tensors, not a KeyError later
     return Referenced(
         grads,
         gradient_norm(grads),
@@ -476,8 +480,9 @@ def post_step(
             reference_step(copy, ref.grads, ref.norm, ctx.engine_cfg)
         want = {n: p.detach() for n, p in copy.named_parameters()}
         step_err, _ = max_abs_error(full, want, scale=ctx.engine_cfg.lr)
+        shared = [n for n in full if n in initial]  # names that differ fail check c by name
         step_l2 = relative_l2_error(
-            {n: full[n].cpu() - initial[n].cpu() for n in full},
+            {n: full[n].cpu() - initial[n].cpu() for n in shared},
             {n: want[n] - initial[n] for n in want},
         )
     with torch.no_grad():

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_fsdp_turbo.contract import Metric, RunResult
+from pytest_fsdp_turbo.contract import NAMES_DIFFER, Metric, RunResult
 from pytest_fsdp_turbo.vocab import SyncPolicy
 
 # Tolerances by compute dtype; measured margins: benchmarks/check_margins.py (README). fp32 gradient
@@ -207,6 +207,10 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
     tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
     policy = result.metrics.get(Metric.CASE_SYNC_POLICY)
     # fp32: per parameter first, so the message names the parameter
+    for rank in result.ranks:  # name sets first, whatever the dtype: nothing else compares
+        param = (rank.metrics or {}).get(Metric.SYNC_GRAD_MAX_REL_ERR_PARAM) or ""
+        if param.startswith(NAMES_DIFFER):
+            raise CheckFailure(f"check c: rank {rank.rank}: the engine's {param}")
     if tol is not None and (over := _first_above(result, Metric.SYNC_GRAD_MAX_REL_ERR, tol)):
         rank, err = over
         param = _on_rank(result, rank, Metric.SYNC_GRAD_MAX_REL_ERR_PARAM)

@@ -16,6 +16,8 @@ from typing import Any, ClassVar, overload
 
 from pytest_fsdp_turbo.vocab import DeviceKind, Dtype, Rollout, SyncPolicy
 
+# how the reference phase says the engine's parameter names are not the checkpoint's (check c)
+NAMES_DIFFER = "parameter names differ from the reference's"
 LOG_TAIL_LINES = 30
 LOG_TAIL_BYTES = 8192
 FOLLOWER_CHARS = 160  # a rank that failed after the first one: its exception line, cut
