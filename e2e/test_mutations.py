@@ -532,3 +532,32 @@ def test_parameter_names_that_differ_from_the_reference_are_check_c_naming_them(
         "check c: rank 0: the engine's parameter names differ from the reference's: only in the "
         "engine: lm_head.bias; only in the reference: -"
     ), failed["c"]
+
+
+BF16_SP_TWIN_CASE = "tiny-qwen3_5-fsdp_turbo-fsdp2-sp2-deferred-twin"  # the NPU case's mode
+
+
+@pytest.mark.devices(4)
+def test_head_gradients_sent_to_the_wrong_sp_rank_are_caught_per_parameter(ppo_run):
+    """bf16, no reference, a single-rank twin (the migration's NPU mode): the backward of the
+    Ulysses exchange sends gradients to the wrong SP rank. The totals stay inside the bf16
+    tolerances; the per-parameter sketch comparison (check c) does not."""
+    result = run_broken(
+        ppo_run,
+        "fsdp_turbo",
+        BF16_SP_TWIN_CASE,
+        "broken_turbo_sp_head_swap",
+        ONE_MODE["twin"],
+        checkout=STANDIN,
+        extra_env={"FSDP_TURBO_STANDIN_ALLOW_CPU": "1"},
+    )
+    checks.check_completed(result)
+    failed = failed_checks(result, "twin")
+    assert set(failed) == {"c"}, failed
+    assert "gradient sketch differs from the twin's" in failed["c"], failed["c"]
+    # the totals alone (the sketch dropped from the run) pass: only the per-parameter view sees it
+    ranks = [
+        dataclasses.replace(r, metrics={**r.metrics, Metric.SYNC_GRAD_SKETCH: None})
+        for r in result.ranks
+    ]
+    checks.check_all(dataclasses.replace(result, ranks=ranks))

@@ -258,3 +258,25 @@ def unsharded_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         for n, p in module.named_parameters()
         if p.grad is not None
     }
+
+
+SKETCH_STRIDE = 0.6180339887498949  # the golden ratio: positional weights that never repeat
+
+
+def gradient_sketch(module: torch.nn.Module) -> dict[str, list[float]]:
+    """Per parameter, [norm, projection] of its whole gradient: the projection weighs element i by
+    cos(i * golden ratio + a phase from the name), so gradients that trade places inside a tensor
+    (heads sent to the wrong rank) move it while the norm stays. One parameter is gathered at a
+    time (a collective: every rank calls it), so the probe holds at most one whole gradient."""
+    sketch = {}
+    for name, param in module.named_parameters():
+        if param.grad is None:
+            continue
+        plain = _plain_name(name)
+        grad = full_tensor(param.grad.detach()).double().flatten()
+        phase = sum(plain.encode()) % 97
+        index = torch.arange(grad.numel(), device=grad.device, dtype=torch.float64)
+        weights = torch.cos(index * SKETCH_STRIDE + phase)
+        sketch[plain] = [float(grad.norm()), float((grad * weights).sum())]
+        del grad, index, weights
+    return sketch

@@ -606,6 +606,10 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
         global_batch.save(folder.batch)
 
     trained = train(ctx, batch, tokens)
+    # without a reference, the twin judges gradients per parameter: both runs sketch them
+    sketch = None
+    if not cfg.reference_checks or ctx.replaying:
+        sketch = fsdp_probe.gradient_sketch(ctx.engine.module)
     metrics.train = TrainRecord(
         reduce_scatter_calls_by_micro_batch=trained.reduce_scatters_by_micro_batch,
         reduce_scatter_calls=sum(trained.reduce_scatters_by_micro_batch),
@@ -617,6 +621,7 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
         # rows of the largest micro-batch: both loops split as torch.chunk does
         micro_batch_rows=-(-batch.size // ctx.cfg.micro_batches),
         data_rows=collected.rows,
+        grad_sketch=sketch if rank == 0 else None,
         sp_size=ctx.sp,
         retained_grad_bytes=trained.retained_grad_bytes,
     )

@@ -58,6 +58,10 @@ STEP_L2_TOL = {"fp32": 1e-3, "bf16": 0.5}
 TWIN_LOSS_TOL = {"fp32": (1e-6, 1e-5), "bf16": (1e-2, 1e-2)}
 TWIN_GRAD_NORM_REL = {"fp32": 1e-5, "bf16": 3e-2}
 TWIN_LOGPROB_TOL = {"fp32": 1e-5, "bf16": 5e-2}
+# per parameter, |difference| of the gradient's norm and projection relative to the twin's norm;
+# measured on healthy runs: fp32 1.5e-6, bf16 3.1e-2 (a 4-element dt_bias); the bf16 mutant that
+# sends gradients to the wrong SP rank: 10.4
+TWIN_SKETCH_TOL = {"fp32": 1e-4, "bf16": 1e-1}
 
 PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
 
@@ -252,12 +256,38 @@ def check_twin(result: RunResult) -> None:
             f"{label}: {Metric.ACTOR_GRAD_NORM} = {a:.6g}, twin {b:.6g} (relative difference "
             f"{_rel(a, b):.3g}, tolerance {tol:g})"
         )
+    _twin_sketches_agree(label, mine.get(Metric.SYNC_GRAD_SKETCH), theirs, dtype)
     tol = TWIN_LOGPROB_TOL[dtype]
     lp = theirs[Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF]
     if not lp <= tol:
         raise CheckFailure(
             f"{label}: post-step logprobs on the batch differ from the twin's by up to {lp:.3g} "
             f"({Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF}), tolerance {tol:g}"
+        )
+
+
+def _twin_sketches_agree(label: str, mine: dict | None, theirs: dict, dtype: str) -> None:
+    """Per parameter, the run's gradient sketch against the twin's: a per-tensor measure that a
+    total (the global norm) hides, e.g. head gradients sent to the wrong rank."""
+    twin = theirs.get(Metric.SYNC_GRAD_SKETCH)
+    if mine is None or twin is None:
+        return  # a run with a reference sketches nothing: the reference compares per parameter
+    if missing := sorted(set(mine) ^ set(twin)):
+        raise CheckFailure(
+            f"{label}: parameters with a gradient in one run only: {', '.join(missing[:5])}"
+        )
+    tol = TWIN_SKETCH_TOL[dtype]
+    worst, worst_name = 0.0, ""
+    for name, (norm, projection) in twin.items():
+        got_norm, got_projection = mine[name]
+        scale = max(norm, 1e-12)
+        err = max(abs(got_norm - norm), abs(got_projection - projection)) / scale
+        if not math.isfinite(err) or err > worst:
+            worst, worst_name = (math.inf if not math.isfinite(err) else err), name
+    if not worst <= tol:
+        raise CheckFailure(
+            f"{label}: parameter {worst_name}: gradient sketch differs from the twin's by "
+            f"{worst:.3g} of its norm ({Metric.SYNC_GRAD_SKETCH}), tolerance {tol:g}"
         )
 
 

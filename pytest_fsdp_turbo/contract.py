@@ -89,6 +89,8 @@ class Metric:
     SYNC_LAYER_TOKENS = "sync/layer_tokens"
     SYNC_MICRO_BATCH_ROWS = "sync/micro_batch_rows"
     SYNC_DATA_ROWS = "sync/data_rows"  # the global batch rows this rank trained on
+    # per parameter [norm, positional projection] of the whole gradient (no-reference runs, rank 0)
+    SYNC_GRAD_SKETCH = "sync/grad_sketch"
     SYNC_REFERENCE_GRAD_NORM = "sync/reference_grad_norm"
     SYNC_REPLICA_MAX_ABS_DIFF = "sync/replica_max_abs_diff"
     SYNC_RETAINED_GRAD_BYTES = "sync/retained_grad_bytes"
@@ -187,6 +189,7 @@ class TrainRecord(Record):
     seq_len: int | None = metric(Metric.SYNC_SEQ_LEN)
     micro_batch_rows: int | None = metric(Metric.SYNC_MICRO_BATCH_ROWS)
     data_rows: list[int] | None = metric(Metric.SYNC_DATA_ROWS)
+    grad_sketch: dict[str, list[float]] | None = metric(Metric.SYNC_GRAD_SKETCH, optional=True)
     sp_size: int | None = metric(Metric.CASE_SP_SIZE)
     retained_grad_bytes: int | None = metric(Metric.SYNC_RETAINED_GRAD_BYTES)
 
