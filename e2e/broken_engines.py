@@ -284,3 +284,42 @@ class LMHeadBiasAddedEngine(FSDPEngineWithLMHead):
         head = model.get_output_embeddings()
         head.bias = torch.nn.Parameter(torch.zeros(head.out_features, device=head.weight.device))
         return super()._wrap(model)
+
+
+@register(backend="fsdp_clip_ignores_max_norm", device=EVERYWHERE)
+class ClipIgnoresMaxNormEngine(FSDPEngineWithLMHead):
+    """Clips to a norm of 1.0 whatever the case's max_norm says: where clipping engages below 1,
+    the step uses gradients 1/max_norm too large (Adam's first step hides the scale)."""
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        return float(full_tensor(torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=False)))
+
+
+@register(backend="fsdp_clip_by_shard_norm", device=EVERYWHERE)
+class ClipByShardNormEngine(FSDPEngineWithLMHead):
+    """Clips each rank's shards by their own local norm, not the global one: every rank scales
+    its shard differently (and reports the global norm, so check a sees nothing)."""
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = float(full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params])))
+        local = float(torch.nn.utils.get_total_norm([local_tensor(p.grad) for p in params]))
+        coef = min(1.0, self.config.grad_clip / (local + 1e-6))
+        for p in params:
+            local_tensor(p.grad).mul_(coef)
+        return norm
+
+
+@register(backend="fsdp_clip_coef_loose_eps", device=EVERYWHERE)
+class ClipCoefLooseEpsEngine(FSDPEngineWithLMHead):
+    """The clip coefficient computed as max_norm / (norm + 1e-3) instead of torch's + 1e-6:
+    where clipping engages, every gradient is 0.2% short, which Adam's first step does not show."""
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = float(full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params])))
+        coef = min(1.0, self.config.grad_clip / (norm + 1e-3))
+        for p in params:
+            p.grad.mul_(coef)
+        return norm

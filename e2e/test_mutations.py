@@ -38,7 +38,7 @@ ONE_MODE = {
     "reference": {"reference_checks": True, "twin": "none"},
     "twin": {"reference_checks": False, "twin": "single"},
 }
-ALL_CHECKS = "abcdefghij"
+ALL_CHECKS = "abcdefghijk"
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,7 @@ REF_GRAD = ("c", "gradient differs from the single-process reference")
 REF_NORM = ("a", "the single-process reference gradients' norm")
 REF_STEP = ("i", "the update differs from the single-process reference step's")
 ADAMW = ("i", "differ from AdamW's first step")
+CLIP = ("k", "from the raw ones clipped by the global norm and max_norm")
 TWIN_NORM = ("c", "twin (single): actor/grad_norm")
 TWIN_POST = ("c", "post-step logprobs on the batch differ from the twin's")
 NOT_STEPPED = ("i", "actor/param_update_max_abs = 0.0, expected this rank's")
@@ -234,6 +235,24 @@ MUTANTS = (
         case=HSDP_CASE,
     ),
     Mutant("fsdp_entropy_in_bits", both(("g", "check g: metric actor/entropy = "))),
+    # clipping that engages (max_norm below the norm of 0.83) done wrong. A clip coefficient
+    # 0.2% short: only k sees it (Adam's first step moves by eps on near-zero entries only). A
+    # clip that ignores max_norm, or uses each rank's shard norm: k, and i through those entries
+    Mutant(
+        "fsdp_clip_coef_loose_eps",
+        both(("k", "from the raw ones clipped by the global norm and max_norm")),
+        run=(("grad_clip", 0.5),),
+    ),
+    Mutant(
+        "fsdp_clip_ignores_max_norm",
+        both(CLIP, ADAMW),
+        run=(("grad_clip", 0.8),),
+    ),
+    Mutant(
+        "fsdp_clip_by_shard_norm",
+        both(CLIP, ADAMW),
+        run=(("grad_clip", 0.1),),
+    ),
     # the data rank from the shard dimension: replicas train on the same rows. Half the batch is
     # then another batch, so the goldens differ too (g fails as well, measured); judged without
     # g, j alone names it, in both modes: the reference and the twin replay the same rows
@@ -394,7 +413,7 @@ def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant):
 
     for mode in MODES:
         expected = {letter for letter, _ in mutant.caught[mode]}
-        assert set(failed[mode]) == expected, f"{mode}: {mutant} fails {sorted(failed[mode])}"
+        assert set(failed[mode]) == expected, f"{mode}: {mutant} fails {failed[mode]}"
         units = str(runs[mode].metrics[Metric.COMM_FSDP_UNITS])
         for letter, text in mutant.caught[mode]:
             assert f"check {letter}" in failed[mode][letter], failed[mode][letter]

@@ -10,6 +10,7 @@ Every measurement a check depends on is taken here, never inside an engine metho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -38,6 +39,7 @@ from pytest_fsdp_turbo_engine.reward import closeness_reward, load_prompts
 from pytest_fsdp_turbo_engine.rollout import HFRollout, RolloutBatch
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
 from pytest_fsdp_turbo_engine.ulysses_lift import library_patches_lifted
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from pytest_fsdp_turbo.contract import (
     PARTIAL_METRICS_ATTR,
@@ -401,6 +403,8 @@ class Stepped:
     local_numel: int  # parameters this rank holds
     seconds: float
     adamw_step_err_lr: float | None  # against AdamW's first step in closed form; None: no step
+    clip_err: float | None  # stepped-on gradients against the harness's clip; None: not observed
+    clip_coef: float | None
 
 
 def optimizer(ctx: Rank) -> Stepped:
@@ -413,18 +417,61 @@ def optimizer(ctx: Rank) -> Stepped:
         for p in module.parameters()
     ]
     start = time.perf_counter()
-    reported = float(ctx.engine.optimizer_step())
+    with stepped_gradients(module) as stepped_on:
+        reported = float(ctx.engine.optimizer_step())
     seconds = time.perf_counter() - start
     after = [local_tensor(p.detach()).cpu() for p in module.parameters()]
     moved = max((float((a - b).abs().max()) for a, b in zip(after, before) if b.numel()), default=0)
     squares = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(after, before))
     copies = torch.distributed.get_world_size() // fsdp_probe.shard_group_size(module)
     update_l2 = math.sqrt(max(all_sum(squares, ctx.device) / copies, 0.0))
-    adamw_err = None
+    adamw_err = clip_err = clip_coef = None
     if math.isfinite(measured):
         adamw_err = adamw_first_step_error(before, grads, after, measured, ctx.engine_cfg)
+        clip_coef = min(1.0, ctx.engine_cfg.grad_clip / (measured + 1e-6))
+        # collectives on every rank alike, whether or not its optimizer stepped
+        local = clip_error(grads, stepped_on[0], clip_coef) if stepped_on else 0.0
+        observed = all_sum(1.0 if stepped_on else 0.0, ctx.device)
+        clip_err = all_max(local, ctx.device) if observed else None
     numel = sum(b.numel() for b in before)
-    return Stepped(reported, measured, moved, update_l2, numel, seconds, adamw_err)
+    return Stepped(
+        reported, measured, moved, update_l2, numel, seconds, adamw_err, clip_err, clip_coef
+    )
+
+
+@contextlib.contextmanager
+def stepped_gradients(module: torch.nn.Module):
+    """The module's local gradients as an optimizer steps on them (after the engine's clip),
+    caught by a process-wide pre-step hook the harness registers for the engine's optimizer_step
+    call: the engine's own objects are not asked. Empty when no torch optimizer stepped."""
+    seen: list[list[torch.Tensor | None]] = []
+
+    def before_step(*_):
+        if not seen:
+            seen.append(
+                [
+                    None if p.grad is None else local_tensor(p.grad.detach()).to("cpu", copy=True)
+                    for p in module.parameters()
+                ]
+            )
+
+    handle = register_optimizer_step_pre_hook(before_step)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def clip_error(raw, stepped_on, coef: float) -> float:
+    """Largest distance between the gradients the optimizer stepped on and the raw gradients the
+    harness read scaled by its own clip coefficient (global norm, the case's max_norm), relative
+    to the largest clipped entry on this rank."""
+    pairs = [(r.float() * coef, s.float()) for r, s in zip(raw, stepped_on) if r is not None]
+    pairs = [(want, got) for want, got in pairs if want.numel()]
+    if not pairs:
+        return 0.0
+    scale = max(max(float(want.abs().max()) for want, _ in pairs), 1e-30)
+    return max(float((got - want).abs().max()) for want, got in pairs) / scale
 
 
 def adamw_first_step_error(before, grads, after, norm: float, cfg: EngineConfig) -> float:
@@ -649,6 +696,8 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
         update_l2=stepped.update_l2,
         local_param_numel=stepped.local_numel,
         adamw_step_max_err_lr=stepped.adamw_step_err_lr,
+        clip_max_rel_err=stepped.clip_err,
+        clip_coef=stepped.clip_coef,
     )
 
     after = post_step(ctx, batch, ref, copy, finite)

@@ -67,6 +67,7 @@ class Case:
     n: int = 4
     max_new_tokens: int = 12
     lr: float = 1e-4
+    grad_clip: float = 1.0  # max_norm of the clip by the global gradient norm
     lm_loss_coef: float = 0.0  # a causal-LM term through the model's loss path (labels)
     reference_checks: bool | None = None  # default: on for tiny models
     # fsdp_turbo with SP: each micro-batch fed as one packed row with position_ids and cu_seqlens,
@@ -128,6 +129,7 @@ class Case:
             dtype=self.dtype_on(kind),
             sync_policy=self.gradient_sync,
             lr=self.lr,
+            grad_clip=self.grad_clip,
             turbo_config=turbo_config or {},
             packed=self.packed,
         )
@@ -391,6 +393,8 @@ def validate_case(
             "1 unless backend is fsdp_turbo or verl:* (Ulysses SP lives there)",
             case.sp_size,
         )
+    if not (case.grad_clip > 0 and math.isfinite(case.grad_clip)):
+        raise where.error("grad_clip", "a finite number > 0", case.grad_clip)
     if not (case.lm_loss_coef >= 0 and math.isfinite(case.lm_loss_coef)):
         raise where.error("lm_loss_coef", "a finite number >= 0", case.lm_loss_coef)
     if case.packed and not (case.backend == "fsdp_turbo" and case.sp_size > 1):

@@ -485,6 +485,28 @@ def check_optimizer_step(result: RunResult) -> None:
         )
 
 
+CLIP_TOL = {"fp32": 1e-5, "bf16": 1e-4}  # relative to the largest clipped gradient entry
+
+
+def check_clip(result: RunResult) -> None:
+    """k. The optimizer stepped on the gradients clipped by the global norm the harness measured
+    and the case's max_norm: read as the step began (a pre-step hook of the harness's), against
+    the raw gradients times min(1, max_norm / (norm + 1e-6)). Adam's first step barely sees a
+    gradient's scale, so only this reading shows a clip that ignores max_norm or uses each
+    shard's own norm."""
+    errors = [r.metrics.get(Metric.SYNC_CLIP_MAX_REL_ERR) for r in result.ranks if r.metrics]
+    if not errors or all(e is None for e in errors):
+        raise NotApplicable("no optimizer step observed")
+    coef = result.metrics.get(Metric.SYNC_CLIP_COEF)
+    tol = CLIP_TOL[_dtype(result)]
+    if over := _first_above(result, Metric.SYNC_CLIP_MAX_REL_ERR, tol):
+        raise CheckFailure(
+            f"check k: rank {over[0]}: the optimizer stepped on gradients {over[1]:.3g} away "
+            f"(relative, {Metric.SYNC_CLIP_MAX_REL_ERR}) from the raw ones clipped by the global "
+            f"norm and max_norm (coefficient {coef:.4g}, {Metric.SYNC_CLIP_COEF}), tolerance {tol:g}"
+        )
+
+
 def check_data_rows(result: RunResult) -> None:
     """j. Data-parallel ranks train on disjoint rows: the ranks that share rows are exactly one
     sequence-parallel group (sp_size ranks), and no row is trained by two groups. Read from the
@@ -528,6 +550,7 @@ CHECKS: tuple[tuple[str, Callable[[RunResult, float | None], None]], ...] = (
     ("h", lambda r, _: check_sync_contract(r)),
     ("i", lambda r, _: check_optimizer_step(r)),
     ("j", lambda r, _: check_data_rows(r)),
+    ("k", lambda r, _: check_clip(r)),
 )
 
 

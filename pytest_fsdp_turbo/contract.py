@@ -88,6 +88,9 @@ class Metric:
     SYNC_HANDOFF_WEIGHT_WORST = "sync/handoff_weight_worst"
     SYNC_LAYER_TOKENS = "sync/layer_tokens"
     SYNC_MICRO_BATCH_ROWS = "sync/micro_batch_rows"
+    # the gradients the optimizer stepped on against the harness's clip of the raw ones
+    SYNC_CLIP_MAX_REL_ERR = "sync/clip_max_rel_err"
+    SYNC_CLIP_COEF = "sync/clip_coef"  # min(1, max_norm / (measured norm + 1e-6))
     SYNC_DATA_ROWS = "sync/data_rows"  # the global batch rows this rank trained on
     # per parameter [norm, positional projection] of the whole gradient (no-reference runs, rank 0)
     SYNC_GRAD_SKETCH = "sync/grad_sketch"
@@ -213,6 +216,8 @@ class OptimizerRecord(Record):
     update_l2: float | None = metric(Metric.ACTOR_UPDATE_L2)
     local_param_numel: int | None = metric(Metric.ACTOR_LOCAL_PARAM_NUMEL)
     adamw_step_max_err_lr: float | None = metric(Metric.SYNC_ADAMW_STEP_MAX_ERR_LR)
+    clip_max_rel_err: float | None = metric(Metric.SYNC_CLIP_MAX_REL_ERR)
+    clip_coef: float | None = metric(Metric.SYNC_CLIP_COEF)
 
 
 @dataclass
