@@ -38,6 +38,7 @@ def healthy(rank: int, **changes) -> dict:
         Metric.ACTOR_LOCAL_PARAM_NUMEL: 100,
         Metric.PERF_PEAK_MEMORY_BYTES: 2**28,
         Metric.SYNC_DATA_ROWS: [4 * rank + i for i in range(4)],
+        Metric.SYNC_CLIP_MAX_REL_ERR: None,
         "rank": rank,
     }
     return {**metrics, **changes}
@@ -61,6 +62,7 @@ def test_healthy_run_without_reference_or_twin_says_what_did_not_apply():
         "c: no reference, no twin",
         "d: no replicas",
         "f: no memory budget",
+        "k: no optimizer step observed",
     ]
 
 
@@ -194,3 +196,17 @@ def test_data_ranks_must_train_on_disjoint_rows():
         checks.check_data_rows(result_of(*overlap))
     with pytest.raises(checks.NotApplicable, match="one rank"):
         checks.check_data_rows(result_of(healthy(0)))
+
+
+def test_the_clip_is_judged_against_the_measured_global_norm():
+    ok = [
+        healthy(r, **{Metric.SYNC_CLIP_MAX_REL_ERR: 1e-7, Metric.SYNC_CLIP_COEF: 0.25})
+        for r in (0, 1)
+    ]
+    checks.check_clip(result_of(*ok))
+    off = [healthy(0, **{Metric.SYNC_CLIP_MAX_REL_ERR: 2e-3, Metric.SYNC_CLIP_COEF: 0.25}), ok[1]]
+    with pytest.raises(
+        checks.CheckFailure,
+        match=r"^check k: rank 0: the optimizer stepped on gradients 0.002 away",
+    ):
+        checks.check_clip(result_of(*off))
