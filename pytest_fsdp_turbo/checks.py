@@ -211,10 +211,10 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
     tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
     policy = result.metrics.get(Metric.CASE_SYNC_POLICY)
     # fp32: per parameter first, so the message names the parameter
-    for rank in result.ranks:  # name sets first, whatever the dtype: nothing else compares
-        param = (rank.metrics or {}).get(Metric.SYNC_GRAD_MAX_REL_ERR_PARAM) or ""
-        if param.startswith(NAMES_DIFFER):
-            raise CheckFailure(f"check c: rank {rank.rank}: the engine's {param}")
+    for ranked in result.ranks:  # name sets first, whatever the dtype: nothing else compares
+        names = (ranked.metrics or {}).get(Metric.SYNC_GRAD_MAX_REL_ERR_PARAM) or ""
+        if names.startswith(NAMES_DIFFER):
+            raise CheckFailure(f"check c: rank {ranked.rank}: the engine's {names}")
     if tol is not None and (over := _first_above(result, Metric.SYNC_GRAD_MAX_REL_ERR, tol)):
         rank, err = over
         param = _on_rank(result, rank, Metric.SYNC_GRAD_MAX_REL_ERR_PARAM)
@@ -513,25 +513,26 @@ def check_data_rows(result: RunResult) -> None:
     rows the harness handed each rank, so an engine whose data rank is wrong (an HSDP engine that
     takes it from the shard dimension) cannot hide behind a reference or twin that replays the
     same duplicated batch."""
-    rows = {r.rank: r.metrics.get(Metric.SYNC_DATA_ROWS) for r in result.ranks if r.metrics}
-    if len(rows) < 2:
+    recorded = {r.rank: r.metrics.get(Metric.SYNC_DATA_ROWS) for r in result.ranks if r.metrics}
+    if len(recorded) < 2:
         raise NotApplicable("one rank")
-    if any(v is None for v in rows.values()):
+    rows: dict[int, list[int]] = {k: v for k, v in recorded.items() if v is not None}
+    if len(rows) < len(recorded):
         raise NotApplicable("no data rows recorded")
     sp = int(result.metrics.get(Metric.CASE_SP_SIZE) or 1)
     groups: dict[tuple[int, ...], list[int]] = {}
-    for rank, held in sorted(rows.items()):
-        groups.setdefault(tuple(sorted(held)), []).append(rank)
-    for held, ranks in groups.items():
+    for rank, listed in sorted(rows.items()):
+        groups.setdefault(tuple(sorted(listed)), []).append(rank)
+    for shared, ranks in groups.items():
         if len(ranks) != sp:
             raise CheckFailure(
-                f"check j: ranks {ranks} trained on the same rows {list(held)[:8]}"
-                f"{'...' if len(held) > 8 else ''} ({Metric.SYNC_DATA_ROWS}); with sp_size {sp} "
+                f"check j: ranks {ranks} trained on the same rows {list(shared)[:8]}"
+                f"{'...' if len(shared) > 8 else ''} ({Metric.SYNC_DATA_ROWS}); with sp_size {sp} "
                 f"each row belongs to one data-parallel rank of {sp} rank(s)"
             )
     seen: dict[int, list[int]] = {}
-    for held, ranks in groups.items():
-        for row in held:
+    for shared, ranks in groups.items():
+        for row in shared:
             if row in seen:
                 raise CheckFailure(
                     f"check j: row {row} was trained by ranks {seen[row]} and by ranks {ranks} "
