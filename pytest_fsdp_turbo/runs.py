@@ -117,11 +117,14 @@ def refuse_missing_hardware(request: RunRequest) -> None:
     raise Unavailable(f"case {case.id}: {problem}")
 
 
-def _prepare(request: RunRequest) -> Path:
-    """A fresh run folder with the spec and the case, or one line naming the folder."""
+def _prepare(request: RunRequest, *, local: bool) -> Path:
+    """A fresh run folder with the spec and the case, or one line naming the folder. `local`:
+    the ranks start on this machine, so its hardware must be there (Ray places them itself,
+    possibly on nodes that have what this one lacks)."""
     out = request.artifacts_dir
     spec = rank_spec(request)  # a turbo_config that does not fit fails here, before anything else
-    refuse_missing_hardware(request)
+    if local:
+        refuse_missing_hardware(request)
     fix = "choose another folder with --fsdp-turbo-artifacts"
     if out.is_symlink():  # the folder is replaced for each run: never through a link
         raise ConfigError(f"artifacts folder {out} is a symlink; remove it or {fix}")
@@ -156,7 +159,7 @@ def _finish(progress: Progress | None, result: RunResult) -> RunResult:
 def run_case_on_ray(request: RunRequest, driver: RayDriver) -> RunResult:
     """Ray places the ranks and assigns their devices; rank 0's node gives the rendezvous."""
     case, kind = request.case, request.accelerator.kind
-    out = _prepare(request)
+    out = _prepare(request, local=False)
     overrides = _env_overrides(
         request, (), 0, hccl_port_ranges(0) if kind == DeviceKind.NPU else None
     )
@@ -201,7 +204,7 @@ def run_case(
 ) -> RunResult:
     """Lease devices and ports, write the spec, start the ranks (forked from the warm parent when
     `warm` and one can start, else fresh interpreters); leases are freed whatever happens."""
-    out = _prepare(request)
+    out = _prepare(request, local=True)
     progress = _progress(request, out)
     parent, notes = _warm_parent(book, warm)
     with _leased(request, book, lease_timeout_s) as (ids, ranges):
