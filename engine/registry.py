@@ -58,11 +58,6 @@ def register(
     return decorate
 
 
-def unregister(cls: type) -> None:
-    for key in [k for k, v in _REGISTRY.items() if v is cls]:
-        del _REGISTRY[key]
-
-
 def registered() -> list[tuple[str, str, str, str]]:
     return sorted((*key, cls.__qualname__) for key, cls in _REGISTRY.items())
 

@@ -42,7 +42,6 @@ CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # whole id (fullmatch: no t
 CASE_ID_MAX = 100  # a folder name under the artifacts and goldens, with room for suffixes
 ENGINE_ENTRY_POINTS = "pytest_fsdp_turbo.engines"
 DEFAULT_CASES = Path("e2e") / "cases.toml"  # under the rootdir, unless an option or ini names one
-TURBO_DEVICES = (DeviceKind.CUDA, DeviceKind.NPU)
 
 
 @dataclass(frozen=True)
