@@ -44,6 +44,8 @@ LONGEST_FIRST = (
     "e2e/test_mutations.py::test_sp_loss",
     "e2e/test_mutations.py::test_packed_rows",
     "e2e/test_mutations.py::test_units_that_never",
+    "e2e/test_mutations.py::test_head_gradients",
+    "e2e/test_mutations.py::test_check_catches_broken_engine[fsdp_data_rank_from_shard",
     "tests/test_leases.py::test_concurrent_leases_under_xdist_never_overlap",
 )
 

@@ -45,6 +45,12 @@ def materialize_unsharded_params(module: torch.nn.Module) -> None:
             unit.reshard()
 
 
+def _of_the_response(logits: torch.Tensor, input_ids: torch.Tensor, prompt_len: int):
+    """Log-probabilities of the response tokens, and their entropy when asked (a callable)."""
+    logits = logits[:, prompt_len - 1 : -1].float()
+    return response_logprobs(logits, input_ids[:, prompt_len:]), lambda: entropy_from_logits(logits)
+
+
 @register(backend="fsdp", device=["cpu", "cuda", "npu"])
 class FSDPEngineWithLMHead:
     """Our FSDP2 engine; it meets engine/protocol.py's HarnessLoopEngine."""
@@ -137,10 +143,9 @@ class FSDPEngineWithLMHead:
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probabilities (and entropy) of the response tokens under `module` (the policy)."""
-        model = module or self.module
-        logits = self._logits(model, input_ids)[:, prompt_len - 1 : -1].float()
-        logprobs = response_logprobs(logits, input_ids[:, prompt_len:])
-        return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+        logits = self._logits(module or self.module, input_ids)
+        logprobs, entropy = _of_the_response(logits, input_ids, prompt_len)
+        return logprobs, (entropy() if with_entropy else None)
 
     def forward_logprobs_with_lm_loss(
         self, input_ids: torch.Tensor, prompt_len: int, response_mask: torch.Tensor
@@ -153,9 +158,8 @@ class FSDPEngineWithLMHead:
             response_mask.bool(), input_ids[:, prompt_len:], labels[:, prompt_len:]
         )
         logits, lm_mean = self._logits_and_loss(self.module, input_ids, labels)
-        logits = logits[:, prompt_len - 1 : -1].float()
-        logprobs = response_logprobs(logits, input_ids[:, prompt_len:])
-        return logprobs, entropy_from_logits(logits), lm_mean
+        logprobs, entropy = _of_the_response(logits, input_ids, prompt_len)
+        return logprobs, entropy(), lm_mean
 
     def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits over the whole sequence (a sequence-parallel engine gathers its chunks)."""

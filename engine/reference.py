@@ -49,6 +49,11 @@ def name_mismatch(engine_names, reference_names) -> str | None:
     )
 
 
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """torch's clip by the global norm: the factor gradients are scaled by."""
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
 def gradient_norm(grads: dict[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
 
@@ -58,7 +63,7 @@ def reference_step(
 ) -> None:
     """The engine's contract for one step: clip by the global norm, then AdamW (config's settings)."""
     params = []
-    scale = min(1.0, config.grad_clip / (norm + 1e-6))
+    scale = clip_coefficient(norm, config.grad_clip)
     for name, param in model.named_parameters():
         param.grad = grads[name] * scale if name in grads else None
         if param.grad is not None:

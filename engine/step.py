@@ -27,6 +27,7 @@ from pytest_fsdp_turbo_engine.faults import Fault
 from pytest_fsdp_turbo_engine.fsdp_engine import local_tensor
 from pytest_fsdp_turbo_engine.reductions import all_max, all_sum, gather_rows
 from pytest_fsdp_turbo_engine.reference import (
+    clip_coefficient,
     fingerprint,
     gradient_norm,
     max_abs_error,
@@ -427,8 +428,8 @@ def optimizer(ctx: Rank) -> Stepped:
     update_l2 = math.sqrt(max(all_sum(squares, ctx.device) / copies, 0.0))
     adamw_err = clip_err = clip_coef = None
     if math.isfinite(measured):
-        adamw_err = adamw_first_step_error(before, grads, after, measured, ctx.engine_cfg)
-        clip_coef = min(1.0, ctx.engine_cfg.grad_clip / (measured + 1e-6))
+        clip_coef = clip_coefficient(measured, ctx.engine_cfg.grad_clip)
+        adamw_err = adamw_first_step_error(before, grads, after, clip_coef, ctx.engine_cfg)
         # collectives on every rank alike, whether or not its optimizer stepped
         local = clip_error(grads, stepped_on[0], clip_coef) if stepped_on else 0.0
         observed = all_sum(1.0 if stepped_on else 0.0, ctx.device)
@@ -474,13 +475,13 @@ def clip_error(raw, stepped_on, coef: float) -> float:
     return max(float((got - want).abs().max()) for want, got in pairs) / scale
 
 
-def adamw_first_step_error(before, grads, after, norm: float, cfg: EngineConfig) -> float:
+def adamw_first_step_error(before, grads, after, scale: float, cfg: EngineConfig) -> float:
     """Largest distance, in units of lr, between each parameter element after the engine's step
     and AdamW's first step in closed form, from what the harness read: with fresh moments the
     bias-corrected m and v are g and g^2, so p <- p (1 - lr wd) - lr g / (|g| + eps), g being the
-    gradient clipped by the harness-measured global norm. It proves the first step only: later
+    gradient scaled by `scale`, the clip coefficient of the harness-measured global norm (the
+    clip itself is check k's). It proves the first step only: later
     steps depend on moments no harness reading holds. A parameter without a gradient must stay."""
-    scale = min(1.0, cfg.grad_clip / (norm + 1e-6))
     worst = 0.0
     for p0, g, p1 in zip(before, grads, after):
         if not p0.numel():

@@ -19,7 +19,7 @@ from pytest_fsdp_turbo.vocab import DeviceKind, Dtype, Rollout, SyncPolicy
 # how the reference phase says the engine's parameter names are not the checkpoint's (check c)
 NAMES_DIFFER = "parameter names differ from the reference's"
 LOG_TAIL_LINES = 30
-LOG_TAIL_BYTES = 8192
+LOG_TAIL_BYTES = 8192  # a rank that printed megabytes without a newline still gets a short tail
 FOLLOWER_CHARS = 160  # a rank that failed after the first one: its exception line, cut
 # what a rank's collective says when a peer it waits on died (gloo, NCCL, HCCL, the store)
 PEER_GONE = (
@@ -31,7 +31,7 @@ PEER_GONE = (
     "communicator was aborted",
     "NCCL error",
     "HCCL",
-)  # a rank that printed megabytes without a newline still gets a short tail
+)
 # The StepMetrics a failed step had filled ride on its exception under this attribute (the step
 # sets it, the worker writes them as rankN.partial-metrics.json), so nothing measured is lost.
 PARTIAL_METRICS_ATTR = "partial_metrics"
@@ -583,17 +583,20 @@ class RunResult:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def _follower(self, rank: RankResult) -> bool:
-        """A rank that failed after the first one, in a run that did not hang."""
-        first = next((r for r in self.ranks if r.rank == self.first_failure), None)
-        hang = first is not None and first.error is not None and "imed out" in first.error.message
-        return (  # a collective that timed out is a hang: every rank's stacks are the story
-            not self.timed_out
-            and not self.failure
-            and not hang
-            and first is not None
-            and rank.rank != self.first_failure
+    def first_failed(self) -> RankResult | None:
+        """The rank that failed first (None when no single rank did: a timeout, the group)."""
+        return next((r for r in self.ranks if r.rank == self.first_failure), None)
+
+    def _followers_in_one_line(self, first: RankResult | None) -> bool:
+        """Whether the ranks that failed after the first get one line each: not after a hang
+        (the case's timeout, or a collective that timed out), where every rank's stacks are the
+        story, nor when the group as a whole failed."""
+        hang = (
+            first is not None
+            and first.error is not None
+            and ("timed out" in first.error.message.lower())
         )
+        return not (self.timed_out or self.failure or hang or first is None)
 
     def _follower_line(self, rank: RankResult, told: dict) -> str:
         error = rank.error
@@ -620,10 +623,12 @@ class RunResult:
             )
         else:
             head = f"case {self.case_id}: rank {self.first_failure} failed first"
-            first = next((r for r in self.ranks if r.rank == self.first_failure), None)
-            if first is not None and first.error is not None:  # its cause, before anything else
-                head += f" in phase {first.error.phase}: {first.error.type}: {first.error.message}"
-        in_head = "" if self.failure or self.timed_out else head
+        first = self.first_failed()
+        group_failed = self.failure or self.timed_out
+        first_error = first.error if first is not None and not group_failed else None
+        if first_error is not None:  # the first rank's cause, before anything else
+            head += f" in phase {first_error.phase}: {first_error.type}: {first_error.message}"
+        one_line = self._followers_in_one_line(first)
         parts = [head, f"artifacts: {self.artifacts_dir}"]
         told: dict[tuple[str, str, str], int] = {}  # an error every rank raised is shown once
         # the rank that failed first, then the others in rank order
@@ -631,7 +636,7 @@ class RunResult:
             if rank.exit_code == 0 and rank.metrics and not self.timed_out:
                 continue
             where = f"--- rank {rank.rank}: exit {rank.exit_code}, log {rank.log_path}"
-            if self._follower(rank):  # one line: what it did, not its traceback or log tail
+            if one_line and rank is not first:  # what it did, not its traceback or log tail
                 parts.append(f"{where}: {self._follower_line(rank, told)}")
                 continue
             parts.append(where)
@@ -650,6 +655,7 @@ class RunResult:
             if trace and error.message and trace[-1].endswith(error.message):
                 trace = trace[:-1]  # the exception line: its message is in the head line
             cause = f"phase {error.phase}: {error.type}: {error.message}"
-            parts.append("\n".join([*([] if in_head.endswith(cause) else [cause]), *trace]))
+            shown = [] if first_error is error else [cause]  # the head has the first one
+            parts.append("\n".join([*shown, *trace]))
             parts.append("log tail:\n" + rank.log_tail(without=error.traceback))
         return "\n".join(parts)

@@ -42,9 +42,8 @@ from pytest_fsdp_turbo.session import (
     strict_of,
 )
 
-CHECK_FAILURE = (
-    "pytest_fsdp_turbo.checks.CheckFailure"  # by name: the plugin does not import checks
-)
+# named, not imported: the plugin's start-up modules stay free of the checks
+CHECK_FAILURE = "pytest_fsdp_turbo.checks.CheckFailure"
 PROGRESS_INI = {"fsdp_turbo_stall_share": "0.5", "fsdp_turbo_quiet_s": "10"}  # key: default
 MARKERS = (
     "e2e: a distributed end-to-end test (runs on whatever hardware is detected)",

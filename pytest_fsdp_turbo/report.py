@@ -99,7 +99,7 @@ def run_cause(result: RunResult) -> str:
         return f"timed out after {result.timeout_s:g}s"
     if result.failure:
         return result.failure[:CAUSE_CHARS]
-    first = next((r for r in result.ranks if r.rank == result.first_failure), None)
+    first = result.first_failed()
     if first is not None and first.error is not None:
         return f"rank {first.rank} {first.error.phase}: {first.error.type}"
     return f"rank {result.first_failure} exited {first.exit_code if first else '?'}"
@@ -131,10 +131,12 @@ def render_table(rows: list[tuple[dict, str, str]]) -> list[str]:
     """rows: (summary row, test outcome, the test's own first failure line) -> aligned lines."""
     cells = [COLUMNS]
     for row, outcome, why in rows:
-        cause = row.get("cause") or why
-        verdict = f"{outcome}: {cause}" if cause and outcome != "passed" else outcome
-        if not row.get("ok") and outcome == "passed":  # a test that expects its run to fail
-            verdict = f"passed (run failed: {row.get('cause') or '?'})"
+        if outcome == "passed":  # a test may expect its run to fail
+            ran = row.get("ok")
+            verdict = outcome if ran else f"passed (run failed: {row.get('cause') or '?'})"
+        else:
+            cause = row.get("cause") or why
+            verdict = f"{outcome}: {cause}" if cause else outcome
         case = row["case"] + (f" [{', '.join(row['overrides'])}]" if row.get("overrides") else "")
         cells.append(
             (

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pytest_fsdp_turbo.bounds import DAY_S, seconds
 from pytest_fsdp_turbo.checkout_request import CheckoutRequest, validate_ref, validate_repo
 from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.options import DEFAULT_REPO, OPTIONS, option_dest
@@ -65,7 +66,7 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
     launcher = launcher_named(raw["fsdp_turbo_launcher"] or "local", origin["fsdp_turbo_launcher"])
     connect = raw["fsdp_turbo_ray_connect_timeout"]
     connect_s = (
-        _positive_seconds(connect, origin["fsdp_turbo_ray_connect_timeout"])
+        seconds(connect, origin["fsdp_turbo_ray_connect_timeout"], high=DAY_S)
         if connect
         else DEFAULT_RAY_CONNECT_TIMEOUT_S
     )
@@ -93,9 +94,3 @@ def launcher_named(name: str, origin: str) -> Launcher:
     if name not in LAUNCHERS:
         raise ConfigError(f"{origin}: expected one of {', '.join(LAUNCHERS)}; got {name!r}")
     return Launcher(name)
-
-
-def _positive_seconds(value: str, origin: str) -> float:
-    from pytest_fsdp_turbo.bounds import DAY_S, seconds
-
-    return seconds(value, origin, high=DAY_S)
