@@ -358,3 +358,18 @@ def test_a_case_file_that_is_a_folder_says_so(tmp_path):
 
     with pytest.raises(ConfigError, match=r"case file .* is a folder, not a file$"):
         load_cases(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ("grad_clip = 0.0\n", "field 'grad_clip': expected a finite number > 0; got 0.0"),
+        ("grad_clip = nan\n", "field 'grad_clip': expected a finite number > 0; got nan"),
+        ("lm_loss_coef = -1.0\n", "field 'lm_loss_coef': expected a finite number >= 0; got -1.0"),
+        ("packed = true\n", "field 'packed': expected false unless backend is fsdp_turbo with"),
+    ],
+)
+def test_the_fields_of_this_round_are_refused_in_one_line_when_out_of_range(tmp_path, fields, said):
+    with pytest.raises(ConfigError) as refused:
+        load_cases(write(tmp_path, GOOD + fields))
+    assert said in str(refused.value) and "\n" not in str(refused.value)
