@@ -5,12 +5,19 @@ its own backend name; ranks import this module only in those tests (engine_modul
 
 import math
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead, full_tensor, local_tensor
-from pytest_fsdp_turbo_engine.ppo import entropy_from_logits, response_logprobs
+from pytest_fsdp_turbo_engine.ppo import (
+    entropy_from_logits,
+    low_var_kl,
+    response_logprobs,
+    token_sum,
+)
 from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.train_batch import ppo_loss
 
 EVERYWHERE = ["cpu", "cuda", "npu"]
 
@@ -323,3 +330,91 @@ class ClipCoefLooseEpsEngine(FSDPEngineWithLMHead):
         for p in params:
             p.grad.mul_(coef)
         return norm
+
+
+@register(backend="fsdp_norm_group_default_betas", device=EVERYWHERE)
+class NormGroupDefaultBetasEngine(FSDPEngineWithLMHead):
+    """The norm weights in a parameter group of their own (as for no weight decay), built with
+    torch's default betas instead of the case's: the first step cannot tell, the second moves
+    those few tensors differently, too little for the post-step log-probabilities to show."""
+
+    def build(self, model_path: str, *, trainable: bool = True):
+        wrapped = super().build(model_path, trainable=trainable)
+        if trainable:
+            named = list(wrapped.named_parameters())
+            norms = [p for n, p in named if "norm" in n]
+            rest = [p for n, p in named if "norm" not in n]
+            cfg = self.config
+            self.optimizer = torch.optim.AdamW(
+                [{"params": rest, "betas": (cfg.adam_beta1, cfg.adam_beta2)}, {"params": norms}],
+                lr=cfg.lr,
+                eps=cfg.adam_eps,
+                weight_decay=cfg.weight_decay,
+            )
+        return wrapped
+
+
+# --- engines with their own micro-batch loop and their own PPO loss (as verl's) --------------------
+
+
+@register(backend="fsdp_own_loss", device=EVERYWHERE)
+class OwnLossEngine(FSDPEngineWithLMHead):
+    """The healthy control of the loss mutants below: it runs its own micro-batch loop and its own
+    copy of the PPO loss, as verl's engines do, handing the harness's probe each micro-batch."""
+
+    drives_micro_batches = True
+
+    def ppo_loss(self, logprobs, entropy, mb, tokens: float, cfg):
+        return ppo_loss(logprobs, entropy, mb, tokens, cfg)[0]
+
+    def forward_backward(self, batch, tokens: float, cfg, probe) -> None:
+        chunks = torch.arange(batch.size).chunk(cfg.micro_batches)
+        for i, rows in enumerate(chunks):
+            mb = batch.rows(rows)
+            with self.gradient_sync_context(is_last_micro_batch=i == len(chunks) - 1):
+                logprobs, entropy = self.forward_logprobs(
+                    mb.input_ids, mb.prompt_len, with_entropy=True
+                )
+                probe.loss_computed(logprobs, entropy, mb)
+                loss = self.ppo_loss(logprobs, entropy, mb, tokens, cfg)
+                (loss * self.data_parallel_size()).backward()
+
+
+@register(backend="fsdp_loss_without_clip_range", device=EVERYWHERE)
+class LossWithoutClipRangeEngine(OwnLossEngine):
+    """PPO's clip range dropped (the ratio never clipped): on-policy nothing is clipped anyway."""
+
+    def ppo_loss(self, logprobs, entropy, mb, tokens: float, cfg):
+        return super().ppo_loss(logprobs, entropy, mb, tokens, replace(cfg, clip_ratio=1e9))
+
+
+@register(backend="fsdp_kl_counted_twice", device=EVERYWHERE)
+class KLCountedTwiceEngine(OwnLossEngine):
+    """The KL penalty added twice: its gradient is 0 while the policy equals the reference."""
+
+    def ppo_loss(self, logprobs, entropy, mb, tokens: float, cfg):
+        kl = token_sum(low_var_kl(logprobs, mb.ref_logprobs), mb.mask) / tokens
+        return super().ppo_loss(logprobs, entropy, mb, tokens, cfg) + cfg.kl_coef * kl
+
+
+@register(backend="fsdp_loss_without_response_mask", device=EVERYWHERE)
+class LossWithoutResponseMaskEngine(OwnLossEngine):
+    """The loss summed over every response position, padding after EOS included: advantages
+    there are 0, so only the KL term (0 on-policy) carries the padding into the gradient."""
+
+    def ppo_loss(self, logprobs, entropy, mb, tokens: float, cfg):
+        unmasked = replace(mb, mask=torch.ones_like(mb.mask))
+        return super().ppo_loss(logprobs, entropy, unmasked, tokens, cfg)
+
+
+@register(backend="fsdp_kl_in_fp16", device=EVERYWHERE)
+class KLInFp16Engine(OwnLossEngine):
+    """The KL penalty computed from log-probabilities rounded to fp16 (the compute dtype on fp16
+    hardware): an error per token of a few parts per million, inside the reference's tolerance
+    for whole gradients and the twin's for their sketches."""
+
+    def ppo_loss(self, logprobs, entropy, mb, tokens: float, cfg):
+        without_kl = super().ppo_loss(logprobs, entropy, mb, tokens, replace(cfg, kl_coef=0.0))
+        rounded = logprobs.to(torch.float16).float()
+        kl = low_var_kl(rounded, mb.ref_logprobs.to(torch.float16).float())
+        return without_kl + cfg.kl_coef * token_sum(kl, mb.mask) / tokens

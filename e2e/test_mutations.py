@@ -38,7 +38,7 @@ ONE_MODE = {
     "reference": {"reference_checks": True, "twin": "none"},
     "twin": {"reference_checks": False, "twin": "single"},
 }
-ALL_CHECKS = "abcdefghijk"
+ALL_CHECKS = "abcdefghijkl"
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,16 @@ SP_RUN = (
     ("num_prompts", 2),  # one prompt per data-parallel rank, as the SP cases in e2e/cases.toml
 )
 
+# a second update on the rollout, off-policy: PPO's clip, the KL term and the mask shape the loss
+OFF_POLICY = (("updates", 2),)
+
 # messages each failed check names, shared by several broken engines
 REF_GRAD = ("c", "gradient differs from the single-process reference")
+REF_GRAD_L2 = ("c", "gradients differ from the single-process reference by relative L2 error")
+LOSS_GRAD = ("l", "the loss's gradient on the log-probabilities differs by")
 REF_NORM = ("a", "the single-process reference gradients' norm")
 REF_STEP = ("i", "the update differs from the single-process reference step's")
-ADAMW = ("i", "differ from AdamW's first step")
+ADAMW = ("i", "differ from AdamW in closed form")
 CLIP = ("k", "from the raw ones clipped by the global norm and max_norm")
 TWIN_NORM = ("c", "twin (single): actor/grad_norm")
 TWIN_POST = ("c", "post-step logprobs on the batch differ from the twin's")
@@ -261,6 +266,35 @@ MUTANTS = (
         both(("j", "trained on the same rows")),
         case=HSDP_CASE,
         judge_golden=False,
+    ),
+    # the engine's own PPO loss (its own micro-batch loop, as verl's), wrong where the second update
+    # is off-policy; on one on-policy update each is invisible. The replay twin of the same engine
+    # would share the bug; the single twin is our engine, whose sketch sees the larger ones
+    Mutant("fsdp_kl_in_fp16", both(LOSS_GRAD), run=OFF_POLICY),
+    Mutant(
+        "fsdp_kl_counted_twice",
+        {"reference": (REF_GRAD_L2, LOSS_GRAD), "twin": (LOSS_GRAD,)},
+        run=OFF_POLICY,
+    ),
+    Mutant(
+        "fsdp_loss_without_response_mask",
+        {"reference": (REF_GRAD, REF_STEP, LOSS_GRAD), "twin": (LOSS_GRAD,)},
+        run=OFF_POLICY,
+    ),
+    Mutant(
+        "fsdp_loss_without_clip_range",
+        {
+            "reference": (REF_GRAD, REF_STEP, LOSS_GRAD),
+            "twin": (TWIN_POST, LOSS_GRAD),
+        },
+        run=(*OFF_POLICY, ("clip_ratio", 0.01)),  # small enough that the second update clips
+    ),
+    # AdamW's betas, which its first step cancels out: the norms' group built with torch's
+    # defaults where the case declares beta2 = 0.95 (the usual LLM setting)
+    Mutant(
+        "fsdp_norm_group_default_betas",
+        both(("i", "differ from AdamW in closed form")),
+        run=(*OFF_POLICY, ("adam_beta2", 0.95)),
     ),
     # sdpa attention while the Ulysses patch wraps the eager function: attention runs sequence-local
     Mutant(

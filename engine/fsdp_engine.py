@@ -29,6 +29,18 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
+def adamw(params, config: EngineConfig) -> torch.optim.AdamW:
+    """AdamW with the case's settings (the reference step and the harness's closed form read the
+    same ones)."""
+    return torch.optim.AdamW(
+        params,
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+    )
+
+
 def materialize_unsharded_params(module: torch.nn.Module) -> None:
     """Give every FSDP2 unit its unsharded parameters once, by one all-gather and reshard per unit.
 
@@ -126,9 +138,7 @@ class FSDPEngineWithLMHead:
         if trainable:
             self._prepare_units_that_may_not_run(wrapped)
             self.module = wrapped
-            self.optimizer = torch.optim.AdamW(
-                wrapped.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
-            )
+            self.optimizer = adamw(wrapped.parameters(), self.config)
         else:
             wrapped.requires_grad_(False)
             wrapped.eval()

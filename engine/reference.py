@@ -58,18 +58,23 @@ def gradient_norm(grads: dict[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
 
 
-def reference_step(
-    model: torch.nn.Module, grads: dict[str, torch.Tensor], norm: float, config: EngineConfig
-) -> None:
-    """The engine's contract for one step: clip by the global norm, then AdamW (config's settings)."""
-    params = []
-    scale = clip_coefficient(norm, config.grad_clip)
-    for name, param in model.named_parameters():
-        param.grad = grads[name] * scale if name in grads else None
-        if param.grad is not None:
-            params.append(param)
-    torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay).step()
-    model.zero_grad(set_to_none=True)
+class ReferenceOptimizer:
+    """The engine's contract for each step, on the single-process copy: clip by the global norm of
+    the reference gradients, then AdamW with the case's settings, its moments carried from one
+    update to the next."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig):
+        from pytest_fsdp_turbo_engine.fsdp_engine import adamw
+
+        self.model, self.config = model, config
+        self.adamw = adamw(model.parameters(), config)
+
+    def step(self, grads: dict[str, torch.Tensor], norm: float) -> None:
+        scale = clip_coefficient(norm, self.config.grad_clip)
+        for name, param in self.model.named_parameters():
+            param.grad = grads[name] * scale if name in grads else None
+        self.adamw.step()  # a parameter without a gradient is skipped, as in the engine
+        self.model.zero_grad(set_to_none=True)
 
 
 def max_abs_error(

@@ -27,13 +27,13 @@ from pytest_fsdp_turbo_engine.faults import Fault
 from pytest_fsdp_turbo_engine.fsdp_engine import local_tensor
 from pytest_fsdp_turbo_engine.reductions import all_max, all_sum, gather_rows
 from pytest_fsdp_turbo_engine.reference import (
+    ReferenceOptimizer,
     clip_coefficient,
     fingerprint,
     gradient_norm,
     max_abs_error,
     name_mismatch,
     reference_gradients,
-    reference_step,
     relative_l2_error,
 )
 from pytest_fsdp_turbo_engine.reward import closeness_reward, load_prompts
@@ -59,7 +59,6 @@ from pytest_fsdp_turbo.contract import (
 )
 from pytest_fsdp_turbo.vocab import DeviceKind, Dtype, Env, Rollout
 
-ADAMW_EPS = 1e-8  # torch's AdamW default, which every engine here keeps
 SUMMED_PARTS = (
     Metric.ACTOR_LOSS,
     Metric.ACTOR_PG_LOSS,
@@ -268,6 +267,7 @@ class Trained:
     fsdp_units: int  # trainable units whose forward ran (a vision tower on text does not)
     shard_group_size: int
     layer_tokens: int  # most tokens a decoder layer was handed at once (0: no layer is a unit)
+    loss_grad_max_rel_err: float  # the loss's gradient on the logprobs against the closed form
 
 
 class MicroBatchProbe:
@@ -285,14 +285,31 @@ class MicroBatchProbe:
         tokens: float,
         cfg: PPOConfig,
         counter: fsdp_probe.CollectiveCounter,
+        loss_scale: float,
     ):
         self.module, self.tokens, self.cfg, self.counter = module, tokens, cfg, counter
+        self.loss_scale = loss_scale  # FSDP averages over data ranks: each backs the sum times this
         self.count = 0
         self.retained = 0
         self.parts: dict[str, float] = {}
         self.first: dict[str, float] = {}
+        self.loss_gradients_seen = 0
+        self.loss_grad_err = 0.0
 
-    def loss_computed(self, logprobs, entropy, mb: TrainBatch) -> None:
+    @property
+    def loss_grad_max_rel_err(self) -> float:
+        """Worst over micro-batches; infinite when a micro-batch's loss gradient never reached
+        the log-probabilities the engine reported (they were not what its loss was built on)."""
+        return self.loss_grad_err if self.loss_gradients_seen == self.count else math.inf
+
+    def loss_computed(
+        self, logprobs, entropy, mb: TrainBatch, lm_mean=None, gradient_of=None
+    ) -> None:
+        """`lm_mean`: the model's own causal-LM loss, when the engine computed that term through
+        the model (its gradient reaches the logits, not the log-probabilities). `gradient_of`:
+        (tensor, to_rows) when the loss reads another tensor than `logprobs` (verl's unpadded
+        log-probabilities), to_rows turning that tensor's gradient into `logprobs`' layout."""
+        self._expect_loss_gradient(logprobs, entropy, mb, lm_mean, gradient_of)
         if self.count:  # the previous micro-batch's backward is done; this one's has not started
             self.retained = max(self.retained, fsdp_probe.unsharded_grad_bytes(self.module))
         self.counter.next_micro_batch()
@@ -308,6 +325,32 @@ class MicroBatchProbe:
                 torch.where(mb.mask.bool(), log_ratio, 0.0).max()
             )
         self.count += 1
+
+    def _expect_loss_gradient(self, logprobs, entropy, mb, lm_mean, gradient_of) -> None:
+        """The PPO loss's gradient on each log-probability in closed form (autograd over the
+        harness's loss on a detached copy), compared with the gradient the engine's backward
+        delivers to it: a hook on the tensor, so nothing the engine can override is asked. On an
+        on-policy update the ratio is 1 and the KL gradient 0; from the second update on, PPO's
+        clip, the KL term and the response mask each shape it."""
+        source, to_rows = gradient_of if gradient_of is not None else (logprobs, None)
+        if not source.requires_grad:
+            return  # counted as never reached
+        with torch.enable_grad():
+            leaf = logprobs.detach().float().requires_grad_()
+            ent = None if entropy is None else entropy.detach().float()
+            lm = None if lm_mean is None else lm_mean.detach()
+            loss, _ = ppo_loss(leaf, ent, mb, self.tokens, self.cfg, lm)
+            (want,) = torch.autograd.grad(loss, leaf)
+        want = want * self.loss_scale
+        scale = max(float(want.abs().max()), 1e-30)
+
+        def arrived(grad: torch.Tensor) -> None:
+            got = (to_rows(grad) if to_rows is not None else grad).float()
+            err = float((got - want).abs().max()) / scale
+            self.loss_grad_err = max(self.loss_grad_err, err if math.isfinite(err) else math.inf)
+            self.loss_gradients_seen += 1
+
+        source.register_hook(arrived)
 
 
 def harness_micro_batches(ctx: Rank, batch: TrainBatch, tokens: float, probe: MicroBatchProbe):
@@ -327,17 +370,17 @@ def harness_micro_batches(ctx: Rank, batch: TrainBatch, tokens: float, probe: Mi
                     mb.input_ids, mb.prompt_len, with_entropy=True
                 )
             loss, _ = ppo_loss(logprobs, entropy, mb, tokens, ctx.cfg, lm_mean)
-            probe.loss_computed(logprobs, entropy, mb)
+            probe.loss_computed(logprobs, entropy, mb, lm_mean)
             (loss * ctx.dp_size).backward()  # FSDP averages over ranks; the loss is a sum
 
 
-def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
+def train(ctx: Rank, batch: TrainBatch, tokens: float, update: int = 1) -> Trained:
     """Forward and backward per micro-batch under the engine's sync policy. Engines that run their
     own loop (verl's) get the probe through their loss function; the rest run the harness's loop."""
-    ctx.phase.enter("train")
+    ctx.phase.enter(phase_name("train", update))
     engine, module = ctx.engine, ctx.engine.module
     with fsdp_probe.CollectiveCounter() as counter, fsdp_probe.UnitsThatRan(module) as ran:
-        probe = MicroBatchProbe(module, tokens, ctx.cfg, counter)
+        probe = MicroBatchProbe(module, tokens, ctx.cfg, counter, ctx.dp_size)
         if engine.drives_micro_batches:
             engine.forward_backward(batch, tokens, ctx.cfg, probe)
         else:
@@ -354,7 +397,13 @@ def train(ctx: Rank, batch: TrainBatch, tokens: float) -> Trained:
         ran.count,
         fsdp_probe.shard_group_size(module),
         ran.layer_tokens,
+        probe.loss_grad_max_rel_err,
     )
+
+
+def phase_name(phase: str, update: int) -> str:
+    """train, train2, ...: each update's phases timed apart."""
+    return phase if update == 1 else f"{phase}{update}"
 
 
 @dataclass
@@ -377,8 +426,31 @@ def single_process_copy(ctx: Rank) -> torch.nn.Module:
     return model.to(ctx.device)
 
 
-def reference(ctx: Rank, global_batch: TrainBatch, tokens: float, copy) -> Referenced:
-    ctx.phase.enter("reference")
+@dataclass
+class ReferenceRun:
+    """The single-process reference across updates: its copy of the policy, the copy's parameters
+    before the first update, and AdamW stepping the copy on the reference's own gradients."""
+
+    copy: torch.nn.Module
+    initial: dict[str, torch.Tensor]
+    optimizer: ReferenceOptimizer
+
+    @classmethod
+    def of(cls, ctx: Rank) -> ReferenceRun:
+        copy = single_process_copy(ctx)
+        initial = {n: p.detach().clone() for n, p in copy.named_parameters()}
+        return cls(copy, initial, ReferenceOptimizer(copy, ctx.engine_cfg))
+
+    def step(self, referenced: Referenced, norm_finite: bool) -> None:
+        """The engine skips the update on a non-finite norm; so does the reference."""
+        if norm_finite:
+            self.optimizer.step(referenced.grads, referenced.norm)
+
+
+def reference(
+    ctx: Rank, global_batch: TrainBatch, tokens: float, copy, update: int = 1
+) -> Referenced:
+    ctx.phase.enter(phase_name("reference", update))
     sharded = fsdp_probe.unsharded_gradients(ctx.engine.module)  # read by the harness
     grads = reference_gradients(copy, global_batch, tokens, ctx.cfg)
     err, name = max_abs_error(sharded, grads)
@@ -403,13 +475,17 @@ class Stepped:
     update_l2: float  # the whole model's update, each shard counted once
     local_numel: int  # parameters this rank holds
     seconds: float
-    adamw_step_err_lr: float | None  # against AdamW's first step in closed form; None: no step
+    adamw_step_err_lr: float | None  # against AdamW in closed form; None: no finite norm
     clip_err: float | None  # stepped-on gradients against the harness's clip; None: not observed
     clip_coef: float | None
+    moments: AdamMoments | None  # the harness's own AdamW moments after this step
 
 
-def optimizer(ctx: Rank) -> Stepped:
-    ctx.phase.enter("optimizer")
+def optimizer(ctx: Rank, update: int = 1, moments: AdamMoments | None = None) -> Stepped:
+    """The engine's optimizer_step, measured around: the harness's own norm, clip and AdamW in
+    closed form from the parameters and gradients it read (`moments`: its own AdamW state from
+    the previous updates, None before the first)."""
+    ctx.phase.enter(phase_name("optimizer", update))
     module = ctx.engine.module
     measured = fsdp_probe.global_grad_norm(module)
     before = [local_tensor(p.detach()).to("cpu", copy=True) for p in module.parameters()]
@@ -429,14 +505,35 @@ def optimizer(ctx: Rank) -> Stepped:
     adamw_err = clip_err = clip_coef = None
     if math.isfinite(measured):
         clip_coef = clip_coefficient(measured, ctx.engine_cfg.grad_clip)
-        adamw_err = adamw_first_step_error(before, grads, after, clip_coef, ctx.engine_cfg)
+        clipped = [None if g is None else g.float() * clip_coef for g in grads]
+        expected, moments = adamw_closed_form(before, clipped, ctx.engine_cfg, moments)
+        adamw_err = (
+            max(
+                (
+                    float((p1.float() - want).abs().max())
+                    for p1, want in zip(after, expected)
+                    if p1.numel()
+                ),
+                default=0.0,
+            )
+            / ctx.engine_cfg.lr
+        )
         # collectives on every rank alike, whether or not its optimizer stepped
         local = clip_error(grads, stepped_on[0], clip_coef) if stepped_on else 0.0
         observed = all_sum(1.0 if stepped_on else 0.0, ctx.device)
         clip_err = all_max(local, ctx.device) if observed else None
     numel = sum(b.numel() for b in before)
     return Stepped(
-        reported, measured, moved, update_l2, numel, seconds, adamw_err, clip_err, clip_coef
+        reported,
+        measured,
+        moved,
+        update_l2,
+        numel,
+        seconds,
+        adamw_err,
+        clip_err,
+        clip_coef,
+        moments,
     )
 
 
@@ -475,26 +572,47 @@ def clip_error(raw, stepped_on, coef: float) -> float:
     return max(float((got - want).abs().max()) for want, got in pairs) / scale
 
 
-def adamw_first_step_error(before, grads, after, scale: float, cfg: EngineConfig) -> float:
-    """Largest distance, in units of lr, between each parameter element after the engine's step
-    and AdamW's first step in closed form, from what the harness read: with fresh moments the
-    bias-corrected m and v are g and g^2, so p <- p (1 - lr wd) - lr g / (|g| + eps), g being the
-    gradient scaled by `scale`, the clip coefficient of the harness-measured global norm (the
-    clip itself is check k's). It proves the first step only: later
-    steps depend on moments no harness reading holds. A parameter without a gradient must stay."""
-    worst = 0.0
-    for p0, g, p1 in zip(before, grads, after):
-        if not p0.numel():
-            continue
+@dataclass
+class AdamMoments:
+    """AdamW's state as the harness computes it from its own readings, per local parameter."""
+
+    steps: list[int]  # per parameter: one without a gradient is not stepped
+    exp_avg: list[torch.Tensor | None]
+    exp_avg_sq: list[torch.Tensor | None]
+
+
+def adamw_closed_form(
+    before: list[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    cfg: EngineConfig,
+    moments: AdamMoments | None,
+) -> tuple[list[torch.Tensor], AdamMoments]:
+    """Each parameter after one AdamW step, from the parameters and (clipped) gradients the
+    harness read and its own moments: m <- b1 m + (1 - b1) g, v <- b2 v + (1 - b2) g^2, then
+    p <- p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps). On the first step
+    the betas cancel out (m / (1 - b1) = g); from the second on they do not, so the case's betas
+    are proven there. A parameter without a gradient stays and keeps its moments, as in torch."""
+    if moments is None:
+        moments = AdamMoments([0] * len(before), [None] * len(before), [None] * len(before))
+    b1, b2 = cfg.adam_beta1, cfg.adam_beta2
+    expected, steps, exp_avg, exp_avg_sq = [], [], [], []
+    for p0, g, t, m, v in zip(before, grads, moments.steps, moments.exp_avg, moments.exp_avg_sq):
         if g is None:
-            expected = p0
-        else:
-            g = g.float() * scale
-            expected = p0.float() * (1 - cfg.lr * cfg.weight_decay) - cfg.lr * g / (
-                g.abs() + ADAMW_EPS
-            )
-        worst = max(worst, float((p1.float() - expected).abs().max()) / cfg.lr)
-    return worst
+            expected.append(p0.float())
+            steps.append(t)
+            exp_avg.append(m)
+            exp_avg_sq.append(v)
+            continue
+        t += 1
+        m = (1 - b1) * g if m is None else b1 * m + (1 - b1) * g
+        v = (1 - b2) * g * g if v is None else b2 * v + (1 - b2) * g * g
+        denom = (v / (1 - b2**t)).sqrt() + cfg.adam_eps
+        step = cfg.lr * (m / (1 - b1**t)) / denom
+        expected.append(p0.float() * (1 - cfg.lr * cfg.weight_decay) - step)
+        steps.append(t)
+        exp_avg.append(m)
+        exp_avg_sq.append(v)
+    return expected, AdamMoments(steps, exp_avg, exp_avg_sq)
 
 
 @dataclass
@@ -509,24 +627,20 @@ class PostStep:
     served: weight_handoff.HandOff | None  # served vs trainer weights; None: no rollout (twin)
 
 
-def post_step(
-    ctx: Rank, batch: TrainBatch, ref: Referenced | None, copy, norm_finite: bool
-) -> PostStep:
+def post_step(ctx: Rank, batch: TrainBatch, ref_run: ReferenceRun | None) -> PostStep:
     ctx.phase.enter("checks")
     engine = ctx.engine
     trainer: dict[str, torch.Tensor] = {}
     full: dict[str, torch.Tensor] = {}
-    if ref is not None or ctx.rollout is not None:  # a replay twin has neither: no gathering
+    if ref_run is not None or ctx.rollout is not None:  # a replay twin has neither: no gathering
         # the parameters as the harness reads them off the module (aliases: every name of a tied
         # one), and one name per tied group
         trainer = fsdp_probe.unsharded_parameters(engine.module, aliases=True)
         full = {n: trainer[n] for n in fsdp_probe.parameter_names(engine.module)}
     step_err = step_l2 = None
-    if ref is not None and copy is not None:
-        initial = {n: p.detach().clone() for n, p in copy.named_parameters()}
-        if norm_finite:
-            reference_step(copy, ref.grads, ref.norm, ctx.engine_cfg)
-        want = {n: p.detach() for n, p in copy.named_parameters()}
+    if ref_run is not None:  # every update stepped the copy as the engine's was stepped
+        initial = ref_run.initial
+        want = {n: p.detach() for n, p in ref_run.copy.named_parameters()}
         step_err, _ = max_abs_error(full, want, scale=ctx.engine_cfg.lr)
         shared = [n for n in full if n in initial]  # names that differ fail check c by name
         step_l2 = relative_l2_error(
@@ -592,10 +706,88 @@ class StepOutput:
     grads_fingerprint: dict | None = None
 
 
-def reduced_loss(ctx: Rank, collected: Collected, trained: Trained, tokens: float) -> LossRecord:
-    """Per-rank sums and maxima reduced to the whole run (sequence-parallel ranks counted once)."""
+@dataclass
+class Update:
+    """What one optimizer update on the batch measured."""
+
+    trained: Trained
+    sketch: dict[str, list[float]] | None  # rank 0, runs without a reference
+    referenced: Referenced | None
+    stepped: Stepped
+
+
+def worst(values) -> float | None:
+    """The largest of the measured values (None: not measured; NaN counts as infinite)."""
+    measured = [math.inf if v != v else v for v in values if v is not None]
+    return max(measured) if measured else None
+
+
+def update_records(
+    ctx: Rank, collected: Collected, done: list[Update]
+) -> tuple[TrainRecord, ReferenceRecord | None, OptimizerRecord]:
+    """The train, reference and optimizer records of the updates so far. Counts, norms and the
+    loss are the first update's (on-policy: what checks a, b, f, g and h read); the errors
+    against the closed forms and the reference are the worst of every update; the twin's
+    sketch holds every update's, the later ones named `<parameter> (update N)`."""
+    first, batch = done[0], collected.batch
+    trained = first.trained
+    sketch = None
+    if first.sketch is not None:
+        sketch = dict(first.sketch)
+        for number, later in enumerate(done[1:], start=2):
+            sketch.update({f"{n} (update {number})": v for n, v in (later.sketch or {}).items()})
+    train_record = TrainRecord(
+        reduce_scatter_calls_by_micro_batch=trained.reduce_scatters_by_micro_batch,
+        reduce_scatter_calls=sum(trained.reduce_scatters_by_micro_batch),
+        all_gather_calls=trained.all_gathers,
+        fsdp_units=trained.fsdp_units,
+        shard_group_size=trained.shard_group_size,
+        layer_tokens=trained.layer_tokens,
+        seq_len=int(batch.input_ids.shape[1]),
+        # rows of the largest micro-batch: both loops split as torch.chunk does
+        micro_batch_rows=-(-batch.size // ctx.cfg.micro_batches),
+        data_rows=collected.rows,
+        grad_sketch=sketch,
+        sp_size=ctx.sp,
+        retained_grad_bytes=trained.retained_grad_bytes,
+        loss_grad_max_rel_err=worst(u.trained.loss_grad_max_rel_err for u in done),
+    )
+    reference_record = None
+    referenced = [u.referenced for u in done if u.referenced is not None]
+    if referenced:
+        worst_update = max(referenced, key=lambda r: worst([r.grad_max_rel_err]) or 0.0)
+        reference_record = ReferenceRecord(
+            grad_max_rel_err=worst_update.grad_max_rel_err,
+            grad_max_rel_err_param=worst_update.grad_max_rel_err_param,
+            reference_grad_norm=referenced[0].norm,
+            grad_rel_l2_err=worst(r.grad_rel_l2_err for r in referenced),
+        )
+    stepped = first.stepped
+    optimizer_record = OptimizerRecord(
+        grad_norm=stepped.reported_norm,
+        grad_norm_finite=math.isfinite(stepped.reported_norm),
+        grad_norm_measured=stepped.measured_norm,
+        param_update_max_abs=stepped.update_max_abs,
+        update_l2=stepped.update_l2,
+        local_param_numel=stepped.local_numel,
+        adamw_step_max_err_lr=worst(u.stepped.adamw_step_err_lr for u in done),
+        clip_max_rel_err=worst(u.stepped.clip_err for u in done),
+        clip_coef=stepped.clip_coef,
+    )
+    return train_record, reference_record, optimizer_record
+
+
+def reduced_loss(ctx: Rank, collected: Collected, done: list[Update], tokens: float) -> LossRecord:
+    """Per-rank sums and maxima reduced to the whole run (sequence-parallel ranks counted once):
+    the first update's, and how far off-policy the last one trained."""
     device, sp, batch = ctx.device, ctx.sp, collected.batch
+    trained = done[0].trained
     summed = {key: all_sum(trained.parts.get(key, 0.0), device) / sp for key in SUMMED_PARTS}
+    clipfrac_last = kl_last = None
+    if len(done) > 1:
+        last = done[-1].trained.parts
+        clipfrac_last = all_sum(last.get(Metric.ACTOR_PG_CLIPFRAC, 0.0), device) / sp
+        kl_last = all_sum(last.get(Metric.ACTOR_PPO_KL, 0.0), device) / sp
     first = trained.first_micro_batch
     responses = all_sum(float(batch.size), device) / sp
     score_mean = None
@@ -615,6 +807,8 @@ def reduced_loss(ctx: Rank, collected: Collected, trained: Trained, tokens: floa
         response_length_mean=tokens / responses,
         advantages_abs_max=all_max(float(batch.advantages.abs().max()), device),
         score_mean=score_mean,
+        pg_clipfrac_last_update=clipfrac_last,
+        ppo_kl_last_update=kl_last,
     )
 
 
@@ -642,6 +836,7 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
         reference=cfg.reference_checks and not ctx.replaying,
         memory_budget_mb=spec.memory_budget_mb,
         replicas=1 if replicas is None else torch.distributed.get_world_size(replicas),
+        updates=cfg.updates,
     )
     step_start = time.perf_counter()
     collected = replayed(ctx) if ctx.replaying else collect(ctx)
@@ -653,55 +848,28 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
     if global_batch is not None and rank == 0:
         global_batch.save(folder.batch)
 
-    trained = train(ctx, batch, tokens)
-    # without a reference, the twin judges gradients per parameter: both runs sketch them
-    sketch = None
-    if not cfg.reference_checks or ctx.replaying:
-        sketch = fsdp_probe.gradient_sketch(ctx.engine.module)
-    metrics.train = TrainRecord(
-        reduce_scatter_calls_by_micro_batch=trained.reduce_scatters_by_micro_batch,
-        reduce_scatter_calls=sum(trained.reduce_scatters_by_micro_batch),
-        all_gather_calls=trained.all_gathers,
-        fsdp_units=trained.fsdp_units,
-        shard_group_size=trained.shard_group_size,
-        layer_tokens=trained.layer_tokens,
-        seq_len=int(batch.input_ids.shape[1]),
-        # rows of the largest micro-batch: both loops split as torch.chunk does
-        micro_batch_rows=-(-batch.size // ctx.cfg.micro_batches),
-        data_rows=collected.rows,
-        grad_sketch=sketch if rank == 0 else None,
-        sp_size=ctx.sp,
-        retained_grad_bytes=trained.retained_grad_bytes,
-    )
-
-    ref, copy = None, None
+    sketching = not cfg.reference_checks or ctx.replaying  # the twin judges per parameter
+    ref_run = None
     if cfg.reference_checks and global_batch is not None:  # not when replaying
         with ctx.unsharded():
-            copy = single_process_copy(ctx)
-            ref = reference(ctx, global_batch, tokens, copy)
-        metrics.reference = ReferenceRecord(
-            grad_max_rel_err=ref.grad_max_rel_err,
-            grad_max_rel_err_param=ref.grad_max_rel_err_param,
-            reference_grad_norm=ref.norm,
-            grad_rel_l2_err=ref.grad_rel_l2_err,
-        )
+            ref_run = ReferenceRun.of(ctx)
+    done: list[Update] = []
+    for number in range(1, cfg.updates + 1):
+        trained = train(ctx, batch, tokens, number)
+        sketch = fsdp_probe.gradient_sketch(ctx.engine.module) if sketching else None
+        referenced = None
+        if ref_run is not None and global_batch is not None:
+            with ctx.unsharded():
+                referenced = reference(ctx, global_batch, tokens, ref_run.copy, number)
+        stepped = optimizer(ctx, number, done[-1].stepped.moments if done else None)
+        done.append(Update(trained, sketch if rank == 0 else None, referenced, stepped))
+        metrics.train, metrics.reference, metrics.optimizer = update_records(ctx, collected, done)
+        if number == 1:
+            step_time = time.perf_counter() - step_start  # one update: what cases compare
+        if ref_run is not None and referenced is not None:
+            ref_run.step(referenced, math.isfinite(stepped.reported_norm))
 
-    stepped = optimizer(ctx)
-    step_time = time.perf_counter() - step_start
-    finite = math.isfinite(stepped.reported_norm)
-    metrics.optimizer = OptimizerRecord(
-        grad_norm=stepped.reported_norm,
-        grad_norm_finite=finite,
-        grad_norm_measured=stepped.measured_norm,
-        param_update_max_abs=stepped.update_max_abs,
-        update_l2=stepped.update_l2,
-        local_param_numel=stepped.local_numel,
-        adamw_step_max_err_lr=stepped.adamw_step_err_lr,
-        clip_max_rel_err=stepped.clip_err,
-        clip_coef=stepped.clip_coef,
-    )
-
-    after = post_step(ctx, batch, ref, copy, finite)
+    after = post_step(ctx, batch, ref_run)
     # token means over the global batch (sequence-parallel ranks counted once)
     post_mean = all_sum(float((after.logprobs * batch.mask).sum()), device) / ctx.sp / tokens
     record = PostStepRecord(
@@ -729,7 +897,7 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
             torch.save({"logprobs": logprobs}, folder.post_step)
 
     phase.enter("metrics")
-    metrics.loss = reduced_loss(ctx, collected, trained, tokens)
+    metrics.loss = reduced_loss(ctx, collected, done, tokens)
     global_tokens = all_sum(float(batch.input_ids.numel()), device) / ctx.sp
     metrics.perf = PerfRecord(
         step_time_s=step_time,
@@ -738,4 +906,5 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
     )
     launched = os.environ.get(Env.LAUNCHED_AT)
     metrics.timings = phase.timings(float(launched) if launched else None)
-    return StepOutput(metrics, ref.fingerprint if ref else None)
+    first_reference = done[0].referenced
+    return StepOutput(metrics, first_reference.fingerprint if first_reference else None)

@@ -92,6 +92,8 @@ class VerlEngineAdapter:
             "optimizer_config": FSDPOptimizerConfig(
                 lr=cfg.lr,
                 weight_decay=cfg.weight_decay,
+                betas=(cfg.adam_beta1, cfg.adam_beta2),
+                override_optimizer_config={"eps": cfg.adam_eps},
                 clip_grad=cfg.grad_clip,
                 total_training_steps=1,
             ),
@@ -227,7 +229,15 @@ class VerlEngineAdapter:
                 old_logprobs=fields["old_log_probs"],
                 ref_logprobs=fields["ref_log_prob"],
             )
-            probe.loss_computed(logprobs, entropy, rows)
+            # verl's loss pads model_output's log-probabilities itself: the harness's hook goes on
+            # those, their gradient padded the same way
+            unpadded = model_output["log_probs"]
+            probe.loss_computed(
+                logprobs,
+                entropy,
+                rows,
+                gradient_of=(unpadded, lambda grad: no_padding_2_padding(grad, micro_batch)),
+            )
             return ppo_loss(actor, model_output, micro_batch, dp_group)
 
         with self.engine.train_mode(zero_grad_on_exit=False):

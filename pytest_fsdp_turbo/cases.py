@@ -41,7 +41,8 @@ BACKEND_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # whole id (fullmatch: no trailing newline)
 CASE_ID_MAX = 100  # a folder name under the artifacts and goldens, with room for suffixes
 ENGINE_ENTRY_POINTS = "pytest_fsdp_turbo.engines"
-DEFAULT_CASES = Path("e2e") / "cases.toml"  # under the rootdir, unless an option or ini names one
+DEFAULT_CASES = Path("e2e") / "cases.toml"
+MAX_UPDATES = 4  # each update is another forward, backward and step: a few prove the point  # under the rootdir, unless an option or ini names one
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,13 @@ class Case:
     lr: float = 1e-4
     grad_clip: float = 1.0  # max_norm of the clip by the global gradient norm
     lm_loss_coef: float = 0.0  # a causal-LM term through the model's loss path (labels)
+    # optimizer updates on the one rollout: 2 makes the second off-policy (PPO's clip, the KL
+    # term and the response mask then move the loss) and proves AdamW's second step in closed form
+    updates: int = 1
+    clip_ratio: float = 0.2  # PPO's clip range (the dual clip stays at 3)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     reference_checks: bool | None = None  # default: on for tiny models
     # fsdp_turbo with SP: each micro-batch fed as one packed row with position_ids and cu_seqlens,
     # the convention verl's FSDP-Turbo engine feeds the library (False: padded rows, no positions)
@@ -129,6 +137,9 @@ class Case:
             sync_policy=self.gradient_sync,
             lr=self.lr,
             grad_clip=self.grad_clip,
+            adam_beta1=self.adam_beta1,
+            adam_beta2=self.adam_beta2,
+            adam_eps=self.adam_eps,
             turbo_config=turbo_config or {},
             packed=self.packed,
         )
@@ -138,6 +149,8 @@ class Case:
             max_new_tokens=self.max_new_tokens,
             micro_batches=self.micro_batches,
             lm_loss_coef=self.lm_loss_coef,
+            updates=self.updates,
+            clip_ratio=self.clip_ratio,
             rollout=self.rollout,
             reference_checks=self.with_reference_checks(),
             replay=replay,
@@ -396,6 +409,15 @@ def validate_case(
         raise where.error("grad_clip", "a finite number > 0", case.grad_clip)
     if not (case.lm_loss_coef >= 0 and math.isfinite(case.lm_loss_coef)):
         raise where.error("lm_loss_coef", "a finite number >= 0", case.lm_loss_coef)
+    if case.updates not in range(1, MAX_UPDATES + 1):
+        raise where.error("updates", f"an integer from 1 to {MAX_UPDATES}", case.updates)
+    if not 0 < case.clip_ratio < 1:
+        raise where.error("clip_ratio", "a number in (0, 1)", case.clip_ratio)
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(case, name) < 1:
+            raise where.error(name, "a number in [0, 1)", getattr(case, name))
+    if not (case.adam_eps > 0 and math.isfinite(case.adam_eps)):
+        raise where.error("adam_eps", "a finite number > 0", case.adam_eps)
     if case.packed and not (case.backend == "fsdp_turbo" and case.sp_size > 1):
         raise where.error(
             "packed",

@@ -10,7 +10,12 @@ that applies and says which could not apply and why.
   f  memory within the case's budget
   g  goldens (pytest_fsdp_turbo.goldens, needs the golden folder)
   h  the declared gradient-sync policy: reduce-scatters per micro-batch and retained gradients
-  i  the optimizer step: every rank moved its parameters; equal to the reference step when there is one
+  i  the optimizer step: every rank moved its parameters; each update equal to AdamW in closed form
+     (the case's betas, eps, weight decay); equal to the reference's steps when there is one
+  j  data-parallel ranks trained on disjoint rows
+  k  the optimizer stepped on gradients clipped by the global norm and the case's max_norm
+  l  the loss's gradient on each log-probability equals the PPO loss's in closed form (off-policy
+     from the second update on, where the clip, the KL term and the response mask shape it)
 
 Each failure message names the check letter, the rank, the metric or parameter, the value and the
 tolerance. Every value checked here was measured by the harness inside the ranks.
@@ -51,7 +56,7 @@ GRAD_NORM_REFERENCE_REL = {"fp32": 1e-4, "bf16": 3e-2}
 # step moves every entry by about lr, so 1.0 would be "one entry went the other way"), and the
 # whole update's relative L2 error (a doubled step is 1.0, a rank that did not step about 0.7).
 STEP_TOL_LR = {"fp32": 5e-2}
-# AdamW's first step in closed form against the engine's: float rounding only, in units of lr
+# AdamW in closed form against the engine's step: float rounding only, in units of lr
 ADAMW_STEP_TOL_LR = {"fp32": 1e-3, "bf16": 1e-3}
 STEP_L2_TOL = {"fp32": 1e-3, "bf16": 0.5}
 # Replay twin (same batch, reference layout): loss (atol, rtol), grad norm rtol, post-step logprobs.
@@ -444,10 +449,11 @@ def check_sync_contract(result: RunResult) -> None:
 
 def check_optimizer_step(result: RunResult) -> None:
     """i. Every rank holding parameters changed them (all bit-identical when the norm was not
-    finite); in every mode, each parameter element moved as AdamW's first step moves it, computed
-    by the harness from the (clipped) gradients and parameters it read and the case's lr, eps and
-    weight decay (it proves the first step only: later steps need moments no harness reading
-    holds); with a reference, the post-step parameters also equal the reference step's."""
+    finite); in every mode, each parameter element moved as AdamW moves it, computed by the
+    harness from the (clipped) gradients and parameters it read, its own moments and the case's
+    lr, betas, eps and weight decay (the betas cancel out of the first step: a case with
+    `updates = 2` proves them); with a reference, the post-step parameters also equal the
+    reference's steps."""
     finite = result.metrics.get(Metric.ACTOR_GRAD_NORM_FINITE, True)
     numel = dict(_per_rank(result, Metric.ACTOR_LOCAL_PARAM_NUMEL))
     for rank, moved in _per_rank(result, Metric.ACTOR_PARAM_UPDATE_MAX_ABS):
@@ -464,9 +470,11 @@ def check_optimizer_step(result: RunResult) -> None:
     tol = ADAMW_STEP_TOL_LR[_dtype(result)]
     if finite and (over := _first_above(result, Metric.SYNC_ADAMW_STEP_MAX_ERR_LR, tol)):
         raise CheckFailure(
-            f"check i: rank {over[0]}: post-step parameters differ from AdamW's first step "
-            f"(computed from the gradients, parameters, lr, eps and weight decay the harness read) "
-            f"by {over[1]:.3g} x lr ({Metric.SYNC_ADAMW_STEP_MAX_ERR_LR}), tolerance {tol:g}"
+            f"check i: rank {over[0]}: post-step parameters differ from AdamW in closed form "
+            f"(from the gradients and parameters the harness read, its own moments over "
+            f"{result.metrics.get(Metric.CASE_UPDATES) or 1} update(s), and the case's lr, betas, "
+            f"eps and weight decay) by {over[1]:.3g} x lr ({Metric.SYNC_ADAMW_STEP_MAX_ERR_LR}), "
+            f"tolerance {tol:g}"
         )
     if Metric.SYNC_STEP_MAX_ERR_LR not in result.metrics:
         return
@@ -541,6 +549,37 @@ def check_data_rows(result: RunResult) -> None:
             seen[row] = ranks
 
 
+# The engine's loss gradient on each log-probability against autograd over the harness's loss on
+# the same values. fp32: the same formula, measured 0.0 on ours and verl's engines. bf16: an
+# engine whose log-probabilities are bf16 (verl's FSDP-Turbo engine) gets its gradient in bf16
+# arithmetic, measured 4.5e-3; ours keep fp32 log-probabilities (0.0).
+LOSS_GRAD_TOL = {"fp32": 1e-6, "bf16": 2e-2}
+
+
+def check_loss_gradient(result: RunResult) -> None:
+    """l. The gradient the engine's backward delivered to the log-probabilities it reported, per
+    micro-batch and update, against the PPO loss's gradient in closed form (clip range, dual
+    clip, KL term, entropy and causal-LM coefficients, response mask, global token mean),
+    caught by a hook of the harness's on that tensor. On one on-policy update the ratio is 1 and
+    the KL gradient 0, so only a case with `updates = 2` shows a loss that drops the clip range,
+    counts the KL twice or ignores the response mask."""
+    if not any(Metric.SYNC_LOSS_GRAD_MAX_REL_ERR in (r.metrics or {}) for r in result.ranks):
+        raise NotApplicable("no loss gradient measured")
+    tol = LOSS_GRAD_TOL[_dtype(result)]
+    if over := _first_above(result, Metric.SYNC_LOSS_GRAD_MAX_REL_ERR, tol):
+        updates = result.metrics.get(Metric.CASE_UPDATES) or 1
+        what = (
+            "never reached the log-probabilities the engine reported"
+            if over[1] == math.inf
+            else f"differs by {over[1]:.3g} (relative to its largest entry)"
+        )
+        raise CheckFailure(
+            f"check l: rank {over[0]}: the loss's gradient on the log-probabilities {what} from "
+            f"the PPO loss's in closed form over {updates} update(s) "
+            f"({Metric.SYNC_LOSS_GRAD_MAX_REL_ERR}), tolerance {tol:g}"
+        )
+
+
 CHECKS: tuple[tuple[str, Callable[[RunResult, float | None], None]], ...] = (
     ("a", lambda r, _: check_grad_norm(r)),
     ("b", lambda r, _: check_on_policy(r)),
@@ -552,6 +591,7 @@ CHECKS: tuple[tuple[str, Callable[[RunResult, float | None], None]], ...] = (
     ("i", lambda r, _: check_optimizer_step(r)),
     ("j", lambda r, _: check_data_rows(r)),
     ("k", lambda r, _: check_clip(r)),
+    ("l", lambda r, _: check_loss_gradient(r)),
 )
 
 
@@ -584,7 +624,7 @@ def evaluate(result: RunResult, budget_mb: float | None = None) -> Verdict:
 
 
 def check_all(result: RunResult, budget_mb: float | None = None) -> Verdict:
-    """The one call for a downstream test: a-f, h and i (g, goldens, lives in goldens).
+    """The one call for a downstream test: a-f and h-l (g, goldens, lives in goldens).
 
     Raises CheckFailure listing every failed check; returns the verdict, whose not_applicable()
     says which checks could not apply to this run and why.

@@ -52,6 +52,9 @@ class Metric:
     ACTOR_PARAM_UPDATE_MAX_ABS = "actor/param_update_max_abs"
     ACTOR_PG_CLIPFRAC = "actor/pg_clipfrac"
     ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH = "actor/pg_clipfrac_first_micro_batch"
+    # the last of several updates on one rollout: how far off-policy it trained
+    ACTOR_PG_CLIPFRAC_LAST_UPDATE = "actor/pg_clipfrac_last_update"
+    ACTOR_PPO_KL_LAST_UPDATE = "actor/ppo_kl_last_update"
     ACTOR_PG_LOSS = "actor/pg_loss"
     ACTOR_PPO_KL = "actor/ppo_kl"
     ACTOR_PPO_KL_FIRST_MICRO_BATCH = "actor/ppo_kl_first_micro_batch"
@@ -67,6 +70,7 @@ class Metric:
     CASE_REPLICAS = "case/replicas"
     CASE_SP_SIZE = "case/sp_size"
     CASE_SYNC_POLICY = "case/sync_policy"
+    CASE_UPDATES = "case/updates"  # optimizer updates on the one rollout (2: the second off-policy)
     CASE_WORLD_SIZE = "case/world_size"
     COMM_ALL_GATHER_CALLS = "comm/all_gather_calls"
     COMM_FSDP_UNITS = "comm/fsdp_units"
@@ -87,6 +91,9 @@ class Metric:
     SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF = "sync/handoff_weight_max_abs_diff"
     SYNC_HANDOFF_WEIGHT_WORST = "sync/handoff_weight_worst"
     SYNC_LAYER_TOKENS = "sync/layer_tokens"
+    # the loss's gradient on the log-probabilities the engine reported, against the harness's
+    # closed form, relative to its largest entry; worst over updates and micro-batches
+    SYNC_LOSS_GRAD_MAX_REL_ERR = "sync/loss_grad_max_rel_err"
     SYNC_MICRO_BATCH_ROWS = "sync/micro_batch_rows"
     # the gradients the optimizer stepped on against the harness's clip of the raw ones
     SYNC_CLIP_MAX_REL_ERR = "sync/clip_max_rel_err"
@@ -175,6 +182,7 @@ class CaseRecord(Record):
     reference: bool | None = metric(Metric.CASE_REFERENCE)
     memory_budget_mb: float | None = metric(Metric.CASE_MEMORY_BUDGET_MB)
     replicas: int | None = metric(Metric.CASE_REPLICAS)
+    updates: int | None = metric(Metric.CASE_UPDATES)
 
 
 @dataclass
@@ -195,6 +203,7 @@ class TrainRecord(Record):
     grad_sketch: dict[str, list[float]] | None = metric(Metric.SYNC_GRAD_SKETCH, optional=True)
     sp_size: int | None = metric(Metric.CASE_SP_SIZE)
     retained_grad_bytes: int | None = metric(Metric.SYNC_RETAINED_GRAD_BYTES)
+    loss_grad_max_rel_err: float | None = metric(Metric.SYNC_LOSS_GRAD_MAX_REL_ERR)
 
 
 @dataclass
@@ -264,6 +273,10 @@ class LossRecord(Record):
     response_length_mean: float | None = metric(Metric.RESPONSE_LENGTH_MEAN)
     advantages_abs_max: float | None = metric(Metric.PPO_ADVANTAGES_ABS_MAX)
     score_mean: float | None = metric(Metric.CRITIC_SCORE_MEAN, optional=True)
+    pg_clipfrac_last_update: float | None = metric(
+        Metric.ACTOR_PG_CLIPFRAC_LAST_UPDATE, optional=True
+    )
+    ppo_kl_last_update: float | None = metric(Metric.ACTOR_PPO_KL_LAST_UPDATE, optional=True)
 
 
 @dataclass
@@ -329,7 +342,10 @@ class EngineSpec:
     sync_policy: SyncPolicy = SyncPolicy.DEFERRED
     lr: float = 1e-4
     grad_clip: float = 1.0
-    weight_decay: float = 0.0  # AdamW; the reference step uses the same
+    weight_decay: float = 0.0  # AdamW; the reference step and the closed form use the same
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     turbo_config: dict = field(default_factory=dict)
     packed: bool = False  # one packed row per micro-batch, with position_ids and cu_seqlens
 
@@ -348,6 +364,9 @@ class PPOSpec:
     # a causal-LM (NLL) term on the response tokens, token mean over the global batch; our engines
     # compute it through the model's own loss path with labels (the library's SP loss patch)
     lm_loss_coef: float = 0.0
+    # optimizer updates on the one rollout's batch: from the second on, the policy has moved away
+    # from the one that sampled it, so PPO's clip, the KL term and the response mask shape the loss
+    updates: int = 1
     rollout: Rollout = Rollout.HF
     seed: int = 7
     reference_checks: bool = True  # single-process reference gradients, fingerprint (tiny models)

@@ -367,6 +367,12 @@ def test_a_case_file_that_is_a_folder_says_so(tmp_path):
         ("grad_clip = nan\n", "field 'grad_clip': expected a finite number > 0; got nan"),
         ("lm_loss_coef = -1.0\n", "field 'lm_loss_coef': expected a finite number >= 0; got -1.0"),
         ("packed = true\n", "field 'packed': expected false unless backend is fsdp_turbo with"),
+        ("updates = 0\n", "field 'updates': expected an integer from 1 to 4; got 0"),
+        ("updates = 5\n", "field 'updates': expected an integer from 1 to 4; got 5"),
+        ("clip_ratio = 1.5\n", "field 'clip_ratio': expected a number in (0, 1); got 1.5"),
+        ("adam_beta2 = 1.0\n", "field 'adam_beta2': expected a number in [0, 1); got 1.0"),
+        ("adam_beta1 = -0.1\n", "field 'adam_beta1': expected a number in [0, 1); got -0.1"),
+        ("adam_eps = 0.0\n", "field 'adam_eps': expected a finite number > 0; got 0.0"),
     ],
 )
 def test_the_fields_of_this_round_are_refused_in_one_line_when_out_of_range(tmp_path, fields, said):

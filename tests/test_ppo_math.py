@@ -90,3 +90,91 @@ def test_response_logprobs_gathers_taken_tokens():
     assert ppo.response_logprobs(logits, torch.tensor([[1]])).item() == pytest.approx(
         math.log(0.75)
     )
+
+
+@pytest.fixture
+def _torch_env_side_effects():
+    """torch sets TORCHINDUCTOR_CACHE_DIR on first use in-process; keep the env guard honest."""
+    from pytest_fsdp_turbo.environ import restored_environ
+
+    with restored_environ():
+        yield
+
+
+@pytest.mark.usefixtures("_torch_env_side_effects")
+def test_adamw_in_closed_form_is_torchs_adamw_over_three_steps():
+    """The harness's own AdamW (check i) against torch's, with betas, eps and weight decay that
+    are not the defaults and a parameter that misses a gradient on one step."""
+    from dataclasses import replace
+
+    from pytest_fsdp_turbo_engine.fsdp_engine import adamw
+    from pytest_fsdp_turbo_engine.step import adamw_closed_form
+
+    from pytest_fsdp_turbo.contract import EngineSpec
+
+    cfg = replace(
+        EngineSpec(world_size=1, fsdp_size=1),
+        lr=1e-2,
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        adam_eps=1e-6,
+        weight_decay=0.1,
+    )
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3, 2))]
+    optimizer = adamw(params, cfg)
+    moments = None
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        if step == 1:
+            grads[1] = None  # torch skips it: no decay, no moment update
+        before = [p.detach().clone() for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+        optimizer.step()
+        expected, moments = adamw_closed_form(before, grads, cfg, moments)
+        for p, want in zip(params, expected):
+            assert torch.allclose(p.detach(), want, atol=1e-6, rtol=0), step
+    assert moments.steps == [3, 2]
+
+
+@pytest.mark.usefixtures("_torch_env_side_effects")
+def test_the_probe_compares_the_loss_gradient_an_engine_delivers_with_the_closed_form():
+    """Check l's measurement: the gradient a backward delivers to the reported log-probabilities,
+    against autograd over the harness's loss. Off-policy (old != current), a KL term counted
+    twice moves it; a detached tensor never receives one (infinite)."""
+    from pytest_fsdp_turbo_engine.fsdp_probe import CollectiveCounter
+    from pytest_fsdp_turbo_engine.step import MicroBatchProbe
+    from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
+
+    from pytest_fsdp_turbo.contract import PPOSpec
+
+    torch.manual_seed(0)
+    cfg = PPOSpec(kl_coef=0.1)
+    current = torch.randn(2, 5) - 2
+    mb = TrainBatch(
+        input_ids=torch.zeros(2, 8, dtype=torch.long),
+        prompt_len=3,
+        mask=torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2]),
+        advantages=torch.randn(2, 5),
+        old_logprobs=current + 0.3 * torch.randn(2, 5),
+        ref_logprobs=current + 0.3 * torch.randn(2, 5),
+    )
+    module = torch.nn.Linear(1, 1)
+
+    def measured(extra_kl: float, detached: bool = False) -> float:
+        with CollectiveCounter() as counter:
+            probe = MicroBatchProbe(module, 8.0, cfg, counter, loss_scale=2.0)
+            logprobs = current.clone().requires_grad_()
+            reported = logprobs.detach() if detached else logprobs
+            probe.loss_computed(reported, None, mb)
+            loss, _ = ppo_loss(logprobs, None, mb, 8.0, cfg)
+            (2.0 * (loss + extra_kl * kl(logprobs))).backward()
+        return probe.loss_grad_max_rel_err
+
+    def kl(logprobs):
+        return ppo.token_sum(ppo.low_var_kl(logprobs, mb.ref_logprobs), mb.mask) / 8.0
+
+    assert measured(0.0) == 0.0
+    assert measured(cfg.kl_coef) > 1e-3
+    assert measured(0.0, detached=True) == math.inf
