@@ -63,6 +63,7 @@ def test_healthy_run_without_reference_or_twin_says_what_did_not_apply():
         "d: no replicas",
         "f: no memory budget",
         "k: no optimizer step observed",
+        "l: no loss gradient measured",
     ]
 
 
