@@ -74,7 +74,7 @@ def _warm_parent_up_front(request):
     fork from it instead of importing torch. A single-file run stays light (no 5 s start)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    from pytest_fsdp_turbo.warm import warm_parent
+    from pytest_fsdp_turbo.launching.warm import warm_parent
 
     warm_parent(request.getfixturevalue("fsdp_turbo_lease_book").state_dir)
 
@@ -85,9 +85,9 @@ def fsdp_turbo_checkout(pytestconfig, accelerator):
     (tests/standin_fsdp_turbo, a test double of the library's contract, never evidence about
     hardware) unless FSDP_TURBO_PATH / --fsdp-turbo-path names a checkout. On cuda and npu the
     plugin's own resolution (path, /FSDPTurbo, pinned clone) is used unchanged."""
-    from pytest_fsdp_turbo.checkout import Checkout
     from pytest_fsdp_turbo.fixtures import session_checkout
     from pytest_fsdp_turbo.session import settings_of
+    from pytest_fsdp_turbo.turbo.checkout import Checkout
 
     if accelerator.kind == "cpu" and not settings_of(pytestconfig).checkout.path:
         layout = STANDIN / "function_patches"

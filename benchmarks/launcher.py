@@ -16,13 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from pytest_fsdp_turbo.contract import Metric, RunFolder
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env
-from pytest_fsdp_turbo.launch import WORKER_MODULE
-from pytest_fsdp_turbo.run_path import standalone_runner
-from pytest_fsdp_turbo.runs import RunRequest, rank_spec
+from pytest_fsdp_turbo.launching.case_runner import standalone_runner
+from pytest_fsdp_turbo.launching.request import RunRequest, rank_spec
+from pytest_fsdp_turbo.launching.supervisor import WORKER_MODULE
 from pytest_fsdp_turbo.settings import resolve
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.records import Metric
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -14,10 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from pytest_fsdp_turbo.contract import Metric
 from pytest_fsdp_turbo.devices import detect
-from pytest_fsdp_turbo.run_path import standalone_runner
+from pytest_fsdp_turbo.launching.case_runner import standalone_runner
 from pytest_fsdp_turbo.settings import resolve
+from pytest_fsdp_turbo_contract.records import Metric
 
 REPO = Path(__file__).resolve().parent.parent
 

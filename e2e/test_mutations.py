@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fsdp_turbo import checks, goldens
-from pytest_fsdp_turbo.checkout import Checkout
-from pytest_fsdp_turbo.contract import REFERENCE_METRICS, Metric, RunResult
+from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo.checks import goldens
 from pytest_fsdp_turbo.session import cases_of, goldens_dir
+from pytest_fsdp_turbo.turbo.checkout import Checkout
+from pytest_fsdp_turbo_contract.records import REFERENCE_METRICS, Metric
+from pytest_fsdp_turbo_contract.results import RunResult
 
 HERE = Path(__file__).parent
 # The engine bugs below are model-agnostic, so they run on the quickest two-rank case; the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_fsdp_turbo import checks
-from pytest_fsdp_turbo.contract import Metric
+from pytest_fsdp_turbo_contract.records import Metric
 
 
 def test_ppo_one_step(

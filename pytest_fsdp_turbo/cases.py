@@ -18,10 +18,10 @@ from typing import Any
 
 from pytest_fsdp_turbo_fixtures import DATA_DIR
 
-from pytest_fsdp_turbo.contract import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo.devices import KINDS
-from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.vocab import (
+from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
+from pytest_fsdp_turbo_contract.vocab import (
     VERL_PREFIX,
     DeviceKind,
     Dtype,
@@ -449,7 +449,7 @@ def validate_case(
             "micro_batches", f"at most the {rows} rows each rank trains on", case.micro_batches
         )
     if case.is_turbo:
-        from pytest_fsdp_turbo.turbo_config import build_turbo_config
+        from pytest_fsdp_turbo_contract.turbo_config import build_turbo_config
 
         for kind in case.devices:
             try:

@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
-from pytest_fsdp_turbo.checkout import resolve_checkout
 from pytest_fsdp_turbo.devices import KINDS, detect
 from pytest_fsdp_turbo.environ import build_collective_env, mask_secrets
-from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, LeaseTimeout
 from pytest_fsdp_turbo.leases import hccl_port_ranges
 from pytest_fsdp_turbo.settings import resolve
-from pytest_fsdp_turbo.vocab import DeviceKind
+from pytest_fsdp_turbo.turbo.checkout import resolve_checkout
+from pytest_fsdp_turbo_contract.errors import CheckoutUnavailable, ConfigError, LeaseTimeout
+from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
 VERSIONED = (
     "torch",
@@ -37,7 +37,7 @@ def _version(dist: str) -> str:
 
 
 def _describe_library(path) -> None:
-    from pytest_fsdp_turbo.turbo_library import inspect, torch_outside_range, torch_requirement
+    from pytest_fsdp_turbo.turbo.library import inspect, torch_outside_range, torch_requirement
 
     try:
         print(f"           config layout: {inspect(None, path).layout}")
@@ -124,7 +124,7 @@ def doctor(args: argparse.Namespace) -> int:
 def _describe_cases_and_engines(settings) -> None:
     """The case file the rootdir's configuration selects and every engine announced to the ranks."""
     from pytest_fsdp_turbo.cases import announced_engines
-    from pytest_fsdp_turbo.run_path import case_file, read_ini
+    from pytest_fsdp_turbo.launching.case_runner import case_file, read_ini
 
     ini = read_ini(Path.cwd())
     source = "option" if settings.cases else "ini fsdp_turbo_cases" if ini.cases else "default"
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from pytest_fsdp_turbo import checks
-    from pytest_fsdp_turbo.run_path import Unavailable, standalone_runner
+    from pytest_fsdp_turbo.launching.case_runner import Unavailable, standalone_runner
 
     settings = resolve(
         {
@@ -188,10 +188,10 @@ def config(args: argparse.Namespace) -> int:
     checkout, validated against its schema: one line per problem on stderr, exit 1."""
     import json
 
+    from pytest_fsdp_turbo.launching.case_runner import standalone_cases
     from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
-    from pytest_fsdp_turbo.run_path import standalone_cases
-    from pytest_fsdp_turbo.turbo_config import resolved_targets
-    from pytest_fsdp_turbo.turbo_library import TurboConfigProblems, inspect, turbo_config_for
+    from pytest_fsdp_turbo.turbo.library import TurboConfigProblems, inspect, turbo_config_for
+    from pytest_fsdp_turbo_contract.turbo_config import resolved_targets
 
     settings = resolve(
         {
@@ -234,7 +234,7 @@ def config(args: argparse.Namespace) -> int:
 def compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pytest_fsdp_turbo.compare import compare_runs, render, write_png, write_timeline_png
+    from pytest_fsdp_turbo.checks.compare import compare_runs, render, write_png, write_timeline_png
 
     rows, label_a, label_b = compare_runs(Path(args.a), Path(args.b))
     for line in render(rows, label_a, label_b):

@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.vocab import KIND_BY_MARKER, MARKER_BY_KIND, DeviceKind  # noqa: F401
+from pytest_fsdp_turbo.options import KIND_BY_MARKER, MARKER_BY_KIND  # noqa: F401
+from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.vocab import BACKEND_BY_KIND, DeviceKind
 
 KINDS = tuple(DeviceKind)
-BACKEND_BY_KIND = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 VISIBLE_DEVICES_VAR = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 TOOL_TIMEOUT_S = 15
 

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
-from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.vocab import DeviceKind, Env
+from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.vocab import DeviceKind, Env
 
 COLLECTIVE_TIMEOUT_VAR = Env.COLLECTIVE_TIMEOUT_S
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
@@ -130,7 +130,7 @@ def build_collective_env(
         if name in profile:
             parse_port_range(profile[name], name)
     if COLLECTIVE_TIMEOUT_VAR in from_user:
-        from pytest_fsdp_turbo.bounds import seconds
+        from pytest_fsdp_turbo_contract.bounds import seconds
 
         collective = seconds(profile[COLLECTIVE_TIMEOUT_VAR], COLLECTIVE_TIMEOUT_VAR)
         Timeouts(collective, timeouts.case_s)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError, LeaseTimeout, fail_line
+from pytest_fsdp_turbo.outcomes import fail_line
 from pytest_fsdp_turbo.session import (
     accelerator_of,
     artifacts_root,
@@ -18,17 +18,18 @@ from pytest_fsdp_turbo.session import (
     goldens_dir,
     settings_of,
 )
+from pytest_fsdp_turbo_contract.errors import CheckoutUnavailable, ConfigError, LeaseTimeout
 
 if TYPE_CHECKING:  # the heavier modules load on first use, so installing the plugin costs nothing
     import psutil
 
-    from pytest_fsdp_turbo.checkout import Checkout
+    from pytest_fsdp_turbo.checks.goldens import GoldenOutcome
     from pytest_fsdp_turbo.devices import Accelerator
     from pytest_fsdp_turbo.environ import CollectiveEnv
-    from pytest_fsdp_turbo.goldens import GoldenOutcome
+    from pytest_fsdp_turbo.launching.ppo_run import PPORun
+    from pytest_fsdp_turbo.launching.ray_driver import RayDriver
     from pytest_fsdp_turbo.leases import DeviceLease, LeaseBook
-    from pytest_fsdp_turbo.ppo_run import PPORun
-    from pytest_fsdp_turbo.ray_driver import RayDriver
+    from pytest_fsdp_turbo.turbo.checkout import Checkout
 
 
 ENV_GUARD_INI = "fsdp_turbo_env_guard"
@@ -164,8 +165,8 @@ def session_checkout(config: pytest.Config) -> Checkout:
     """The checkout the session's settings name (path, /FSDPTurbo, pinned clone), or a skip (a
     failure under --fsdp-turbo-strict) naming the source and git's last error; a conftest that
     overrides fsdp_turbo_checkout calls it for the cases it does not serve itself."""
-    from pytest_fsdp_turbo.checkout import resolve_checkout
-    from pytest_fsdp_turbo.errors import skip_or_fail
+    from pytest_fsdp_turbo.outcomes import skip_or_fail
+    from pytest_fsdp_turbo.turbo.checkout import resolve_checkout
 
     settings = settings_of(config)
     try:
@@ -201,7 +202,7 @@ def ray_cluster(
 
     if importlib.util.find_spec("ray") is None:
         pytest.skip("the ray launcher needs ray: pip install 'pytest-fsdp-turbo[ray]'")
-    from pytest_fsdp_turbo.ray_driver import ray_driver, stop_ray_driver
+    from pytest_fsdp_turbo.launching.ray_driver import ray_driver, stop_ray_driver
 
     settings = settings_of(pytestconfig)
     try:
@@ -229,8 +230,8 @@ def ppo_run(
     vLLM, verl, FSDPTurbo checkout or its torch range) skips, and fails under --fsdp-turbo-strict,
     naming what was looked for.
     """
-    from pytest_fsdp_turbo.ppo_run import PPORun, terminal_progress
-    from pytest_fsdp_turbo.run_path import CaseRunner
+    from pytest_fsdp_turbo.launching.case_runner import CaseRunner
+    from pytest_fsdp_turbo.launching.ppo_run import PPORun, terminal_progress
 
     config = request.config
     runner = CaseRunner(
@@ -257,8 +258,8 @@ def fsdp_turbo_golden(
     it warns. `case` is the `fsdp_turbo_case` parameter, or a Case run on this session's device."""
     import warnings
 
-    from pytest_fsdp_turbo import goldens
-    from pytest_fsdp_turbo.vocab import GoldenStatus
+    from pytest_fsdp_turbo.checks import goldens
+    from pytest_fsdp_turbo_contract.vocab import GoldenStatus
 
     settings = settings_of(pytestconfig)
 
@@ -288,7 +289,7 @@ def no_leaked_processes() -> Iterator[None]:
     started) are never counted, even when this test started them."""
     import psutil
 
-    from pytest_fsdp_turbo.session_processes import belongs_to_session
+    from pytest_fsdp_turbo.launching.session_processes import belongs_to_session
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}

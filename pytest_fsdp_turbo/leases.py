@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 from filelock import FileLock
 
-from pytest_fsdp_turbo.errors import ConfigError, LeaseTimeout
 from pytest_fsdp_turbo.private_dirs import private_dir, write_private
-from pytest_fsdp_turbo.vocab import Env
+from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout
+from pytest_fsdp_turbo_contract.vocab import Env
 
 STATE_DIR_VAR = Env.STATE_DIR
 HCCL_RANGE_BASE = 61000  # above Linux's default ephemeral range (32768-60999)

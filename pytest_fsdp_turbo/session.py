@@ -91,7 +91,7 @@ def resolve_artifacts(given: Path | None, invocation_dir: Path, rootdir: Path) -
 
 def progress_ini(config: pytest.Config) -> tuple[float, float]:
     """(stall share, quiet seconds) of the live progress, from the ini, bounded (ConfigError)."""
-    from pytest_fsdp_turbo.bounds import DAY_S, number_in
+    from pytest_fsdp_turbo_contract.bounds import DAY_S, number_in
 
     share = number_in(
         config.getini("fsdp_turbo_stall_share"),

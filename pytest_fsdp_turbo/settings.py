@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_fsdp_turbo.bounds import DAY_S, seconds
-from pytest_fsdp_turbo.checkout_request import CheckoutRequest, validate_ref, validate_repo
-from pytest_fsdp_turbo.errors import ConfigError
 from pytest_fsdp_turbo.options import DEFAULT_REPO, OPTIONS, option_dest
-from pytest_fsdp_turbo.vocab import Launcher
+from pytest_fsdp_turbo.turbo.checkout_request import CheckoutRequest, validate_ref, validate_repo
+from pytest_fsdp_turbo_contract.bounds import DAY_S, seconds
+from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.vocab import Launcher
 
 LAUNCHERS = tuple(Launcher)
 DEFAULT_RAY_CONNECT_TIMEOUT_S = 30.0

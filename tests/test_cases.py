@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pytest_fsdp_turbo.cases import CaseBook, load_cases
-from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo_contract.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -218,7 +218,7 @@ def test_case_ids_are_a_safe_name(tmp_path, bad):
 
 
 def test_paths_built_from_case_ids_and_test_ids_stay_inside_their_roots(tmp_path):
-    from pytest_fsdp_turbo.goldens import golden_path
+    from pytest_fsdp_turbo.checks.goldens import golden_path
     from pytest_fsdp_turbo.report import artifact_name
 
     for case in load_cases(REPO / "e2e" / "cases.toml"):
@@ -268,7 +268,7 @@ def test_overrides_obey_the_case_rules_with_the_same_one_line_errors():
 def test_a_single_twin_differs_from_its_case_in_every_dimension_under_test():
     """Engine, world size, sharding, micro-batch split, SP and rollout: a bug tied to any of
     them cannot repeat in the replay that judges it."""
-    from pytest_fsdp_turbo.runs import twin_case
+    from pytest_fsdp_turbo.launching.request import twin_case
 
     by_id = {c.id: c for c in load_cases(REPO / "e2e" / "cases.toml")}
     for case in (
@@ -316,7 +316,14 @@ def test_a_downstream_tiny_spec_folder_sits_beside_the_built_in_specs(tmp_path):
 
 
 def test_closed_set_fields_load_as_the_vocabularys_enums(tmp_path):
-    from pytest_fsdp_turbo.vocab import DeviceKind, Dtype, GoldenTier, Rollout, SyncPolicy, TwinKind
+    from pytest_fsdp_turbo_contract.vocab import (
+        DeviceKind,
+        Dtype,
+        GoldenTier,
+        Rollout,
+        SyncPolicy,
+        TwinKind,
+    )
 
     body = GOOD + 'devices = ["cpu", "npu"]\ngradient_sync = "every_micro_batch"\ntwin = "single"\n'
     (case,) = load_cases(write(tmp_path, body))
@@ -342,7 +349,7 @@ def test_a_case_id_that_cannot_name_a_folder_is_one_line(tmp_path, case_id):
     import json
 
     from pytest_fsdp_turbo.cases import load_cases
-    from pytest_fsdp_turbo.errors import ConfigError
+    from pytest_fsdp_turbo_contract.errors import ConfigError
 
     path = tmp_path / "cases.toml"
     path.write_text(f'[[case]]\nid = {json.dumps(case_id)}\nmodel = "tiny-qwen3"\n')
@@ -354,7 +361,7 @@ def test_a_case_id_that_cannot_name_a_folder_is_one_line(tmp_path, case_id):
 
 def test_a_case_file_that_is_a_folder_says_so(tmp_path):
     from pytest_fsdp_turbo.cases import load_cases
-    from pytest_fsdp_turbo.errors import ConfigError
+    from pytest_fsdp_turbo_contract.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"case file .* is a folder, not a file$"):
         load_cases(tmp_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_fsdp_turbo.checkout import (
+from pytest_fsdp_turbo.turbo.checkout import (
     COMPLETE_MARKER,
     CheckoutRequest,
     cache_key,
@@ -19,7 +19,7 @@ from pytest_fsdp_turbo.checkout import (
     validate_ref,
     validate_repo,
 )
-from pytest_fsdp_turbo.errors import CheckoutUnavailable, ConfigError
+from pytest_fsdp_turbo_contract.errors import CheckoutUnavailable, ConfigError
 
 
 def git(*args, cwd=None):
@@ -249,7 +249,7 @@ def test_a_transport_address_is_refused_even_where_it_exists_as_a_folder(tmp_pat
 def test_git_runs_only_the_transports_the_harness_means(tmp_path, monkeypatch):
     """Past the check (here called directly), git itself refuses the ext transport even when the
     environment allows it: the harness pins GIT_ALLOW_PROTOCOL for its own git calls."""
-    from pytest_fsdp_turbo.checkout import _clone_once
+    from pytest_fsdp_turbo.turbo.checkout import _clone_once
 
     marker = tmp_path / "ran"
     monkeypatch.setenv("GIT_ALLOW_PROTOCOL", "ext:file")

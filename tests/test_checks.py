@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from pytest_fsdp_turbo import checks
-from pytest_fsdp_turbo.contract import Metric, RankResult, RunResult
+from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.results import RankResult, RunResult
 
 
 def healthy(rank: int, **changes) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fsdp_turbo.contract import Metric
+from pytest_fsdp_turbo_contract.records import Metric
 from tests.helpers import env_with_path, fake_tool, npu_smi_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -193,7 +193,7 @@ def test_run_takes_the_rootdirs_case_file_and_the_fixtures_gates(tmp_path):
     (project / "my_cases.toml").write_text(
         '[[case]]\nid = "vl"\nmodel = "tiny-qwen3"\nrollout = "vllm"\nworld_size = 1\n'
     )
-    from pytest_fsdp_turbo.run_path import read_ini
+    from pytest_fsdp_turbo.launching.case_runner import read_ini
 
     ini = read_ini(project / "sub")
     assert (ini.rootdir, ini.cases, ini.engine_modules) == (
@@ -229,7 +229,7 @@ def test_compare_draws_a_per_rank_timeline(tmp_path):
 
 def test_the_cli_finds_its_configuration_as_pytest_does(tmp_path):
     """pytest.ini wins over pyproject.toml, even when it sets nothing; the CLI agrees with pytest."""
-    from pytest_fsdp_turbo.run_path import read_ini
+    from pytest_fsdp_turbo.launching.case_runner import read_ini
 
     project = tmp_path / "both"
     (project / "deep").mkdir(parents=True)

@@ -8,15 +8,15 @@ from dataclasses import fields
 
 import pytest
 
-from pytest_fsdp_turbo.contract import (
-    Metric,
-    RankError,
-    RankSpec,
-    RunFolder,
-    StepMetrics,
-    metric_keys,
-)
-from pytest_fsdp_turbo.vocab import DeviceKind
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.records import Metric, StepMetrics
+from pytest_fsdp_turbo_contract.results import RankError
+from pytest_fsdp_turbo_contract.spec import RankSpec
+from pytest_fsdp_turbo_contract.vocab import DeviceKind
+
+
+def metric_keys() -> list[str]:
+    return [v for k, v in vars(Metric).items() if k.isupper() and not k.endswith("_PREFIX")]
 
 
 def test_metric_keys_are_unique_and_named_as_the_training_world_names_them():
@@ -33,9 +33,11 @@ def test_every_metric_key_has_exactly_one_record_field_that_writes_it():
     assert set(metric_keys()) - set(owners) == {Metric.TIMING_S_STARTUP}
 
 
-@pytest.mark.parametrize("module", ["vocab", "contract"])
+@pytest.mark.parametrize(
+    "module", ["vocab", "spec", "records", "results", "artifacts", "warm_protocol", "turbo_config"]
+)
 def test_the_shared_modules_import_no_torch(module):
-    code = f"import sys, pytest_fsdp_turbo.{module}; print('torch' in sys.modules)"
+    code = f"import sys, pytest_fsdp_turbo_contract.{module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

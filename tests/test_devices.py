@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from pytest_fsdp_turbo.devices import default_cpu_slots, detect, parse_device_override
-from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo_contract.errors import ConfigError
 from tests.helpers import davinci_nodes, env_with_path, fake_tool, npu_smi_table, nvidia_smi_listing
 
 

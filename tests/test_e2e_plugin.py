@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from pytest_fsdp_turbo.cases import FIXTURES_DIR
-from pytest_fsdp_turbo.contract import Metric
+from pytest_fsdp_turbo_contract.records import Metric
 
 REPO = Path(__file__).resolve().parent.parent
 

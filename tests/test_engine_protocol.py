@@ -1,4 +1,4 @@
-"""Every engine the harness drives meets engine/protocol.py, and one that does not is refused in one
+"""Every engine the harness drives meets pytest_fsdp_turbo_engine/protocol.py, and one that does not is refused in one
 line naming what it lacks (checked in each rank before the engine is built)."""
 
 import inspect

@@ -10,7 +10,7 @@ from pytest_fsdp_turbo.environ import (
     parse_port_range,
     restored_environ,
 )
-from pytest_fsdp_turbo.errors import ConfigError
+from pytest_fsdp_turbo_contract.errors import ConfigError
 
 RANGES = ((61000, 61063), (61064, 61127))
 

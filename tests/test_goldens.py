@@ -3,9 +3,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pytest_fsdp_turbo import goldens
-from pytest_fsdp_turbo.checks import CheckFailure
-from pytest_fsdp_turbo.contract import Metric
+from pytest_fsdp_turbo.checks import CheckFailure, goldens
+from pytest_fsdp_turbo_contract.records import Metric
 
 METRICS = {Metric.ACTOR_GRAD_NORM: 0.5, Metric.ACTOR_PG_LOSS: -0.1, Metric.CRITIC_SCORE_MEAN: 0.7}
 
@@ -74,7 +73,7 @@ def test_strict_turns_a_missing_golden_into_a_failure_naming_path_and_command(tm
 
 
 def test_check_or_record_says_what_happened_as_a_status(tmp_path):
-    from pytest_fsdp_turbo.vocab import GoldenStatus
+    from pytest_fsdp_turbo_contract.vocab import GoldenStatus
 
     outcome = goldens.check_or_record(Result(), Case(), "cpu", tmp_path, record=False)
     assert outcome.status == GoldenStatus.MISSING and outcome.path.parent.name == "c"

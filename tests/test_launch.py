@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from pytest_fsdp_turbo.launch import launch_local
+from pytest_fsdp_turbo.launching.supervisor import launch_local
 
 HANG = textwrap.dedent(
     """
@@ -91,9 +91,9 @@ def test_leak_check_tolerates_a_child_that_exits_during_its_scan():
 
 
 def test_the_launcher_is_chosen_in_one_place_and_a_wrong_name_is_one_line(ppo_run, tmp_path):
+    from pytest_fsdp_turbo.launching.request import launcher_for
     from pytest_fsdp_turbo.leases import LeaseBook
-    from pytest_fsdp_turbo.runs import launcher_for
-    from pytest_fsdp_turbo.vocab import Launcher
+    from pytest_fsdp_turbo_contract.vocab import Launcher
 
     started = []
     book = LeaseBook(tmp_path / "state")
@@ -108,7 +108,7 @@ def test_the_launcher_is_chosen_in_one_place_and_a_wrong_name_is_one_line(ppo_ru
 
 def test_a_log_without_newlines_gives_a_tail_bounded_in_bytes(tmp_path):
     """A rank that wrote 50 MB without a newline: its tail in the failure text stays short."""
-    from pytest_fsdp_turbo.contract import LOG_TAIL_BYTES, RankResult
+    from pytest_fsdp_turbo_contract.results import LOG_TAIL_BYTES, RankResult
 
     log = tmp_path / "rank0.log"
     with open(log, "w") as out:

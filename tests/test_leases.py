@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
-from pytest_fsdp_turbo.errors import LeaseTimeout
 from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo_contract.errors import LeaseTimeout
 
 
 def test_port_is_bindable_and_unique(tmp_path):
@@ -152,7 +152,7 @@ def test_leases_are_released_when_the_test_fails(pytester, tmp_path, monkeypatch
     ],
 )
 def test_a_foreign_lease_state_file_is_one_line_naming_it(tmp_path, content, said):
-    from pytest_fsdp_turbo.errors import ConfigError
+    from pytest_fsdp_turbo_contract.errors import ConfigError
 
     (tmp_path / "leases.json").write_bytes(content)
     with pytest.raises(ConfigError) as refused:
@@ -182,7 +182,7 @@ def test_a_fifo_at_the_lease_state_file_is_refused_not_waited_on(tmp_path):
 
 
 def test_a_symlink_at_the_lease_lock_is_refused(tmp_path):
-    from pytest_fsdp_turbo.errors import ConfigError
+    from pytest_fsdp_turbo_contract.errors import ConfigError
 
     victim = tmp_path / "victim"
     victim.write_text("keep me")

@@ -198,7 +198,9 @@ def test_pytest_process_never_imports_torch(pytester):
 
 START_UP_MODULES = {
     "pytest_fsdp_turbo",
-    "pytest_fsdp_turbo.errors",
+    "pytest_fsdp_turbo_contract",
+    "pytest_fsdp_turbo_contract.errors",
+    "pytest_fsdp_turbo.outcomes",
     "pytest_fsdp_turbo.options",
     "pytest_fsdp_turbo.session",
     "pytest_fsdp_turbo.fixtures",
@@ -388,7 +390,7 @@ def test_bad_numbers_in_variables_are_one_line_naming_the_variable(
 @pytest.mark.parametrize("value", ["nan", "-5", "inf"])
 def test_a_bad_collective_timeout_names_its_variable(value):
     from pytest_fsdp_turbo.environ import build_collective_env
-    from pytest_fsdp_turbo.errors import ConfigError
+    from pytest_fsdp_turbo_contract.errors import ConfigError
 
     with pytest.raises(
         ConfigError,
@@ -404,8 +406,8 @@ def test_a_bad_collective_timeout_names_its_variable(value):
 
 
 def test_a_bad_stall_fault_duration_names_its_variable(monkeypatch):
-    from pytest_fsdp_turbo.errors import ConfigError
-    from pytest_fsdp_turbo.faults import parse_fault
+    from pytest_fsdp_turbo_contract.errors import ConfigError
+    from pytest_fsdp_turbo_contract.faults import parse_fault
 
     monkeypatch.setenv("PYTEST_FSDP_TURBO_FAULT_STALL_S", "abc")
     with pytest.raises(

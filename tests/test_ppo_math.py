@@ -107,10 +107,9 @@ def test_adamw_in_closed_form_is_torchs_adamw_over_three_steps():
     are not the defaults and a parameter that misses a gradient on one step."""
     from dataclasses import replace
 
+    from pytest_fsdp_turbo_contract.spec import EngineSpec
     from pytest_fsdp_turbo_engine.fsdp_engine import adamw
     from pytest_fsdp_turbo_engine.step import adamw_closed_form
-
-    from pytest_fsdp_turbo.contract import EngineSpec
 
     cfg = replace(
         EngineSpec(world_size=1, fsdp_size=1),
@@ -143,11 +142,10 @@ def test_the_probe_compares_the_loss_gradient_an_engine_delivers_with_the_closed
     """Check l's measurement: the gradient a backward delivers to the reported log-probabilities,
     against autograd over the harness's loss. Off-policy (old != current), a KL term counted
     twice moves it; a detached tensor never receives one (infinite)."""
+    from pytest_fsdp_turbo_contract.spec import PPOSpec
     from pytest_fsdp_turbo_engine.fsdp_probe import CollectiveCounter
     from pytest_fsdp_turbo_engine.step import MicroBatchProbe
     from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
-
-    from pytest_fsdp_turbo.contract import PPOSpec
 
     torch.manual_seed(0)
     cfg = PPOSpec(kl_coef=0.1)

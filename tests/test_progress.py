@@ -4,8 +4,8 @@ import json
 import time
 from pathlib import Path
 
-from pytest_fsdp_turbo.contract import RunFolder
-from pytest_fsdp_turbo.progress import Progress, group_ranks
+from pytest_fsdp_turbo.launching.progress import Progress, group_ranks
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,7 +10,7 @@ if importlib.util.find_spec("ray") is None:  # never imported here: the pytest p
     pytest.skip("needs ray: pip install 'pytest-fsdp-turbo[ray]'", allow_module_level=True)
 
 from pytest_fsdp_turbo import checks  # noqa: E402
-from pytest_fsdp_turbo.contract import Metric
+from pytest_fsdp_turbo_contract.records import Metric
 
 CASE = "tiny-llama-fsdp2-deferred"  # two ranks, the quickest family: the launcher is under test
 

@@ -1,4 +1,5 @@
 import pytest
+
 from pytest_fsdp_turbo_engine import registry
 from pytest_fsdp_turbo_engine.reward import closeness_reward, load_prompts
 
@@ -123,7 +124,7 @@ def test_an_engine_named_only_in_the_ini_is_a_backend_case_files_may_name(tmp_pa
     import sys
 
     from pytest_fsdp_turbo.cases import load_cases
-    from pytest_fsdp_turbo.errors import ConfigError
+    from pytest_fsdp_turbo_contract.errors import ConfigError
 
     (tmp_path / "ini_engines_mod.py").write_text(
         "import torch  # never imported by the pytest process\n"

@@ -17,10 +17,10 @@ import pytest
 
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.cases import Case
-from pytest_fsdp_turbo.contract import Metric
 from pytest_fsdp_turbo.devices import detect
+from pytest_fsdp_turbo.launching.request import RunRequest, run_case
 from pytest_fsdp_turbo.leases import LeaseBook
-from pytest_fsdp_turbo.runs import RunRequest, run_case
+from pytest_fsdp_turbo_contract.records import Metric
 
 REPO = Path(__file__).resolve().parent.parent
 FAULT = "PYTEST_FSDP_TURBO_FAULT"
@@ -97,8 +97,8 @@ def _forked_ranks(parent: psutil.Process, before: set[int]) -> list[psutil.Proce
 def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_path, warm):
     """own: the worker starts its warm parent, which dies with it; shared: the worker forks from
     this (outer) process's warm parent, which outlives it, and the worker's ranks still die."""
-    from pytest_fsdp_turbo.vocab import Env
-    from pytest_fsdp_turbo.warm import warm_parent
+    from pytest_fsdp_turbo.launching.warm import warm_parent
+    from pytest_fsdp_turbo_contract.vocab import Env
 
     state = tmp_path / "state"
     (tmp_path / "test_inner.py").write_text(
@@ -177,8 +177,8 @@ def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_pa
 
 
 def test_git_never_prompts_and_never_runs_through_a_shell(tmp_path, monkeypatch):
-    from pytest_fsdp_turbo.checkout import CheckoutRequest, clone_cached
-    from pytest_fsdp_turbo.errors import CheckoutUnavailable
+    from pytest_fsdp_turbo.turbo.checkout import CheckoutRequest, clone_cached
+    from pytest_fsdp_turbo_contract.errors import CheckoutUnavailable
 
     record = tmp_path / "calls.jsonl"
     fake = tmp_path / "bin" / "git"
@@ -389,7 +389,7 @@ def test_a_full_disk_at_the_timeline_keeps_the_ranks_own_failure(ppo_run, monkey
     verdict, and the lost timeline is a note naming the folder."""
     import errno
 
-    from pytest_fsdp_turbo import progress
+    from pytest_fsdp_turbo.launching import progress
 
     def disk_full(*_args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

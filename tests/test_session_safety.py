@@ -11,10 +11,10 @@ from xml.etree import ElementTree
 
 import pytest
 
-from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.faults import parse_fault
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.private_dirs import private_dir, write_private
+from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.faults import parse_fault
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_d_killed_warm_parent(ppo_run):
     )
     assert not killed.ok and "the warm parent (pid" in killed.failure_text()
     checks.check_completed(ppo_run("tiny-qwen3-single-rank", launcher="local"))  # a new parent
-    from pytest_fsdp_turbo.session_processes import owned
+    from pytest_fsdp_turbo.launching.session_processes import owned
 
     parents = [p for p in owned().values() if p.what == "warm parent"]
     assert len(parents) == 1 and psutil.pid_exists(parents[0].pid), parents  # the dead one let go
@@ -205,7 +205,7 @@ def test_the_session_owned_registry_keeps_only_what_the_owner_says() -> None:
     """The warm parent is the session's; its forked ranks are not (no keeps rule)."""
     import psutil
 
-    from pytest_fsdp_turbo.session_processes import belongs_to_session, disown, own
+    from pytest_fsdp_turbo.launching.session_processes import belongs_to_session, disown, own
 
     me = psutil.Process()
     child = psutil.Popen(["sleep", "30"])
@@ -224,7 +224,7 @@ def test_the_session_owned_registry_keeps_only_what_the_owner_says() -> None:
 def test_a_ray_address_where_nothing_answers_is_one_line_within_the_bound(tmp_path: Path) -> None:
     if importlib.util.find_spec("ray") is None:
         pytest.skip("needs ray: pip install 'pytest-fsdp-turbo[ray]'")
-    from pytest_fsdp_turbo.ray_driver import RayDriver
+    from pytest_fsdp_turbo.launching.ray_driver import RayDriver
 
     with pytest.raises(ConfigError) as info:
         RayDriver("127.0.0.1:9", connect_timeout_s=3, log_path=tmp_path / "driver.log")

@@ -1,5 +1,5 @@
 """turbo_config generation per library layout, and validation against a checkout's schema
-(torch-free here; the schema and module tree come from engine/turbo_inspect in a subprocess)."""
+(torch-free here; the schema and module tree come from pytest_fsdp_turbo_engine/turbo_inspect in a subprocess)."""
 
 import json
 import os
@@ -13,9 +13,10 @@ import pytest
 
 from pytest_fsdp_turbo.cases import CaseBook, load_cases
 from pytest_fsdp_turbo.devices import Accelerator
-from pytest_fsdp_turbo.errors import ConfigError
-from pytest_fsdp_turbo.runs import RunRequest, rank_spec
-from pytest_fsdp_turbo.turbo_config import (
+from pytest_fsdp_turbo.launching.request import RunRequest, rank_spec
+from pytest_fsdp_turbo.turbo.library import inspect, torch_outside_range
+from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.turbo_config import (
     CORE_ATTENTION,
     FUNCTION_PATCHES,
     LEGACY,
@@ -26,7 +27,6 @@ from pytest_fsdp_turbo.turbo_config import (
     pattern_problems,
     schema_problems,
 )
-from pytest_fsdp_turbo.turbo_library import inspect, torch_outside_range
 
 REPO = Path(__file__).resolve().parent.parent
 STANDIN = REPO / "tests" / "standin_fsdp_turbo"
@@ -343,7 +343,7 @@ def test_config_verb_checks_without_a_checkout_and_refuses_a_path_that_is_not_on
 
 
 def test_published_schema_names_unknown_keys_per_layout():
-    from pytest_fsdp_turbo.turbo_schema import published_schema
+    from pytest_fsdp_turbo.turbo.schema import published_schema
 
     config = {"distributed": {"fsdp_plan": {"apply_modules": {"x": {}}, "not_a_field": 1}}}
     problems = schema_problems(published_schema(FUNCTION_PATCHES), config)
@@ -371,7 +371,7 @@ def test_published_schema_names_unknown_keys_per_layout():
 
 def test_an_inspection_is_paid_once_per_model_checkout_and_versions(tmp_path, monkeypatch):
     """The subprocess that imports torch runs once; the next process asking reads the answer."""
-    import pytest_fsdp_turbo.turbo_library as library
+    import pytest_fsdp_turbo.turbo.library as library
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     checkout = STANDIN / FUNCTION_PATCHES
@@ -395,7 +395,7 @@ def test_an_inspection_is_paid_once_per_model_checkout_and_versions(tmp_path, mo
 
 
 def test_list_entries_and_values_the_library_refuses_are_named_one_per_line(book):
-    from pytest_fsdp_turbo.turbo_config import entry_problems
+    from pytest_fsdp_turbo_contract.turbo_config import entry_problems
 
     config = {
         "module_patches": [
@@ -434,7 +434,7 @@ def test_list_entries_and_values_the_library_refuses_are_named_one_per_line(book
 
 
 def test_patch_targets_must_match_a_module_of_the_loaded_model(book):
-    from pytest_fsdp_turbo.turbo_config import resolved_targets, target_problems
+    from pytest_fsdp_turbo_contract.turbo_config import resolved_targets, target_problems
 
     case = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
     text = replace(
@@ -542,7 +542,7 @@ def test_a_module_pattern_that_matches_nothing_is_refused_by_name():
 
 
 def test_the_model_is_loaded_with_the_attention_the_ulysses_patch_targets(book):
-    from pytest_fsdp_turbo.turbo_config import attention_implementation
+    from pytest_fsdp_turbo_contract.turbo_config import attention_implementation
 
     sp2 = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
     assert attention_implementation(build_turbo_config(sp2, "npu", FUNCTION_PATCHES)) == "eager"

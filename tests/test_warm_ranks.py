@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from pytest_fsdp_turbo import checks
-from pytest_fsdp_turbo.contract import Metric
+from pytest_fsdp_turbo_contract.records import Metric
 
 FAULT = "PYTEST_FSDP_TURBO_FAULT"
 PROBES = str(Path(__file__).parent / "warm_probes")
@@ -76,7 +76,7 @@ def test_a_case_after_a_failed_polluting_case_is_unaffected(ppo_run):
 def test_an_inner_session_forks_from_the_outer_sessions_warm_parent(pytester, tmp_path):
     """Imports are paid once per process tree: a pytest started inside this one (here, or a
     `pytest-fsdp-turbo run`) forks its ranks from this process's warm parent, in its own folder."""
-    from pytest_fsdp_turbo.warm import warm_parent
+    from pytest_fsdp_turbo.launching.warm import warm_parent
 
     outer, why = warm_parent(tmp_path / "state")
     assert outer is not None, why
@@ -85,7 +85,7 @@ def test_an_inner_session_forks_from_the_outer_sessions_warm_parent(pytester, tm
         "import os\n"
         "from pathlib import Path\n"
         "from pytest_fsdp_turbo import checks\n"
-        "from pytest_fsdp_turbo.warm import warm_parent\n"
+        "from pytest_fsdp_turbo.launching.warm import warm_parent\n"
         "def test_inner(ppo_run):\n"
         f"    checks.check_all(ppo_run({CASE!r}, launcher='local'))\n"
         "    parent, _ = warm_parent(Path('unused'))\n"
@@ -97,7 +97,7 @@ def test_an_inner_session_forks_from_the_outer_sessions_warm_parent(pytester, tm
 
 
 def test_a_stale_or_unfit_advertised_parent_is_not_used(tmp_path, monkeypatch):
-    from pytest_fsdp_turbo import warm
+    from pytest_fsdp_turbo.launching import warm
 
     monkeypatch.setenv(warm.SOCKET_VAR, str(tmp_path / "gone.sock"))
     assert warm._shared_parent() is None  # nothing listens: this process starts its own
@@ -115,7 +115,7 @@ def test_a_stale_or_unfit_advertised_parent_is_not_used(tmp_path, monkeypatch):
 def test_verl_ranks_fork_from_a_zygote_that_imported_verl_once(ppo_run):
     """verl resolves its platform while importing, so the parent cannot import it for every kind;
     a zygote per (verl, kind) does, and the ranks of every later verl case skip the import."""
-    from pytest_fsdp_turbo.session_processes import owned
+    from pytest_fsdp_turbo.launching.session_processes import owned
 
     first = ppo_run("tiny-qwen3-verl-fsdp2-deferred")
     checks.check_all(first)
@@ -142,7 +142,7 @@ def test_a_stack_that_fails_to_preload_leaves_forking_to_the_parent():
 def test_helpers_run_as_forks_of_the_warm_parent_with_their_output_and_exit_code(tmp_path):
     """Tiny-model builds and inspections (`python -m` helpers that import torch) fork from the
     warm parent this process tree already has; without one they get a fresh interpreter."""
-    from pytest_fsdp_turbo import warm
+    from pytest_fsdp_turbo.launching import warm
 
     outer, why = warm.warm_parent(tmp_path / "state")
     assert outer is not None, why

@@ -26,7 +26,7 @@ from packaging.version import Version
 
 from pytest_fsdp_turbo.cases import load_cases
 from pytest_fsdp_turbo.needs import case_needs
-from pytest_fsdp_turbo.turbo_library import DOCUMENTED_TORCH
+from pytest_fsdp_turbo.turbo.library import DOCUMENTED_TORCH
 
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = REPO / ".github" / "workflows"

@@ -17,9 +17,10 @@ import sys
 import torch
 import torch.distributed as dist
 from fsdp_turbo_standin_ulysses import full_attention, gated_delta_net
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
 from pytest_fsdp_turbo_engine.hf_model import from_config
 from pytest_fsdp_turbo_engine.tiny_models import load_spec, tiny_config
-from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
 WORLD, SEQ, BATCH = 2, 12, 2
 
@@ -63,7 +64,11 @@ def whole_model(model, rank: int, chunk: slice) -> dict:
     from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig, _dict_to_dataclass
     from torch.distributed.tensor import DTensor
 
-    from pytest_fsdp_turbo.turbo_config import LOSS_FUNCTIONS, MODULE_PATCHES, ULYSSES_FUNCTIONS
+    from pytest_fsdp_turbo_contract.turbo_config import (
+        LOSS_FUNCTIONS,
+        MODULE_PATCHES,
+        ULYSSES_FUNCTIONS,
+    )
 
     ids = torch.randint(0, 64, (BATCH, SEQ))
     weights = torch.randn(BATCH, SEQ, 64)

@@ -1,0 +1,638 @@
+"""Verdicts over a run result, usable from any downstream test: `check_all(result)` runs every check
+that applies and says which could not apply and why.
+
+  a  gradient norm: finite, equal on every rank, equal to the norm the harness computes itself
+     (and to the reference gradients' norm when there is a reference); never 0 with non-zero advantages
+  b  on-policy first micro-batch: ppo_kl ~ 0, nothing clipped
+  c  gradient parity: against the single-process reference, or against the replay twin
+  d  replica consistency (HSDP)
+  e  trainer-to-rollout weight sync
+  f  memory within the case's budget
+  g  goldens (pytest_fsdp_turbo.checks.goldens, needs the golden folder)
+  h  the declared gradient-sync policy: reduce-scatters per micro-batch and retained gradients
+  i  the optimizer step: every rank moved its parameters; each update equal to AdamW in closed form
+     (the case's betas, eps, weight decay); equal to the reference's steps when there is one
+  j  data-parallel ranks trained on disjoint rows
+  k  the optimizer stepped on gradients clipped by the global norm and the case's max_norm
+  l  the loss's gradient on each log-probability equals the PPO loss's in closed form (off-policy
+     from the second update on, where the clip, the KL term and the response mask shape it)
+
+Each failure message names the check letter, the rank, the metric or parameter, the value and the
+tolerance. Every value checked here was measured by the harness inside the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_fsdp_turbo_contract.records import NAMES_DIFFER, Metric
+from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.vocab import SyncPolicy
+
+# Tolerances by compute dtype; measured margins: benchmarks/check_margins.py (README). fp32 gradient
+# parity per parameter allows for reduction-order differences in long reductions (gated delta-net
+# decay parameters: 5.6e-5). Under bf16 compute, parameters whose reference gradient is tiny flip
+# sign against an fp32 reference, so bf16 is held to whole-gradient relative L2 errors instead.
+GRAD_PARITY_TOL = {"fp32": 1e-4}  # per parameter, relative to its largest reference entry
+GRAD_PARITY_L2_TOL = {"fp32": 1e-5, "bf16": 5e-2}  # all gradients: ||g - ref|| / ||ref||
+# Deferred vs every-micro-batch sum the same gradients in a different order. Measured on Qwen3.5's
+# gated delta-net A_log: 2.2e-7 with transformers 5.24, 1.2e-6 with 5.10 (verl's pin); a sync bug
+# is O(1).
+POLICY_AGREEMENT_TOL = {"fp32": 1e-5, "bf16": 1e-2}
+ON_POLICY_KL_TOL = {"fp32": 1e-5, "bf16": 1e-2}
+# The same per token, fp32 only: a micro-batch's forward against the whole batch's, float rounding
+# (measured: benchmarks/check_margins.py); bf16 autocast rounds each token's logprob too coarsely.
+ON_POLICY_LOG_RATIO_TOL = {"fp32": 1e-4}
+WEIGHT_SYNC_TOL = {"fp32": 1e-4, "bf16": 1e-1}
+NORM_AGREEMENT_REL = 1e-6  # the same number on every rank
+# The engine's norm against the harness's own sum over the same sharded gradients (fp32 either way).
+GRAD_NORM_TRUE_REL = {"fp32": 1e-5, "bf16": 1e-3}
+# The engine's norm against the reference gradients' norm (verl's bf16 anchor: rtol 3e-2).
+GRAD_NORM_REFERENCE_REL = {"fp32": 1e-4, "bf16": 3e-2}
+# Post-step parameters against the reference step, in units of the learning rate (Adam's first
+# step moves every entry by about lr, so 1.0 would be "one entry went the other way"), and the
+# whole update's relative L2 error (a doubled step is 1.0, a rank that did not step about 0.7).
+STEP_TOL_LR = {"fp32": 5e-2}
+# AdamW in closed form against the engine's step: float rounding only, in units of lr
+ADAMW_STEP_TOL_LR = {"fp32": 1e-3, "bf16": 1e-3}
+STEP_L2_TOL = {"fp32": 1e-3, "bf16": 0.5}
+# Replay twin (same batch, reference layout): loss (atol, rtol), grad norm rtol, post-step logprobs.
+TWIN_LOSS_TOL = {"fp32": (1e-6, 1e-5), "bf16": (1e-2, 1e-2)}
+TWIN_GRAD_NORM_REL = {"fp32": 1e-5, "bf16": 3e-2}
+TWIN_LOGPROB_TOL = {"fp32": 1e-5, "bf16": 5e-2}
+# per parameter, |difference| of the gradient's norm and projection relative to the twin's norm;
+# measured on healthy runs: fp32 1.5e-6, bf16 3.1e-2 (a 4-element dt_bias); the bf16 mutant that
+# sends gradients to the wrong SP rank: 10.4
+TWIN_SKETCH_TOL = {"fp32": 1e-4, "bf16": 1e-1}
+
+PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
+
+
+class CheckFailure(AssertionError):
+    pass
+
+
+class NotApplicable(Exception):
+    """Raised by a check that cannot apply to this run; the message says why."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    check: str
+    status: str
+    detail: str = ""
+
+    def describe(self) -> str:
+        return f"{self.check}: {self.detail}" if self.detail else self.check
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcomes: tuple[Outcome, ...]
+
+    def with_status(self, status: str) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == status]
+
+    @property
+    def ok(self) -> bool:
+        return not self.with_status(FAILED)
+
+    def not_applicable(self) -> list[str]:
+        """e.g. ["c: no reference, no twin", "d: no replicas"], for the summary table."""
+        return [o.describe() for o in self.with_status(NOT_APPLICABLE)]
+
+
+def _dtype(result: RunResult) -> str:
+    return str(result.metrics.get(Metric.CASE_DTYPE, "fp32"))
+
+
+def _per_rank(result: RunResult, key: str) -> Iterator[tuple[int, Any]]:
+    for rank in result.ranks:
+        yield rank.rank, _on_rank(result, rank.rank, key)
+
+
+def _on_rank(result: RunResult, rank: int, key: str) -> Any:
+    metrics = result.ranks[rank].metrics
+    if metrics is None or key not in metrics:
+        log = result.ranks[rank].log_path
+        raise CheckFailure(f"rank {rank}: metric {key!r} missing (log {log})")
+    return metrics[key]
+
+
+def _first_above(result: RunResult, key: str, tolerance: float) -> tuple[int, float] | None:
+    """The first rank whose `key` is above `tolerance` (NaN counts as above), or None."""
+    for rank, value in _per_rank(result, key):
+        if not value <= tolerance:
+            return rank, value
+    return None
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def check_completed(result: RunResult) -> None:
+    if not result.ok:
+        raise CheckFailure(result.failure_text())
+
+
+def check_grad_norm(result: RunResult) -> None:
+    """a. Finite, the same on every rank, and true: the global L2 norm of the sharded gradients."""
+    dtype = _dtype(result)
+    norms = list(_per_rank(result, Metric.ACTOR_GRAD_NORM))
+    for rank, value in norms:
+        if value is None or not math.isfinite(value):
+            raise CheckFailure(
+                f"check a: rank {rank}: {Metric.ACTOR_GRAD_NORM} = {value}, expected a finite value"
+            )
+    base_rank, base = norms[0]
+    for rank, value in norms[1:]:
+        if abs(value - base) > NORM_AGREEMENT_REL * max(abs(base), 1e-12):
+            raise CheckFailure(
+                f"check a: rank {rank}: {Metric.ACTOR_GRAD_NORM} = {value!r} differs from rank {base_rank}'s "
+                f"{base!r} beyond relative tolerance {NORM_AGREEMENT_REL:g}"
+            )
+    tol = GRAD_NORM_TRUE_REL[dtype]
+    for (rank, reported), (_, measured) in zip(
+        norms, _per_rank(result, Metric.SYNC_GRAD_NORM_MEASURED)
+    ):
+        if not _rel(reported, measured) <= tol:
+            raise CheckFailure(
+                f"check a: rank {rank}: {Metric.ACTOR_GRAD_NORM} = {reported:.6g} but the global L2 norm of "
+                f"the sharded gradients is {measured:.6g} (relative difference "
+                f"{_rel(reported, measured):.3g}, tolerance {tol:g})"
+            )
+    advantages = result.metrics.get(Metric.PPO_ADVANTAGES_ABS_MAX, 0.0)
+    if base == 0 and advantages > 0:
+        raise CheckFailure(
+            f"check a: rank {base_rank}: {Metric.ACTOR_GRAD_NORM} = 0 on a step whose advantages are not "
+            f"all zero ({Metric.PPO_ADVANTAGES_ABS_MAX} = {advantages:.3g}): no gradient reached the shards"
+        )
+    reference = result.metrics.get(Metric.SYNC_REFERENCE_GRAD_NORM)
+    if reference is not None:
+        tol = GRAD_NORM_REFERENCE_REL[dtype]
+        if not _rel(base, reference) <= tol:
+            raise CheckFailure(
+                f"check a: rank {base_rank}: {Metric.ACTOR_GRAD_NORM} = {base:.6g}, the single-process "
+                f"reference gradients' norm is {reference:.6g} (relative difference "
+                f"{_rel(base, reference):.3g}, tolerance {tol:g})"
+            )
+
+
+def check_on_policy(result: RunResult) -> None:
+    """b. On the first micro-batch the PPO ratio is 1: ppo_kl ~ 0, nothing clipped, and (fp32) every
+    token's log-ratio ~ 0, which a mean can hide when errors of both signs cancel."""
+    dtype = _dtype(result)
+    tol = ON_POLICY_LOG_RATIO_TOL.get(dtype)
+    key = Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH
+    if tol is not None and (over := _first_above(result, key, tol)):
+        raise CheckFailure(
+            f"check b: rank {over[0]}: a token's |logprob - old logprob| on the first micro-batch "
+            f"is {over[1]:.3g} ({key}), expected <= {tol:g} (old logprobs must come from the "
+            "same weights)"
+        )
+    tol = ON_POLICY_KL_TOL[dtype]
+    for rank, value in _per_rank(result, Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH):
+        if not abs(value) <= tol:
+            raise CheckFailure(
+                f"check b: rank {rank}: {Metric.ACTOR_PPO_KL} on the first micro-batch = {value:.3g}, "
+                f"expected |value| <= {tol:g} (old logprobs must come from the same weights)"
+            )
+    for rank, value in _per_rank(result, Metric.ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH):
+        if value != 0:
+            raise CheckFailure(
+                f"check b: rank {rank}: {Metric.ACTOR_PG_CLIPFRAC} on the first micro-batch = {value:.3g}, expected 0"
+            )
+
+
+def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> None:
+    """c. Sharded gradients after accumulation equal a single-process reference over the batch."""
+    if Metric.SYNC_GRAD_MAX_REL_ERR not in result.metrics:
+        raise NotApplicable("no reference")
+    dtype = _dtype(result)
+    tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
+    policy = result.metrics.get(Metric.CASE_SYNC_POLICY)
+    # fp32: per parameter first, so the message names the parameter
+    for ranked in result.ranks:  # name sets first, whatever the dtype: nothing else compares
+        names = (ranked.metrics or {}).get(Metric.SYNC_GRAD_MAX_REL_ERR_PARAM) or ""
+        if names.startswith(NAMES_DIFFER):
+            raise CheckFailure(f"check c: rank {ranked.rank}: the engine's {names}")
+    if tol is not None and (over := _first_above(result, Metric.SYNC_GRAD_MAX_REL_ERR, tol)):
+        rank, err = over
+        param = _on_rank(result, rank, Metric.SYNC_GRAD_MAX_REL_ERR_PARAM)
+        raise CheckFailure(
+            f"check c: rank {rank}: parameter {param}: gradient differs from the single-process "
+            f"reference by {err:.3g} (relative to its largest entry), tolerance {tol:g} "
+            f"[sync policy {policy}]"
+        )
+    tol = GRAD_PARITY_L2_TOL[dtype]
+    if over := _first_above(result, Metric.SYNC_GRAD_REL_L2_ERR, tol):
+        raise CheckFailure(
+            f"check c: rank {over[0]}: gradients differ from the single-process reference by "
+            f"relative L2 error {over[1]:.3g} ({Metric.SYNC_GRAD_REL_L2_ERR}), tolerance {tol:g} "
+            f"[sync policy {policy}]"
+        )
+
+
+def check_twin(result: RunResult) -> None:
+    """c. The replay twin (same batch, reference layout) gives the same loss, norm and step."""
+    twin = result.twin
+    if twin is None:
+        raise NotApplicable("no twin")
+    label = f"check c: twin ({result.twin_kind})"
+    if not twin.ok:
+        raise CheckFailure(f"{label}: the twin run failed\n{twin.failure_text()}")
+    dtype = _dtype(result)
+    mine, theirs = result.metrics, twin.metrics
+    atol, rtol = TWIN_LOSS_TOL[dtype]
+    diff = abs(mine[Metric.ACTOR_LOSS] - theirs[Metric.ACTOR_LOSS])
+    if not diff <= atol + rtol * abs(theirs[Metric.ACTOR_LOSS]):
+        raise CheckFailure(
+            f"{label}: {Metric.ACTOR_LOSS} = {mine[Metric.ACTOR_LOSS]:.6g}, twin {theirs[Metric.ACTOR_LOSS]:.6g} "
+            f"(difference {diff:.3g}, tolerance atol {atol:g} + rtol {rtol:g})"
+        )
+    tol = TWIN_GRAD_NORM_REL[dtype]
+    a, b = mine[Metric.ACTOR_GRAD_NORM], theirs[Metric.ACTOR_GRAD_NORM]
+    if not (math.isfinite(a) and _rel(a, b) <= tol):
+        raise CheckFailure(
+            f"{label}: {Metric.ACTOR_GRAD_NORM} = {a:.6g}, twin {b:.6g} (relative difference "
+            f"{_rel(a, b):.3g}, tolerance {tol:g})"
+        )
+    _twin_sketches_agree(label, mine.get(Metric.SYNC_GRAD_SKETCH), theirs, dtype)
+    tol = TWIN_LOGPROB_TOL[dtype]
+    lp = theirs[Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF]
+    if not lp <= tol:
+        raise CheckFailure(
+            f"{label}: post-step logprobs on the batch differ from the twin's by up to {lp:.3g} "
+            f"({Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF}), tolerance {tol:g}"
+        )
+
+
+def _twin_sketches_agree(label: str, mine: dict | None, theirs: dict, dtype: str) -> None:
+    """Per parameter, the run's gradient sketch against the twin's: a per-tensor measure that a
+    total (the global norm) hides, e.g. head gradients sent to the wrong rank."""
+    twin = theirs.get(Metric.SYNC_GRAD_SKETCH)
+    if mine is None or twin is None:
+        return  # a run with a reference sketches nothing: the reference compares per parameter
+    if missing := sorted(set(mine) ^ set(twin)):
+        raise CheckFailure(
+            f"{label}: parameters with a gradient in one run only: {', '.join(missing[:5])}"
+        )
+    tol = TWIN_SKETCH_TOL[dtype]
+    worst, worst_name = 0.0, ""
+    for name, (norm, projection) in twin.items():
+        got_norm, got_projection = mine[name]
+        scale = max(norm, 1e-12)
+        err = max(abs(got_norm - norm), abs(got_projection - projection)) / scale
+        if not math.isfinite(err) or err > worst:
+            worst, worst_name = (math.inf if not math.isfinite(err) else err), name
+    if not worst <= tol:
+        raise CheckFailure(
+            f"{label}: parameter {worst_name}: gradient sketch differs from the twin's by "
+            f"{worst:.3g} of its norm ({Metric.SYNC_GRAD_SKETCH}), tolerance {tol:g}"
+        )
+
+
+def load_gradient_fingerprint(result: RunResult) -> dict:
+    path = result.folder.grads(0)
+    if not path.is_file():
+        raise CheckFailure(f"check c: no gradient fingerprint at {path} (reference_checks off?)")
+    return json.loads(path.read_text())
+
+
+def check_policies_agree(
+    deferred: RunResult, every: RunResult, tolerance: float | None = None
+) -> float:
+    """c. Both gradient-sync policies produce the same gradients; returns the largest difference."""
+    tol = POLICY_AGREEMENT_TOL[_dtype(deferred)] if tolerance is None else tolerance
+    a, b = load_gradient_fingerprint(deferred), load_gradient_fingerprint(every)
+    if set(a) != set(b):
+        raise CheckFailure(
+            f"check c: parameters differ between policies: {sorted(set(a) ^ set(b))[:5]}"
+        )
+    worst = 0.0
+    for name in a:
+        scale = max(max(abs(v) for v in a[name]["head"]), abs(a[name]["norm"]), 1e-12)
+        diffs = [abs(x - y) for x, y in zip(a[name]["head"], b[name]["head"])]
+        err = max([*diffs, abs(a[name]["norm"] - b[name]["norm"])]) / scale
+        if not err <= tol:
+            raise CheckFailure(
+                f"check c: parameter {name}: deferred and every_micro_batch gradients differ by "
+                f"{err:.3g} relative, tolerance {tol:g}"
+            )
+        worst = max(worst, err)
+    return worst
+
+
+def _each_at_most(result: RunResult, check: str, key: str, tolerance: float) -> None:
+    if over := _first_above(result, key, tolerance):
+        raise CheckFailure(
+            f"check {check}: rank {over[0]}: {key} = {over[1]:.3g}, tolerance {tolerance:g}"
+        )
+
+
+def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
+    """d. Every replica holds identical parameters after the step."""
+    if result.metrics.get(Metric.SYNC_REPLICA_MAX_ABS_DIFF) is None:
+        raise NotApplicable("no replicas")
+    _each_at_most(result, "d", Metric.SYNC_REPLICA_MAX_ABS_DIFF, tolerance)
+
+
+def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None:
+    """e. Weights gathered from FSDP into the rollout model reproduce the trainer's logprobs, and
+    every tensor the rollout serves readably equals the trainer's own parameter exactly (in the
+    served dtype; the harness gathers the parameters from the engine's module, not from the state
+    dict the engine handed over)."""
+    if result.metrics.get(Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF) is None:
+        raise NotApplicable("no rollout")
+    tol = WEIGHT_SYNC_TOL[_dtype(result)] if tolerance is None else tolerance
+    problems = []
+    if over := _first_above(result, Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF, tol):
+        problems.append(
+            f"rank {over[0]}: {Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF} = {over[1]:.3g}, "
+            f"tolerance {tol:g}"
+        )
+    for rank, diff in _per_rank(result, Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF):
+        if diff != 0:
+            worst = _on_rank(result, rank, Metric.SYNC_HANDOFF_WEIGHT_WORST)
+            problems.append(
+                f"rank {rank}: the engine hands the rollout {worst!r} {diff:.3g} away from its "
+                f"own parameter ({Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF})"
+            )
+            break
+    for rank, diff in _per_rank(result, Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF):
+        metrics = result.ranks[rank].metrics or {}
+        compared = metrics[Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED]
+        if diff != 0 or compared == 0:
+            problems.append(
+                f"rank {rank}: the rollout serves {metrics[Metric.SYNC_ROLLOUT_WEIGHT_WORST]!r} "
+                f"{diff:.3g} away from the trainer's parameter after the push ({compared} "
+                f"tensors compared exactly; {Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF})"
+            )
+            break
+    if problems:
+        raise CheckFailure("check e: " + "; ".join(problems))
+
+
+def check_memory(result: RunResult, budget_mb: float | None) -> None:
+    """f. Peak memory within budget."""
+    if budget_mb is None:
+        raise NotApplicable("no memory budget")
+    for rank, value in _per_rank(result, Metric.PERF_PEAK_MEMORY_BYTES):
+        if value > budget_mb * 2**20:
+            raise CheckFailure(
+                f"check f: rank {rank}: {Metric.PERF_PEAK_MEMORY_BYTES} = {value / 2**20:.1f} MiB, "
+                f"budget {budget_mb:g} MiB"
+            )
+
+
+def expected_reduce_scatters(
+    policy: str, micro_batches: int, units: int, shard_group_size: int
+) -> list[int]:
+    """One reduce-scatter per FSDP unit that ran forward, per synced backward (none when a unit is
+    sharded over one rank: FSDP2 skips the collective); deferred syncs only the last micro-batch."""
+    per_sync = units if shard_group_size > 1 else 0
+    if policy == SyncPolicy.DEFERRED:
+        return [0] * (micro_batches - 1) + [per_sync]
+    return [per_sync] * micro_batches
+
+
+def check_sync_contract(result: RunResult) -> None:
+    """h. What the declared gradient-sync policy promises is what the ranks measured; with
+    sequence parallelism, each rank's decoder layers saw only its chunk of the sequence."""
+    m = result.metrics
+    policy = _on_rank(result, 0, Metric.CASE_SYNC_POLICY)
+    micro_batches = _on_rank(result, 0, Metric.CASE_MICRO_BATCHES)
+    head = (
+        f"check h: case {result.case_id}: declared gradient_sync {policy!r} with "
+        f"{micro_batches} micro-batches"
+    )
+    for rank, calls in _per_rank(result, Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH):
+        units = _on_rank(result, rank, Metric.COMM_FSDP_UNITS)
+        shards = _on_rank(result, rank, Metric.COMM_SHARD_GROUP_SIZE)
+        want = expected_reduce_scatters(policy, micro_batches, units, shards)
+        if calls != want:
+            raise CheckFailure(
+                f"{head} over {units} FSDP units that ran, sharded {shards} ways: expected reduce-scatters "
+                f"per micro-batch {want}, "
+                f"measured {calls} on rank {rank} ({Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH})"
+            )
+    sp = m.get(Metric.CASE_SP_SIZE) or 1
+    if sp > 1:  # sequence parallelism: each rank's decoder layers see only its chunk
+        rows, seq = m[Metric.SYNC_MICRO_BATCH_ROWS], m[Metric.SYNC_SEQ_LEN]
+        tokens = rows * seq
+        # 1/sp of the micro-batch's tokens, each row (or the one packed row) padded to split evenly
+        low, high = -(-tokens // sp), (tokens + rows * (sp - 1)) // sp
+        for rank, seen in _per_rank(result, Metric.SYNC_LAYER_TOKENS):
+            if not low <= seen <= high:
+                raise CheckFailure(
+                    f"{head}: declared sp_size {sp} over micro-batches of {rows} x {seq} tokens: "
+                    f"expected each rank's decoder layers to be handed {low}..{high} tokens at "
+                    f"once, measured {seen} on rank {rank} ({Metric.SYNC_LAYER_TOKENS})"
+                )
+    for rank, retained in _per_rank(result, Metric.SYNC_RETAINED_GRAD_BYTES):
+        holds = policy == SyncPolicy.DEFERRED and micro_batches > 1
+        if holds and not retained > 0:
+            raise CheckFailure(
+                f"{head}: expected unsharded gradients held between micro-batches, measured "
+                f"{Metric.SYNC_RETAINED_GRAD_BYTES} = {retained} on rank {rank}"
+            )
+        if not holds and retained != 0:
+            raise CheckFailure(
+                f"{head}: expected no unsharded gradients held between micro-batches, measured "
+                f"{Metric.SYNC_RETAINED_GRAD_BYTES} = {retained} on rank {rank}"
+            )
+
+
+def check_optimizer_step(result: RunResult) -> None:
+    """i. Every rank holding parameters changed them (all bit-identical when the norm was not
+    finite); in every mode, each parameter element moved as AdamW moves it, computed by the
+    harness from the (clipped) gradients and parameters it read, its own moments and the case's
+    lr, betas, eps and weight decay (the betas cancel out of the first step: a case with
+    `updates = 2` proves them); with a reference, the post-step parameters also equal the
+    reference's steps."""
+    finite = result.metrics.get(Metric.ACTOR_GRAD_NORM_FINITE, True)
+    numel = dict(_per_rank(result, Metric.ACTOR_LOCAL_PARAM_NUMEL))
+    for rank, moved in _per_rank(result, Metric.ACTOR_PARAM_UPDATE_MAX_ABS):
+        if finite and numel[rank] and not moved > 0:
+            raise CheckFailure(
+                f"check i: rank {rank}: {Metric.ACTOR_PARAM_UPDATE_MAX_ABS} = {moved}, expected this rank's "
+                f"{numel[rank]} parameters to change in the optimizer step"
+            )
+        if not finite and moved != 0:
+            raise CheckFailure(
+                f"check i: rank {rank}: {Metric.ACTOR_PARAM_UPDATE_MAX_ABS} = {moved} after a non-finite "
+                "gradient norm, expected the step to be skipped (parameters bit-identical)"
+            )
+    tol = ADAMW_STEP_TOL_LR[_dtype(result)]
+    if finite and (over := _first_above(result, Metric.SYNC_ADAMW_STEP_MAX_ERR_LR, tol)):
+        raise CheckFailure(
+            f"check i: rank {over[0]}: post-step parameters differ from AdamW in closed form "
+            f"(from the gradients and parameters the harness read, its own moments over "
+            f"{result.metrics.get(Metric.CASE_UPDATES) or 1} update(s), and the case's lr, betas, "
+            f"eps and weight decay) by {over[1]:.3g} x lr ({Metric.SYNC_ADAMW_STEP_MAX_ERR_LR}), "
+            f"tolerance {tol:g}"
+        )
+    if Metric.SYNC_STEP_MAX_ERR_LR not in result.metrics:
+        return
+    dtype = _dtype(result)
+    tol = STEP_L2_TOL[dtype]
+    if over := _first_above(result, Metric.SYNC_STEP_REL_L2_ERR, tol):
+        raise CheckFailure(
+            f"check i: rank {over[0]}: the update differs from the single-process reference "
+            f"step's by relative L2 error {over[1]:.3g} ({Metric.SYNC_STEP_REL_L2_ERR}), tolerance {tol:g}"
+        )
+    tol_lr = STEP_TOL_LR.get(dtype)
+    if tol_lr is not None and (over := _first_above(result, Metric.SYNC_STEP_MAX_ERR_LR, tol_lr)):
+        raise CheckFailure(
+            f"check i: rank {over[0]}: post-step parameters differ from the single-process "
+            f"reference step by {over[1]:.3g} x lr ({Metric.SYNC_STEP_MAX_ERR_LR}), tolerance {tol_lr:g}"
+        )
+
+
+CLIP_TOL = {"fp32": 1e-5, "bf16": 1e-4}  # relative to the largest clipped gradient entry
+
+
+def check_clip(result: RunResult) -> None:
+    """k. The optimizer stepped on the gradients clipped by the global norm the harness measured
+    and the case's max_norm: read as the step began (a pre-step hook of the harness's), against
+    the raw gradients times min(1, max_norm / (norm + 1e-6)). Adam's first step barely sees a
+    gradient's scale, so only this reading shows a clip that ignores max_norm or uses each
+    shard's own norm."""
+    errors = [r.metrics.get(Metric.SYNC_CLIP_MAX_REL_ERR) for r in result.ranks if r.metrics]
+    if not errors or all(e is None for e in errors):
+        raise NotApplicable("no optimizer step observed")
+    coef = result.metrics.get(Metric.SYNC_CLIP_COEF)
+    tol = CLIP_TOL[_dtype(result)]
+    if over := _first_above(result, Metric.SYNC_CLIP_MAX_REL_ERR, tol):
+        raise CheckFailure(
+            f"check k: rank {over[0]}: the optimizer stepped on gradients {over[1]:.3g} away "
+            f"(relative, {Metric.SYNC_CLIP_MAX_REL_ERR}) from the raw ones clipped by the global "
+            f"norm and max_norm (coefficient {coef:.4g}, {Metric.SYNC_CLIP_COEF}), tolerance {tol:g}"
+        )
+
+
+def check_data_rows(result: RunResult) -> None:
+    """j. Data-parallel ranks train on disjoint rows: the ranks that share rows are exactly one
+    sequence-parallel group (sp_size ranks), and no row is trained by two groups. Read from the
+    rows the harness handed each rank, so an engine whose data rank is wrong (an HSDP engine that
+    takes it from the shard dimension) cannot hide behind a reference or twin that replays the
+    same duplicated batch."""
+    recorded = {r.rank: r.metrics.get(Metric.SYNC_DATA_ROWS) for r in result.ranks if r.metrics}
+    if len(recorded) < 2:
+        raise NotApplicable("one rank")
+    rows: dict[int, list[int]] = {k: v for k, v in recorded.items() if v is not None}
+    if len(rows) < len(recorded):
+        raise NotApplicable("no data rows recorded")
+    sp = int(result.metrics.get(Metric.CASE_SP_SIZE) or 1)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank, listed in sorted(rows.items()):
+        groups.setdefault(tuple(sorted(listed)), []).append(rank)
+    for shared, ranks in groups.items():
+        if len(ranks) != sp:
+            raise CheckFailure(
+                f"check j: ranks {ranks} trained on the same rows {list(shared)[:8]}"
+                f"{'...' if len(shared) > 8 else ''} ({Metric.SYNC_DATA_ROWS}); with sp_size {sp} "
+                f"each row belongs to one data-parallel rank of {sp} rank(s)"
+            )
+    seen: dict[int, list[int]] = {}
+    for shared, ranks in groups.items():
+        for row in shared:
+            if row in seen:
+                raise CheckFailure(
+                    f"check j: row {row} was trained by ranks {seen[row]} and by ranks {ranks} "
+                    f"({Metric.SYNC_DATA_ROWS}): data-parallel ranks must hold disjoint rows"
+                )
+            seen[row] = ranks
+
+
+# The engine's loss gradient on each log-probability against autograd over the harness's loss on
+# the same values. fp32: the same formula, measured 0.0 on ours and verl's engines. bf16: an
+# engine whose log-probabilities are bf16 (verl's FSDP-Turbo engine) gets its gradient in bf16
+# arithmetic, measured 4.5e-3; ours keep fp32 log-probabilities (0.0).
+LOSS_GRAD_TOL = {"fp32": 1e-6, "bf16": 2e-2}
+
+
+def check_loss_gradient(result: RunResult) -> None:
+    """l. The gradient the engine's backward delivered to the log-probabilities it reported, per
+    micro-batch and update, against the PPO loss's gradient in closed form (clip range, dual
+    clip, KL term, entropy and causal-LM coefficients, response mask, global token mean),
+    caught by a hook of the harness's on that tensor. On one on-policy update the ratio is 1 and
+    the KL gradient 0, so only a case with `updates = 2` shows a loss that drops the clip range,
+    counts the KL twice or ignores the response mask."""
+    if not any(Metric.SYNC_LOSS_GRAD_MAX_REL_ERR in (r.metrics or {}) for r in result.ranks):
+        raise NotApplicable("no loss gradient measured")
+    tol = LOSS_GRAD_TOL[_dtype(result)]
+    if over := _first_above(result, Metric.SYNC_LOSS_GRAD_MAX_REL_ERR, tol):
+        updates = result.metrics.get(Metric.CASE_UPDATES) or 1
+        what = (
+            "never reached the log-probabilities the engine reported"
+            if over[1] == math.inf
+            else f"differs by {over[1]:.3g} (relative to its largest entry)"
+        )
+        raise CheckFailure(
+            f"check l: rank {over[0]}: the loss's gradient on the log-probabilities {what} from "
+            f"the PPO loss's in closed form over {updates} update(s) "
+            f"({Metric.SYNC_LOSS_GRAD_MAX_REL_ERR}), tolerance {tol:g}"
+        )
+
+
+CHECKS: tuple[tuple[str, Callable[[RunResult, float | None], None]], ...] = (
+    ("a", lambda r, _: check_grad_norm(r)),
+    ("b", lambda r, _: check_on_policy(r)),
+    ("c", lambda r, _: _parity(r)),
+    ("d", lambda r, _: check_replicas(r)),
+    ("e", lambda r, _: check_weight_sync(r)),
+    ("f", check_memory),
+    ("h", lambda r, _: check_sync_contract(r)),
+    ("i", lambda r, _: check_optimizer_step(r)),
+    ("j", lambda r, _: check_data_rows(r)),
+    ("k", lambda r, _: check_clip(r)),
+    ("l", lambda r, _: check_loss_gradient(r)),
+)
+
+
+def _parity(result: RunResult) -> None:
+    ran = False
+    for check in (check_gradient_parity, check_twin):
+        try:
+            check(result)
+            ran = True
+        except NotApplicable:
+            pass
+    if not ran:
+        raise NotApplicable("no reference, no twin")
+
+
+def evaluate(result: RunResult, budget_mb: float | None = None) -> Verdict:
+    """Every check that applies, without raising: what passed, what failed, what could not apply."""
+    if budget_mb is None:
+        budget_mb = result.metrics.get(Metric.CASE_MEMORY_BUDGET_MB)
+    outcomes = []
+    for letter, check in CHECKS:
+        try:
+            check(result, budget_mb)
+            outcomes.append(Outcome(letter, PASSED))
+        except NotApplicable as why:
+            outcomes.append(Outcome(letter, NOT_APPLICABLE, str(why)))
+        except CheckFailure as failure:
+            outcomes.append(Outcome(letter, FAILED, str(failure)))
+    return Verdict(tuple(outcomes))
+
+
+def check_all(result: RunResult, budget_mb: float | None = None) -> Verdict:
+    """The one call for a downstream test: a-f and h-l (g, goldens, lives in goldens).
+
+    Raises CheckFailure listing every failed check; returns the verdict, whose not_applicable()
+    says which checks could not apply to this run and why.
+    """
+    check_completed(result)
+    verdict = evaluate(result, budget_mb)
+    failed = verdict.with_status(FAILED)
+    if failed:
+        raise CheckFailure("\n".join(o.detail for o in failed))
+    return verdict

@@ -1,0 +1,192 @@
+"""Two runs' artifacts side by side (say a cuda run and an npu run), with a verdict per metric."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from pytest_fsdp_turbo.checks.goldens import GOLDEN_KEYS, within
+from pytest_fsdp_turbo.report import read_case_artifacts
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.vocab import GoldenTier
+
+COMPARED_KEYS = (
+    *GOLDEN_KEYS,
+    Metric.PERF_PEAK_MEMORY_BYTES,
+    Metric.SYNC_RETAINED_GRAD_BYTES,
+    Metric.COMM_REDUCE_SCATTER_CALLS,
+    Metric.PERF_STEP_TIME_S,
+)
+INFORMATIONAL = {
+    Metric.PERF_PEAK_MEMORY_BYTES,
+    Metric.PERF_STEP_TIME_S,
+    Metric.COMM_REDUCE_SCATTER_CALLS,
+    Metric.SYNC_RETAINED_GRAD_BYTES,
+}
+
+
+@dataclass
+class Row:
+    case_id: str
+    metric: str
+    a: float | None
+    b: float | None
+    verdict: str
+
+
+def _case_folders(root: Path) -> dict[str, Path]:
+    """A run folder holds case folders; a case folder alone is a run of one case."""
+    if not root.is_dir():
+        raise ConfigError(f"compare: {root} is not a folder of run artifacts")
+    folders = (
+        [root]
+        if RunFolder(root).case.is_file()
+        else sorted(p for p in root.iterdir() if RunFolder(p).case.is_file())
+    )
+    if not folders:
+        raise ConfigError(f"compare: {root} holds no case artifacts (no case.json found)")
+    by_id: dict[str, list[Path]] = {}
+    for folder in folders:
+        by_id.setdefault(read_case_artifacts(folder)["case"]["id"], []).append(folder)
+    for case_id, same in sorted(by_id.items()):
+        if len(same) > 1:  # which one to compare is the user's choice, never a silent pick
+            raise ConfigError(
+                f"compare: {root} holds case {case_id} in {len(same)} folders "
+                f"({', '.join(p.name for p in same)}); name one of them"
+            )
+    return {case_id: same[0] for case_id, same in by_id.items()}
+
+
+def compare_runs(a: Path, b: Path) -> tuple[list[Row], str, str]:
+    left, right = _case_folders(a), _case_folders(b)
+    if len(left) == len(right) == 1 and set(left) != set(
+        right
+    ):  # two single cases, compared as given
+        (ida, fa), (idb, fb) = next(iter(left.items())), next(iter(right.items()))
+        left, right = {f"{ida} vs {idb}": fa}, {f"{ida} vs {idb}": fb}
+    rows: list[Row] = []
+    label_a = label_b = "?"
+    for case_id in sorted(set(left) | set(right)):
+        if case_id not in left or case_id not in right:
+            rows.append(
+                Row(case_id, "(case)", None, None, f"only in {'A' if case_id in left else 'B'}")
+            )
+            continue
+        ra, rb = read_case_artifacts(left[case_id]), read_case_artifacts(right[case_id])
+        label_a = ra["spec"].get("device_kind", "A")
+        label_b = rb["spec"].get("device_kind", "B")
+        tier = ra["case"].get("golden_tier", "relative")
+        tier = GoldenTier.RELATIVE if tier == GoldenTier.NONE else tier
+        ma = ra["ranks"][0] if ra["ranks"] else {}
+        mb = rb["ranks"][0] if rb["ranks"] else {}
+        for key in COMPARED_KEYS:
+            va, vb = ma.get(key), mb.get(key)
+            if va is None or vb is None:
+                verdict = "missing"
+            elif key in INFORMATIONAL:
+                verdict = "info"
+            else:
+                verdict = "match" if within(tier, float(va), float(vb)) else f"differs ({tier})"
+            rows.append(Row(case_id, key, va, vb, verdict))
+    return rows, label_a, label_b
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def render(rows: list[Row], label_a: str, label_b: str) -> list[str]:
+    cells = [("case", "metric", f"A ({label_a})", f"B ({label_b})", "verdict")]
+    cells += [(r.case_id, r.metric, _fmt(r.a), _fmt(r.b), r.verdict) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(5)]
+    return ["  ".join(c[i].ljust(widths[i]) for i in range(5)).rstrip() for c in cells]
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError(
+            "compare --png: matplotlib is not installed (pip install 'pytest-fsdp-turbo[plot]')"
+        ) from None
+    return plt
+
+
+def write_timeline_png(runs: list[tuple[str, Path]], path: Path) -> None:
+    """Per-rank phase timelines (from each case folder's timeline.json), one panel per case and
+    run, so a slow case shows where its time went."""
+
+    panels = []
+    for label, root in runs:
+        for case_id, folder in sorted(_case_folders(root).items()):
+            timeline = RunFolder(folder).timeline
+            if not timeline.is_file():
+                raise ConfigError(f"compare --timeline: {timeline} does not exist")
+            panels.append((f"{label}: {case_id}", json.loads(timeline.read_text())))
+    plt = _pyplot()
+    phases = sorted({row["phase"] for _, rows in panels for row in rows})
+    colours = {p: plt.get_cmap("tab20")(i % 20) for i, p in enumerate(phases)}
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(
+            9,
+            1.2 + 0.5 * sum(1 + max((r["rank"] for r in rows), default=0) for _, rows in panels),
+        ),
+        squeeze=False,
+    )
+    for ax, (title, rows) in zip(axes[:, 0], panels):
+        start = min((r["start"] for r in rows), default=0.0)
+        for row in rows:
+            ax.broken_barh(
+                [(row["start"] - start, row["end"] - row["start"])],
+                (row["rank"] - 0.4, 0.8),
+                color=colours[row["phase"]],
+            )
+        ax.set_yticks(sorted({r["rank"] for r in rows}))
+        ax.set_ylabel("rank")
+        ax.set_title(title, fontsize="small")
+    axes[-1, 0].set_xlabel("seconds since the first rank started")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[p]) for p in phases]
+    fig.legend(handles, phases, loc="upper right", fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_png(rows: list[Row], label_a: str, label_b: str, path: Path) -> None:
+    """Each metric as B relative to A, one bar group per case: 1.0 means identical."""
+    plt = _pyplot()
+    numeric = [
+        r for r in rows if isinstance(r.a, int | float) and isinstance(r.b, int | float) and r.a
+    ]
+    metrics = sorted({r.metric for r in numeric})
+    cases = sorted({r.case_id for r in numeric})
+    fig, ax = plt.subplots(figsize=(max(6, len(metrics) * 0.9), 4.5))
+    width = 0.8 / max(1, len(cases))
+    for i, case_id in enumerate(cases):
+        values = {r.metric: float(r.b) / float(r.a) for r in numeric if r.case_id == case_id}  # type: ignore[arg-type]
+        xs = [m + i * width for m in range(len(metrics))]
+        ax.bar(xs, [values.get(m, float("nan")) for m in metrics], width, label=case_id)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(
+        [m + 0.4 - width / 2 for m in range(len(metrics))], metrics, rotation=60, ha="right"
+    )
+    ax.set_ylabel(f"{label_b} / {label_a}")
+    ax.set_title(f"pytest-fsdp-turbo compare: {label_b} relative to {label_a}")
+    if cases:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,226 @@
+"""One run path: how a case becomes a run, for the `ppo_run` fixture, `pytest-fsdp-turbo run` and
+the benchmarks alike. Named steps: resolve the case (with validated overrides), gate it (model,
+vLLM, verl, FSDPTurbo checkout and its torch range), build the request, launch it (warm, spawn or
+Ray, then its twin). Callers decide what an unavailable case means (skip, or fail under strict).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pytest_fsdp_turbo.cases import (
+    DEFAULT_CASES,
+    Case,
+    CaseBook,
+    CaseParam,
+    engine_module_source,
+    load_cases,
+    with_overrides,
+)
+from pytest_fsdp_turbo.devices import Accelerator
+from pytest_fsdp_turbo.launching.request import RunRequest, launcher_for, run_with_twin
+from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.needs import case_needs, missing_packages
+from pytest_fsdp_turbo.session import resolve_artifacts
+from pytest_fsdp_turbo.settings import Settings, launcher_named
+from pytest_fsdp_turbo.turbo.checkout import Checkout
+from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
+from pytest_fsdp_turbo_contract.results import RunResult
+
+if TYPE_CHECKING:
+    from pytest_fsdp_turbo.launching.ray_driver import RayDriver
+
+
+@dataclass
+class CaseRunner:
+    settings: Settings
+    accelerator: Accelerator
+    book: LeaseBook
+    cases: Callable[[], CaseBook]  # loaded when a case is named by id
+    artifacts_root: Path
+    ini_engine_modules: Sequence[str] = ()
+    checkout: Callable[[], Checkout] = field(default=lambda: None)  # resolved only when needed
+    start_ray: Callable[[], RayDriver] = field(default=lambda: None)
+    progress: Callable | None = None  # (case_id, world_size, timeout_s, artifacts) -> Progress
+
+    def resolve(
+        self,
+        case: Case | CaseParam | str,
+        modules: list[str],
+        overrides: dict,
+        pythonpath: Sequence[str] = (),
+    ) -> Case:
+        if isinstance(case, CaseParam):
+            case = case.case
+        elif isinstance(case, str):
+            case = self.cases().get(case)
+        if not overrides:
+            return case
+        return with_overrides(case, overrides, modules, pythonpath, self.settings.tiny_models)
+
+    def gate(self, case: Case, checkout: Checkout | None) -> tuple[Path, Checkout | None]:
+        from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
+
+        try:
+            model = resolve_model(
+                case.model, self.settings.models, tiny_models=self.settings.tiny_models
+            )
+        except ModelUnavailable as exc:
+            raise Unavailable(f"case {case.id}: {exc}") from None
+        for need in missing_packages(case_needs(case, self.accelerator.kind)):
+            raise Unavailable(
+                f"case {case.id}: {need.reason} needs {need.name}, which is not importable here: "
+                f"{need.hint}"
+            )
+        if not case.is_turbo:
+            return model, None
+        from pytest_fsdp_turbo.turbo.library import torch_outside_range
+
+        checkout = checkout or self.checkout()
+        outside = torch_outside_range(checkout.path)
+        if outside:
+            raise Unavailable(f"case {case.id}: {outside}")
+        return model, checkout
+
+    def launch(self, request: RunRequest) -> RunResult:
+        launcher = launcher_for(request.launcher, self.book, self.start_ray)
+        return run_with_twin(request, launcher)
+
+    def run(
+        self,
+        case: Case | CaseParam | str,
+        name: str,
+        *,
+        engine_modules: Sequence[str] = (),
+        pythonpath: Sequence[str] = (),
+        extra_env: dict[str, str] | None = None,
+        launcher: str | None = None,
+        checkout: Checkout | None = None,
+        **overrides: object,
+    ) -> RunResult:
+        modules = [*self.ini_engine_modules, *engine_modules]
+        resolved = self.resolve(case, modules, overrides, pythonpath)
+        model, found = self.gate(resolved, checkout)
+        _refuse_unimportable(resolved, modules, pythonpath)
+        request = RunRequest(
+            case=resolved,
+            model_path=model,
+            artifacts_dir=self.artifacts_root / name,
+            accelerator=self.accelerator,
+            checkout=found,
+            engine_modules=modules,
+            pythonpath=list(pythonpath),
+            extra_env=dict(extra_env or {}),
+            launcher=launcher_named(launcher, "launcher") if launcher else self.settings.launcher,
+            progress=self.progress,
+        )
+        return self.launch(request)
+
+
+def _refuse_unimportable(case: Case, modules: Sequence[str], pythonpath: Sequence[str]) -> None:
+    """An engine module no rank could import: one line here, not an ImportError in every rank."""
+    for module in modules:
+        if engine_module_source(module, pythonpath) is None:
+            looked = f"the pythonpath given ({', '.join(pythonpath)}) and " if pythonpath else ""
+            raise ConfigError(
+                f"case {case.id}: engine module {module!r}: expected a module the ranks can "
+                f"import; no source for it on {looked}this process's path"
+            )
+
+
+@dataclass(frozen=True)
+class IniConfig:
+    """The rootdir and the plugin's ini values, as pytest started in a folder would see them."""
+
+    rootdir: Path
+    cases: str  # fsdp_turbo_cases, "" when unset
+    engine_modules: tuple[str, ...]
+
+
+def read_ini(start: Path) -> IniConfig:
+    """Let pytest itself find the configuration (its file precedence: an empty pytest.ini still
+    wins over pyproject.toml; its rootdir rules; PYTEST_ADDOPTS), stopping before it collects."""
+    import contextlib
+    import os
+
+    import pytest
+
+    class Reader:
+        found: IniConfig | None = None
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_cmdline_main(self, config: pytest.Config) -> int:
+            modules = tuple(config.getini("fsdp_turbo_engine_modules") or ())
+            Reader.found = IniConfig(config.rootpath, config.getini("fsdp_turbo_cases"), modules)
+            return 0  # nothing else runs: no configure hooks, no collection
+
+    with open(os.devnull, "w") as sink, contextlib.chdir(start), contextlib.redirect_stdout(sink):
+        pytest.main(["--noconftest", "-p", "no:cacheprovider"], plugins=[Reader()])
+    return Reader.found or IniConfig(start, "", ())
+
+
+def case_file(settings: Settings, ini: IniConfig) -> Path:
+    """The option's case file, else the rootdir ini's fsdp_turbo_cases, else e2e/cases.toml."""
+    return settings.cases or ini.rootdir / (ini.cases or DEFAULT_CASES)
+
+
+def standalone_cases(settings: Settings, cwd: Path | None = None) -> CaseBook:
+    """The case book `pytest-fsdp-turbo` verbs read, found as pytest would find it."""
+    ini = read_ini((cwd or Path.cwd()).resolve())
+    path = case_file(settings, ini)
+    cases = load_cases(path, engine_modules=ini.engine_modules, tiny_models=settings.tiny_models)
+    return CaseBook(path, cases)
+
+
+def standalone_runner(
+    settings: Settings, accelerator: Accelerator, cwd: Path | None = None
+) -> CaseRunner:
+    """The runner `pytest-fsdp-turbo run` and the benchmarks use: the same case file (from the
+    option, else the rootdir's ini, else e2e/cases.toml under the rootdir), the ini engine modules,
+    the same gates and launchers as the fixture."""
+    from pytest_fsdp_turbo.turbo.checkout import resolve_checkout
+
+    ini = read_ini((cwd or Path.cwd()).resolve())
+    path = case_file(settings, ini)
+    artifacts = resolve_artifacts(settings.artifacts, Path.cwd(), ini.rootdir)
+    return CaseRunner(
+        settings=settings,
+        accelerator=accelerator,
+        book=LeaseBook(),
+        cases=lambda: CaseBook(
+            path,
+            load_cases(path, engine_modules=ini.engine_modules, tiny_models=settings.tiny_models),
+        ),
+        artifacts_root=artifacts,
+        ini_engine_modules=list(ini.engine_modules),
+        checkout=lambda: resolve_checkout(settings.checkout),
+        start_ray=lambda: _start_ray(settings, artifacts),
+        progress=_stderr_progress,
+    )
+
+
+def _stderr_progress(case_id: str, world_size: int, timeout_s: float, out: Path):
+    """Live status on stderr for `pytest-fsdp-turbo run`: rewritten in place on a terminal."""
+    import sys
+
+    from pytest_fsdp_turbo.launching.progress import Progress
+
+    def live(text: str) -> None:
+        sys.stderr.write("\r\x1b[2K" + text)
+        sys.stderr.flush()
+
+    def line(text: str) -> None:
+        sys.stderr.write(text + "\n")
+
+    return Progress(
+        case_id, world_size, timeout_s, out, live if sys.stderr.isatty() else None, line
+    )
+
+
+def _start_ray(settings: Settings, log_dir: Path) -> RayDriver:
+    from pytest_fsdp_turbo.launching.ray_driver import ray_driver
+
+    return ray_driver(settings.ray_address, settings.ray_connect_timeout_s, log_dir)

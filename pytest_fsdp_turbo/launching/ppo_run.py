@@ -1,0 +1,90 @@
+"""The object behind the ppo_run fixture, loaded when a test first asks for it (the fixtures module
+stays small because pytest imports it on every start)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pytest_fsdp_turbo.outcomes import fail_line, skip_or_fail
+from pytest_fsdp_turbo.session import progress_ini
+from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout
+
+if TYPE_CHECKING:
+    from pytest_fsdp_turbo.cases import Case, CaseParam
+    from pytest_fsdp_turbo.launching.progress import Progress
+    from pytest_fsdp_turbo_contract.results import RunResult
+
+
+class PPORun:
+    """The ppo_run fixture: the shared run path (pytest_fsdp_turbo.launching.case_runner.CaseRunner) plus what
+    belongs to pytest: an artifact folder per test and call, skip or strict failure when a case
+    cannot run here, one-line failures for bad input, junit properties and the summary row."""
+
+    def __init__(self, request: pytest.FixtureRequest, runner):
+        self.request, self.runner, self.calls = request, runner, 0
+
+    def artifact_name(self) -> str:
+        from pytest_fsdp_turbo.report import artifact_name
+
+        self.calls += 1
+        name = artifact_name(self.request.node.nodeid)
+        return name + (f"-{self.calls}" if self.calls > 1 else "")
+
+    def record(self, result: RunResult, options: dict) -> None:
+        from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, junit_properties, summary_row
+
+        self.request.node.user_properties.extend(junit_properties(result))
+        for note in result.notes:
+            if note.startswith("fsdp-turbo: stall:"):
+                self.request.node.user_properties.append(("fsdp_turbo/stall", note))
+        row = summary_row(result, test=self.request.node.name, options=options)
+        self.request.node.user_properties.append((SUMMARY_PROPERTY, row))
+
+    def __call__(self, case: Case | CaseParam | str, **options: object) -> RunResult:
+        from pytest_fsdp_turbo.launching.case_runner import Unavailable
+
+        try:
+            result = self.runner.run(case, self.artifact_name(), **options)
+        except Unavailable as why:
+            skip_or_fail(self.runner.settings.strict, str(why))
+        except (ConfigError, LeaseTimeout) as exc:
+            fail_line(str(exc))
+        self.record(result, options)
+        return result
+
+
+def terminal_progress(config: pytest.Config):
+    """Live status through pytest's own terminal reporter: one line rewritten in place on a
+    terminal, plain lines on a phase change (at most every 30 s) in CI logs."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return None
+    from pytest_fsdp_turbo.launching.progress import Progress
+
+    share, quiet = progress_ini(config)
+    capture = config.pluginmanager.getplugin("capturemanager")
+
+    def uncaptured():  # as pytest's live logging does: past the test's output capture
+        return capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
+
+    def live(text: str) -> None:
+        with uncaptured():
+            if text:
+                reporter.ensure_newline()
+            reporter.rewrite(text, erase=True)
+
+    def line(text: str) -> None:
+        with uncaptured():
+            reporter.write_line(text)
+
+    def make(case_id: str, world_size: int, timeout_s: float, out: Path) -> Progress:
+        interactive = live if getattr(reporter, "isatty", False) else None
+        return Progress(
+            case_id, world_size, timeout_s, out, interactive, line, stall_share=share, quiet_s=quiet
+        )
+
+    return make

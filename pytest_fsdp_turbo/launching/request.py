@@ -1,0 +1,359 @@
+"""One case on one device kind: spec, leases, env, launch. Shared by the ppo_run fixture and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pytest_fsdp_turbo.cases import Case
+from pytest_fsdp_turbo.devices import Accelerator
+from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
+from pytest_fsdp_turbo.launching.progress import Progress
+from pytest_fsdp_turbo.launching.supervisor import launch_local
+from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
+from pytest_fsdp_turbo.models import model_type_of
+from pytest_fsdp_turbo.turbo.checkout import Checkout
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
+from pytest_fsdp_turbo_contract.faults import FAULT_VAR, parse_fault
+from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.spec import RankSpec
+from pytest_fsdp_turbo_contract.vocab import (
+    DeviceKind,
+    Env,
+    Launcher,
+    Rollout,
+    SyncPolicy,
+    TwinKind,
+)
+
+if TYPE_CHECKING:
+    from pytest_fsdp_turbo.launching.ray_driver import RayDriver
+
+CHECKOUT_VAR = Env.CHECKOUT
+PORT_ATTEMPTS = 3
+PORT_CLASH = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+
+
+@dataclass
+class RunRequest:
+    case: Case
+    model_path: Path
+    artifacts_dir: Path
+    accelerator: Accelerator
+    checkout: Checkout | None = None
+    engine_modules: list[str] = field(default_factory=list)
+    pythonpath: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    replay: Path | None = None  # twin runs: the main run's artifacts, whose batch is replayed
+    turbo_config: dict | None = None  # fsdp_turbo cases: the exact config, see with_turbo_config
+    launcher: Launcher = Launcher.LOCAL  # see launcher_for
+    progress: Callable[..., Progress] | None = None  # live status while the ranks run
+
+
+def rank_spec(request: RunRequest) -> RankSpec:
+    return request.case.rank_spec(
+        request.accelerator.kind,
+        model_path=str(request.model_path),
+        model_type=model_type_of(request.model_path),
+        engine_modules=request.engine_modules,
+        turbo_config=request.turbo_config,
+        replay=str(request.replay) if request.replay else "",
+    )
+
+
+def _port_clash(result: RunResult) -> bool:
+    if result.ok:
+        return False
+    for rank in result.ranks:
+        text = (rank.error.message if rank.error else "") + rank.log_tail(80)
+        if PORT_CLASH.search(text):
+            return True
+    return False
+
+
+def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[str, str]:
+    """What the ranks' environment adds to the environment they start from."""
+    case, accel = request.case, request.accelerator
+    group = build_collective_env(
+        accel.kind,
+        lease_ids,
+        port,
+        world_size=case.world_size,
+        port_ranges=ranges,
+        timeouts=Timeouts(case.collective_timeout, case.timeout),
+    )
+    env = dict(group.env)
+    paths = [*request.pythonpath]
+    if request.checkout is not None:
+        paths.append(request.checkout.pythonpath)
+        env[CHECKOUT_VAR] = str(request.checkout.path)
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update(request.extra_env)
+    return env
+
+
+def _set_aside(out: Path, folder: Path) -> None:
+    folder.mkdir()
+    for path in out.glob(RunFolder.RANK_FILES):
+        path.rename(folder / path.name)
+
+
+def refuse_missing_hardware(request: RunRequest) -> None:
+    """What the accelerator (detected, or forced by --fsdp-turbo-device) lacks for the case, said
+    before any rank starts and after every other gate (so a box that pretends to be an NPU box
+    still meets those): a forced npu without torch_npu (its ranks would die on an unknown hccl
+    backend), fewer devices than ranks (the lease would wait them out)."""
+    import importlib.util
+
+    accel, case = request.accelerator, request.case
+    if accel.kind == DeviceKind.NPU and importlib.util.find_spec("torch_npu") is None:
+        problem = f"{accel.describe()}; its backend needs torch_npu, which is not importable here"
+    elif accel.kind != DeviceKind.CPU and accel.count < case.world_size:
+        problem = f"needs {case.world_size} {accel.kind} devices; {accel.describe()}"
+    else:
+        return
+    raise Unavailable(f"case {case.id}: {problem}")
+
+
+def _prepare(request: RunRequest, *, local: bool) -> Path:
+    """A fresh run folder with the spec and the case, or one line naming the folder. `local`:
+    the ranks start on this machine, so its hardware must be there (Ray places them itself,
+    possibly on nodes that have what this one lacks)."""
+    out = request.artifacts_dir
+    spec = rank_spec(request)  # a turbo_config that does not fit fails here, before anything else
+    if local:
+        refuse_missing_hardware(request)
+    fix = "choose another folder with --fsdp-turbo-artifacts"
+    if out.is_symlink():  # the folder is replaced for each run: never through a link
+        raise ConfigError(f"artifacts folder {out} is a symlink; remove it or {fix}")
+    try:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        folder = RunFolder(out)
+        spec.write(folder.spec)
+        folder.case.write_text(json.dumps(asdict(request.case), indent=1, default=list))
+    except OSError as exc:  # below a regular file, not writable, the disk full
+        where = exc.filename or out
+        raise ConfigError(
+            f"artifacts folder {out}: cannot write {where}: {exc.strerror or exc}; {fix}"
+        ) from None
+    return out
+
+
+def _progress(request: RunRequest, out: Path) -> Progress | None:
+    if request.progress is None:
+        return None
+    case = request.case
+    return request.progress(case.id, case.world_size, case.timeout, out)
+
+
+def _finish(progress: Progress | None, result: RunResult) -> RunResult:
+    if progress is not None:
+        progress.close()
+        result.notes += progress.warnings
+    return result
+
+
+def run_case_on_ray(request: RunRequest, driver: RayDriver) -> RunResult:
+    """Ray places the ranks and assigns their devices; rank 0's node gives the rendezvous."""
+    case, kind = request.case, request.accelerator.kind
+    out = _prepare(request, local=False)
+    overrides = _env_overrides(
+        request, (), 0, hccl_port_ranges(0) if kind == DeviceKind.NPU else None
+    )
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # rank 0's node decides these
+        overrides.pop(name)
+    RunFolder(out).env.write_text(json.dumps(mask_secrets(overrides), indent=1, sort_keys=True))
+    progress = _progress(request, out)
+    result = driver.launch(
+        case_id=case.id,
+        world_size=case.world_size,
+        kind=kind,
+        env_overrides=overrides,
+        artifacts_dir=out,
+        timeout_s=case.timeout,
+        watch=progress.tick if progress else None,
+    )
+    return _finish(progress, result)
+
+
+RankLauncher = Callable[[RunRequest], RunResult]  # starts one request's ranks, hands back the run
+
+
+def launcher_for(
+    kind: Launcher, book: LeaseBook, start_ray: Callable[[], RayDriver]
+) -> RankLauncher:
+    """The one place the launcher kind is decided: Ray actors, or processes on this machine,
+    forked from the warm parent (local) or fresh interpreters (spawn)."""
+    if kind == Launcher.RAY:
+        driver = start_ray()
+        return lambda request: run_case_on_ray(request, driver)
+    warm = kind == Launcher.LOCAL
+    return lambda request: run_case(request, book, warm=warm)
+
+
+def run_case(
+    request: RunRequest,
+    book: LeaseBook,
+    lease_timeout_s: float = 600.0,
+    port_attempts: int = PORT_ATTEMPTS,
+    *,
+    warm: bool = True,
+) -> RunResult:
+    """Lease devices and ports, write the spec, start the ranks (forked from the warm parent when
+    `warm` and one can start, else fresh interpreters); leases are freed whatever happens."""
+    out = _prepare(request, local=True)
+    progress = _progress(request, out)
+    parent, notes = _warm_parent(book, warm)
+    with _leased(request, book, lease_timeout_s) as (ids, ranges):
+
+        def launch_on(port: int) -> RunResult:
+            return _launch_once(request, ids, ranges, port, parent, progress)
+
+        result = _retrying_port_clashes(out, book, port_attempts, notes, launch_on)
+    result.notes = notes + result.notes
+    return _finish(progress, result)
+
+
+def _warm_parent(book: LeaseBook, warm: bool):
+    """The warm parent to fork ranks from (None: spawn them), and a note when one was wanted but
+    could not start."""
+    if not warm:
+        return None, []
+    from pytest_fsdp_turbo.launching.warm import warm_parent
+
+    parent, why = warm_parent(book.state_dir)
+    return parent, [] if parent is not None else [f"ranks spawned as fresh interpreters: {why}"]
+
+
+@contextmanager
+def _leased(request: RunRequest, book: LeaseBook, timeout_s: float):
+    """The case's devices, and on NPU a block of HCCL port ranges, freed whatever happens."""
+    accel = request.accelerator
+    lease = book.devices(accel.kind, accel.ids, request.case.world_size, timeout_s=timeout_s)
+    slot, ranges = None, None
+    try:
+        if accel.kind == DeviceKind.NPU:
+            slot, ranges = book.port_ranges()
+        yield lease.ids, ranges
+    finally:
+        book.release(lease)
+        if slot is not None:
+            book.release_port_ranges(slot)
+
+
+def _launch_once(request: RunRequest, ids, ranges, port: int, parent, progress) -> RunResult:
+    """One launch of the case's ranks on `port`, its environment kept in env.json."""
+    case, out = request.case, request.artifacts_dir
+    env = {**os.environ, **_env_overrides(request, ids, port, ranges)}
+    RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
+    return launch_local(
+        case_id=case.id,
+        world_size=case.world_size,
+        env=env,
+        artifacts_dir=out,
+        timeout_s=case.timeout,
+        warm_parent=parent,
+        preload=f"verl:{request.accelerator.kind}" if case.is_verl else None,
+        watch=progress.tick if progress else None,
+    )
+
+
+def _retrying_port_clashes(
+    out: Path,
+    book: LeaseBook,
+    attempts: int,
+    notes: list[str],
+    launch_on: Callable[[int], RunResult],
+) -> RunResult:
+    """A port taken by someone else between the lease and rank 0's bind is retried on a fresh
+    port, a bounded number of times; each retry is noted and logged, and the failed attempt's
+    logs are kept beside the run's."""
+    for attempt in range(1, attempts + 1):
+        port = book.port()
+        try:
+            result = launch_on(port)
+        finally:
+            book.release_port(port)
+        if attempt == attempts or not _port_clash(result):
+            break
+        kept = out / f"attempt{attempt}-port{port}"
+        _set_aside(out, kept)
+        note = (
+            f"port {port} was taken before rank 0 could bind it; retrying on a fresh port "
+            f"(attempt {attempt + 1} of {attempts}); the failed attempt's logs are in {kept}"
+        )
+        notes.append(note)
+        with open(RunFolder(out).launcher_log, "a") as log:
+            log.write(note + "\n")
+    return result
+
+
+def twin_case(case: Case) -> Case | None:
+    """The reference layout that replays a case's batch. single: our own FSDP2 engine on one
+    unsharded rank, the whole global batch in one micro-batch, no sequence parallelism, HF rollout;
+    so a twin differs from the main run in engine, world size, sharding, micro-batch split and SP
+    all at once, and a bug tied to any of them cannot repeat in it. every_micro_batch: the same
+    engine and layout, syncing every micro-batch (a policy comparison, not an independent one)."""
+    kind = case.twin_kind()
+    if kind == TwinKind.NONE:
+        return None
+    common = {"id": f"{case.id}-twin", "twin": TwinKind.NONE, "reference_checks": False}
+    if kind == TwinKind.EVERY_MICRO_BATCH:
+        return replace(case, gradient_sync=SyncPolicy.EVERY_MICRO_BATCH, **common)
+    return replace(
+        case,
+        backend="fsdp",
+        world_size=1,
+        fsdp_size=0,
+        sp_size=1,
+        micro_batches=1,
+        turbo_config={},
+        rollout=Rollout.HF,
+        **common,
+    )
+
+
+def with_turbo_config(request: RunRequest) -> RunRequest:
+    """fsdp_turbo cases: the exact turbo_config for the checkout's layout and the model's module
+    tree, validated against the checkout's schema before any rank starts."""
+    if not request.case.is_turbo or request.turbo_config is not None:
+        return request
+    from pytest_fsdp_turbo.turbo.library import turbo_config_for
+
+    checkout = request.checkout.path if request.checkout is not None else None
+    config = turbo_config_for(request.case, request.accelerator.kind, request.model_path, checkout)
+    return replace(request, turbo_config=config)
+
+
+def run_with_twin(request: RunRequest, launch: Callable[[RunRequest], RunResult]) -> RunResult:
+    """The case, then (if it declares one and completed) its twin replaying the saved batch."""
+    fault = request.extra_env.get(FAULT_VAR, os.environ.get(FAULT_VAR, ""))
+    parse_fault(fault, request.case.world_size)  # a spec the ranks would ignore is refused here
+    request = with_turbo_config(request)
+    result = launch(request)
+    twin = twin_case(request.case)
+    if twin is None or not result.ok:
+        return result
+    twin_request = replace(
+        request,
+        case=twin,
+        artifacts_dir=RunFolder(request.artifacts_dir).twin.path,
+        checkout=request.checkout if twin.is_turbo else None,
+        turbo_config=None,
+        replay=request.artifacts_dir,
+    )
+    twin_request = with_turbo_config(twin_request)
+    result.twin, result.twin_kind = launch(twin_request), request.case.twin_kind()
+    return result

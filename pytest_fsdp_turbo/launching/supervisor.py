@@ -1,0 +1,292 @@
+"""Start one group of rank processes, watch them, and hand back a structured result.
+
+One log file per rank; one timeout for the group. A rank that fails stops the others at once; a group
+that times out dumps every rank's Python stacks (faulthandler, SIGUSR1) into its log first. Nothing
+the group started outlives it: every process tree is killed through psutil.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import psutil
+
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.lifetime import die_with_parent
+from pytest_fsdp_turbo_contract.results import RankResult, RunResult
+from pytest_fsdp_turbo_contract.vocab import Env
+
+WORKER_MODULE = "pytest_fsdp_turbo_engine.worker"
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+STACK_DUMP_WAIT_S = 1.0
+WATCH_EVERY_S = 0.5
+LAUNCHED_AT_VAR = Env.LAUNCHED_AT  # wall clock at launch: start-up time per rank
+
+
+def rank_env(base: Mapping[str, str], rank: int, world_size: int) -> dict[str, str]:
+    env = dict(base)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        PYTHONUNBUFFERED="1",
+        PYTHONFAULTHANDLER="1",
+    )
+    return env
+
+
+def _process_tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def kill_pid_tree(pid: int) -> None:
+    """Kill a process we did not start (a forked rank) and everything it started."""
+    for proc in reversed(_process_tree(pid)):
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
+def kill_trees(children: Sequence[subprocess.Popen]) -> None:
+    """Kill each rank and everything it started; reap ranks through Popen to keep exit codes."""
+    descendants = [p for child in children for p in _process_tree(child.pid)[1:]]
+    for proc in descendants:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)
+    psutil.wait_procs(descendants, timeout=5)
+
+
+class RankHandle(Protocol):
+    """One running rank, wherever it runs (a local process, a Ray actor)."""
+
+    rank: int
+    log_path: Path
+
+    def poll(self) -> int | None: ...
+
+    def dump_stacks(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class LocalRank:
+    def __init__(self, rank: int, command: Sequence[str], env: Mapping[str, str], log_path: Path):
+        self.rank, self.log_path = rank, log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                list(command),
+                env=dict(env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            )
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def dump_stacks(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.kill(self.proc.pid, STACK_DUMP_SIGNAL)
+
+    def kill(self) -> None:
+        kill_trees([self.proc])
+
+
+class ForkedRank:
+    """A rank forked by this process's warm parent; the parent reaps it and reports its exit."""
+
+    def __init__(
+        self,
+        parent,
+        rank: int,
+        env: Mapping[str, str],
+        spec: Path,
+        log_path: Path,
+        preload: str | None = None,
+    ):
+        self.parent, self.rank, self.log_path = parent, rank, log_path
+        self.pid = parent.fork(rank, env, spec, log_path, preload)
+
+    def poll(self) -> int | None:
+        code = self.parent.exits.get(self.pid)
+        if code is None and not self.parent.alive:
+            return -signal.SIGKILL  # it died with the parent
+        return code
+
+    def dump_stacks(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, STACK_DUMP_SIGNAL)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            kill_pid_tree(self.pid)
+        deadline = time.monotonic() + 5.0
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def supervise(
+    handles: Sequence[RankHandle],
+    timeout_s: float,
+    poll_s: float = 0.05,
+    watch: Callable[[float], None] | None = None,
+    completed: Callable[[RankHandle], bool] | None = None,
+):
+    """Wait for every rank; on the first failure or at the timeout, dump the stacks of the ranks
+    still alive (which rank waited where) and stop them. `watch(elapsed)` is called about every
+    WATCH_EVERY_S while the ranks run (live progress). A rank that exits 0 without `completed`
+    (its results) is a failure too, so its peers do not wait for it until a timeout.
+    Returns (timed_out, first_failure, ends)."""
+    start = time.monotonic()
+    ends: dict[int, float] = {}
+    timed_out, first_failure = False, None
+    watched = start
+    try:
+        while len(ends) < len(handles):
+            if watch is not None and time.monotonic() - watched >= WATCH_EVERY_S:
+                watched = time.monotonic()
+                watch(watched - start)
+            for handle in handles:
+                if handle.rank not in ends and (code := handle.poll()) is not None:
+                    ends[handle.rank] = time.monotonic()
+                    failed = code != 0 or (completed is not None and not completed(handle))
+                    if failed and first_failure is None:
+                        first_failure = handle.rank
+            stop = first_failure is not None and len(ends) < len(handles)
+            timed_out = not stop and time.monotonic() - start >= timeout_s
+            if stop or timed_out:
+                for handle in handles:
+                    if handle.rank not in ends:
+                        handle.dump_stacks()
+                time.sleep(STACK_DUMP_WAIT_S)
+                break
+            time.sleep(poll_s)
+    finally:
+        for handle in handles:
+            handle.kill()
+    return timed_out, first_failure, ends
+
+
+def collect_result(
+    case_id: str,
+    handles: Sequence[RankHandle],
+    artifacts_dir: Path,
+    timeout_s: float,
+    start: float,
+    outcome: tuple,
+) -> RunResult:
+    timed_out, first_failure, ends = outcome
+    from pytest_fsdp_turbo.launching.progress import write_timeline
+
+    notes = []
+    try:
+        write_timeline(artifacts_dir, len(handles))  # what every rank did when, kept with the logs
+    except OSError as exc:  # a full disk must not hide what the ranks did
+        notes.append(f"fsdp-turbo: timeline not written to {artifacts_dir}: {exc.strerror}")
+    now = time.monotonic()
+    folder = RunFolder(artifacts_dir)
+    ranks = [
+        RankResult.read(folder, h.rank, h.poll(), ends.get(h.rank, now) - start, h.log_path)
+        for h in handles
+    ]
+    reported = [r for r in ranks if r.error and r.error.time is not None]
+    # a rank that exited 0 without its results left without a word: its peers' errors follow it
+    vanished = [r for r in ranks if r.exit_code == 0 and not r.metrics and not r.error]
+    if vanished:
+        first_failure = min(vanished, key=lambda r: r.duration_s).rank
+    elif reported:  # the rank that raised first, not the peer that noticed it
+        first_failure = min(reported, key=lambda r: r.error.time).rank
+    return RunResult(
+        case_id=case_id,
+        world_size=len(handles),
+        ranks=ranks,
+        artifacts_dir=artifacts_dir,
+        duration_s=now - start,
+        timed_out=timed_out,
+        timeout_s=timeout_s,
+        first_failure=first_failure,
+        notes=notes,
+    )
+
+
+def wrote_results(artifacts_dir: Path) -> Callable[[RankHandle], bool]:
+    """The engine worker's success marker: a rank's metrics file (written before it exits 0)."""
+    return lambda handle: RunFolder(artifacts_dir).metrics(handle.rank).is_file()
+
+
+def worker_command(artifacts_dir: Path, python: str = sys.executable) -> list[str]:
+    return [python, "-m", WORKER_MODULE, str(RunFolder(artifacts_dir).spec)]
+
+
+def launch_local(
+    *,
+    case_id: str,
+    world_size: int,
+    env: Mapping[str, str],
+    artifacts_dir: Path,
+    timeout_s: float,
+    command: Sequence[str] | None = None,
+    poll_s: float = 0.05,
+    warm_parent=None,
+    preload: str | None = None,
+    watch: Callable[[float], None] | None = None,
+) -> RunResult:
+    """Run `command` (default: the engine worker on artifacts_dir/spec.json) as world_size ranks:
+    forked from `warm_parent` when one is given, otherwise fresh interpreters."""
+    artifacts_dir.mkdir(parents=True, exist_ok=True)
+    completed = None if command else wrote_results(artifacts_dir)
+    command = list(command or worker_command(artifacts_dir))
+    handles: list[RankHandle] = []
+    start = time.monotonic()
+    try:
+        for rank in range(world_size):
+            log_path = RunFolder(artifacts_dir).log(rank)
+            rank_vars = {**rank_env(env, rank, world_size), LAUNCHED_AT_VAR: f"{time.time():.6f}"}
+            if warm_parent is not None:
+                spec = RunFolder(artifacts_dir).spec
+                handles.append(ForkedRank(warm_parent, rank, rank_vars, spec, log_path, preload))
+            else:
+                handles.append(LocalRank(rank, command, rank_vars, log_path))
+    except BaseException as exc:
+        for handle in handles:
+            handle.kill()
+        if warm_parent is None or warm_parent.alive:
+            raise
+        return RunResult.launcher_failed(
+            case_id, world_size, artifacts_dir, _warm_parent_died(warm_parent, exc)
+        )
+    outcome = supervise(handles, timeout_s, poll_s, watch, completed)
+    result = collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)
+    if warm_parent is not None and not warm_parent.alive:
+        result.failure = _warm_parent_died(warm_parent)
+    return result
+
+
+def _warm_parent_died(parent, exc: BaseException | None = None) -> str:
+    how = f" ({type(exc).__name__}: {exc})" if exc else ""
+    return (
+        f"the warm parent (pid {parent.pid}) died while the case ran, exit code "
+        f"{parent.exit_code}{how}; its ranks died with it, and the next case starts a new one; "
+        f"its log: {parent.log_path}"
+    )

@@ -1,0 +1,311 @@
+"""The launcher's side of warm ranks: one warm parent per pytest process (so one per xdist worker),
+started on first use, that forks each case's rank processes (pytest_fsdp_turbo_engine/warm_parent.py). Every case still
+gets fresh processes and a fresh process group; only the imports are shared. A process started
+inside a pytest session (an inner pytest, `pytest-fsdp-turbo run`) forks from its ancestor's warm
+parent through the socket advertised in PYTEST_FSDP_TURBO_WARM_SOCKET, when the imports fit it.
+
+Where forking is unsafe (torch_npu installed, which torch imports with itself; a CUDA context; a
+thread in the parent) or turned off (PYTEST_FSDP_TURBO_NO_FORK=1), ranks are spawned as fresh
+interpreters instead, and the run's notes and the session header say why.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from pytest_fsdp_turbo.launching.session_processes import disown, own
+from pytest_fsdp_turbo.launching.supervisor import kill_pid_tree
+from pytest_fsdp_turbo_contract.lifetime import die_with_parent
+from pytest_fsdp_turbo_contract.vocab import Env
+from pytest_fsdp_turbo_contract.warm_protocol import (
+    IMPORT_TIME_ENV,
+    decode_line,
+    encode,
+    interpreter,
+)
+
+WARM_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
+NO_FORK_VAR = Env.NO_FORK
+SOCKET_VAR = Env.WARM_SOCKET
+READY_TIMEOUT_S = 300.0
+FORK_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 5.0
+
+
+def import_env() -> dict[str, str]:
+    """The values the parent imports under: the user's where set, the harness's defaults else."""
+    return {k: os.environ.get(k, v) for k, v in IMPORT_TIME_ENV.items()}
+
+
+def fork_unavailable_reason() -> str | None:
+    """Known before starting anything (the header uses it); the parent checks again itself."""
+    if os.environ.get(NO_FORK_VAR, "") not in ("", "0"):
+        return f"{NO_FORK_VAR} is set"
+    if sys.platform != "linux":
+        return "not Linux"
+    if importlib.util.find_spec("torch_npu") is not None:
+        return "torch_npu is installed, and torch imports it (its runtime does not survive fork)"
+    return None
+
+
+class _Conversation:
+    """JSON lines with a warm parent: fork requests out; replies and rank exits in."""
+
+    pid: int
+    log_path: Path
+
+    def _start_reading(self, lines, first: str) -> dict:
+        self.exits: dict[int, int] = {}
+        self.zygotes: list[int] = []
+        self._replies: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._ended = threading.Event()
+        threading.Thread(
+            target=self._read, args=(lines,), daemon=True, name="fsdp-turbo-warm-parent"
+        ).start()
+        return self._reply(READY_TIMEOUT_S, first)
+
+    def _read(self, lines) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for line in lines:
+                message = decode_line(line)
+                if "exit" in message:
+                    self.exits[message["exit"]] = message["code"]
+                elif "zygote" in message:  # lives as long as the parent, like the parent
+                    self.zygotes.append(message["zygote"])
+                    own(message["zygote"], f"warm parent's zygote for {message['preload']}")
+                else:
+                    self._replies.put(message)
+        self._ended.set()
+        self._replies.put(None)  # the parent ended, or the connection to it did
+
+    def _reply(self, timeout_s: float, what: str) -> dict:
+        try:
+            message = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            message = None
+        if message is None:
+            raise RuntimeError(f"warm parent did not answer ({what}); see {self.log_path}")
+        return message
+
+    def _write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def fork(
+        self, rank: int, env: Mapping[str, str], spec: Path, log: Path, preload: str | None = None
+    ) -> int:
+        """A rank's pid; `preload` ("verl:cpu") forks it from a zygote that imported that stack."""
+        request = {"rank": rank, "env": dict(env), "spec": str(spec), "log": str(log)}
+        return self._request(request, preload, f"fork rank {rank}")
+
+    def _request(self, request: dict, preload: str | None, what: str) -> int:
+        request.update(cwd=os.getcwd(), preload=preload)
+        with self._lock:
+            self._write(encode(request))
+            return self._reply(FORK_TIMEOUT_S, what)["pid"]
+
+    def run_module(
+        self, module: str, argv: Sequence[str], env: Mapping[str, str], timeout_s: float
+    ) -> subprocess.CompletedProcess:
+        """`python -m module argv...` forked from this parent: its imports are already paid."""
+        with tempfile.TemporaryDirectory(prefix="fsdp-turbo-run-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"module": module, "argv": list(argv), "env": dict(env)}
+            request.update(stdout=str(out), log=str(err))
+            pid = self._request(request, None, f"run {module}")
+            deadline = time.monotonic() + timeout_s
+            while (code := self.exits.get(pid)) is None:
+                if not self.alive:
+                    raise RuntimeError(f"warm parent died while running {module}")
+                if time.monotonic() > deadline:
+                    kill_pid_tree(pid)
+                    raise subprocess.TimeoutExpired([module, *argv], timeout_s)
+                time.sleep(0.01)
+            return subprocess.CompletedProcess(
+                [module, *argv],
+                code,
+                out.read_text(errors="replace"),
+                err.read_text(errors="replace"),
+            )
+
+    @property
+    def alive(self) -> bool:
+        return not self._ended.is_set()
+
+    @property
+    def exit_code(self) -> int | None:
+        return None
+
+
+class WarmParent(_Conversation):
+    """A warm parent this process started; it also listens on `socket_path` for descendants."""
+
+    def __init__(self, log_path: Path, socket_path: Path | None = None):
+        env = {**os.environ, **import_env()}
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the parent
+        listen = ["--listen", str(socket_path)] if socket_path else []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", WARM_MODULE, *listen],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            preexec_fn=die_with_parent,
+        )
+        self.pid = self.proc.pid
+        ready = self._start_reading(self.proc.stdout, "start")
+        self.fork_safe, self.reason = ready["fork_safe"], ready["reason"]
+        self.import_s, self.socket = ready["import_s"], ready.get("socket")
+
+    def _write(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def close(self) -> None:
+        for pid in [self.proc.pid, *self.zygotes]:
+            disown(pid)  # a pid the system may hand to another process from now on
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+
+
+class SharedWarmParent(_Conversation):
+    """The warm parent of an ancestor process (an outer pytest session), reached through the
+    socket it names in PYTEST_FSDP_TURBO_WARM_SOCKET. Its imports are already paid; the ranks it
+    forks for this process are killed when this process disconnects or dies."""
+
+    def __init__(self, socket_path: str):
+        self.log_path = Path(socket_path).with_suffix(".log")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            self._sock.connect(socket_path)
+        except OSError:
+            self._sock.close()
+            raise
+        self._sock.settimeout(None)
+        hello = self._start_reading(self._sock.makefile("rb"), "connect")
+        self.pid, self.fork_safe, self.reason = hello["pid"], hello["fork_safe"], hello["reason"]
+        self.import_s = 0.0
+        self.fits = hello["interpreter"] == interpreter() and hello["import_env"] == import_env()
+
+    def _write(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+def _shared_parent() -> SharedWarmParent | None:
+    """An ancestor's warm parent this process may fork from, if one is advertised and fits."""
+    path = os.environ.get(SOCKET_VAR)
+    if not path:
+        return None
+    try:
+        parent = SharedWarmParent(path)
+    except (OSError, RuntimeError, KeyError, ValueError):
+        return None  # gone (a stale path) or not answering: this process starts its own
+    if parent.fits and parent.fork_safe:
+        return parent
+    parent.close()
+    return None
+
+
+def _adopt_shared_parent() -> SharedWarmParent | None:
+    """The ancestor's warm parent, kept as this process's own from now on, if there is one."""
+    shared = _shared_parent() if fork_unavailable_reason() is None else None
+    if shared is not None:
+        _parents[os.getpid()] = shared
+        atexit.register(shared.close)
+    return shared
+
+
+_parents: dict[int, _Conversation] = {}  # by pid: a forked or xdist-spawned process has its own
+_refusals: dict[int, str] = {}
+_log_dirs: dict[int, Path] = {}  # where this process's parent keeps its log, for a replacement
+
+
+def run_module(
+    module: str, argv: Sequence[str], *, timeout_s: float, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m module argv...` (stdout and stderr captured, never raising on its exit code):
+    forked from the warm parent this process already has, its own or an ancestor's, so torch and
+    transformers are not imported again; in a fresh interpreter when there is none."""
+    env = {**os.environ, **(env or {})}
+    parent = _parents.get(os.getpid())
+    if parent is not None and not parent.alive and os.getpid() in _log_dirs:
+        parent, _ = warm_parent(_log_dirs[os.getpid()])  # it died (a fault test): a new one
+    if parent is None:
+        parent = _adopt_shared_parent()
+    if parent is not None and parent.alive:
+        return parent.run_module(module, argv, env, timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,
+    )
+
+
+def warm_parent(log_dir: Path) -> tuple[_Conversation | None, str | None]:
+    """This process's warm parent (an ancestor's, or one started on first use), or (None, why ranks
+    must be spawned). One this process starts is advertised to its descendants."""
+    me = os.getpid()
+    _log_dirs[me] = log_dir
+    if me in _refusals:
+        return None, _refusals[me]
+    parent = _parents.get(me)
+    if parent is not None:
+        if parent.alive:
+            return parent, None
+        parent.close()  # died (a case reported it); a new one takes its place
+    shared = _adopt_shared_parent()
+    if shared is not None:
+        return shared, None
+    reason = fork_unavailable_reason()
+    if reason is None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            parent = WarmParent(
+                log_dir / f"warm-parent-{me}.log", log_dir / f"warm-parent-{me}.sock"
+            )
+        except (OSError, RuntimeError) as exc:
+            reason = f"warm parent failed to start: {exc}"
+        else:
+            if parent.fork_safe:
+                _parents[me] = parent
+                own(parent.proc.pid, "warm parent")  # its forked ranks stay the test's
+                atexit.register(parent.close)
+                if parent.socket:
+                    os.environ[SOCKET_VAR] = parent.socket
+                return parent, None
+            reason = f"fork is unsafe in the warm parent: {parent.reason}"
+            parent.close()
+    _refusals[me] = reason
+    return None, reason

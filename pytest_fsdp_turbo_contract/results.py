@@ -1,0 +1,226 @@
+"""How a run ended: `RankError` (a rank's structured failure), `RankResult` per rank and
+`RunResult` for the run, read back from its folder."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
+from pytest_fsdp_turbo_contract.records import StepMetrics
+from pytest_fsdp_turbo_contract.spec import RankSpec
+
+LOG_TAIL_LINES = 30
+LOG_TAIL_BYTES = 8192  # a rank that printed megabytes without a newline still gets a short tail
+FOLLOWER_CHARS = 160  # a rank that failed after the first one: its exception line, cut
+# what a rank's collective says when a peer it waits on died (gloo, NCCL, HCCL, the store)
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "connection refused",
+    "communicator was aborted",
+    "NCCL error",
+    "HCCL",
+)
+
+
+@dataclass
+class RankError:
+    """rankN.error.json: where a rank was and what it raised."""
+
+    rank: int
+    phase: str
+    type: str
+    message: str
+    traceback: str = ""
+    time: float | None = None  # wall clock: which rank raised first
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> RankError | None:
+        if not isinstance(data, dict):
+            return None
+        known = {f.name for f in fields(cls)}
+        try:
+            error = cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError:  # a half-written or foreign file: no error we can read
+            return None
+        if not isinstance(error.time, int | float):
+            error.time = None
+        return error
+
+
+@dataclass
+class RankResult:
+    rank: int
+    exit_code: int | None
+    duration_s: float
+    log_path: Path
+    metrics: dict | None = None  # rankN.metrics.json as written (StepMetrics.from_json types it)
+    error: RankError | None = None
+
+    @classmethod
+    def read(
+        cls, folder: RunFolder, rank: int, exit_code: int | None, duration_s: float, log: Path
+    ) -> RankResult:
+        metrics = read_json(folder.metrics(rank))
+        error = RankError.from_json(read_json(folder.error(rank)))
+        return cls(rank, exit_code, duration_s, log, metrics, error)
+
+    @property
+    def step(self) -> StepMetrics | None:
+        return StepMetrics.from_json(self.metrics) if self.metrics else None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES, without: str = "") -> str:
+        """The log's last lines; `without`: a text (the traceback already shown) left out."""
+        try:
+            with open(self.log_path, "rb") as log:
+                size = log.seek(0, os.SEEK_END)
+                # enough for the traceback to be recognised and left out, then cut to the tail
+                log.seek(max(0, size - LOG_TAIL_BYTES - 4 * len(without)))
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return "(no log)"
+        if without.strip():
+            text = text.replace(without.strip(), "(the traceback above)")
+        tail = "\n".join(text.splitlines()[-lines:])
+        if len(tail) > LOG_TAIL_BYTES:
+            tail = f"(... {len(tail) - LOG_TAIL_BYTES} characters cut)" + tail[-LOG_TAIL_BYTES:]
+        return tail
+
+
+@dataclass
+class RunResult:
+    case_id: str
+    world_size: int
+    ranks: list[RankResult]
+    artifacts_dir: Path
+    duration_s: float
+    timed_out: bool = False
+    timeout_s: float = 0.0
+    first_failure: int | None = None
+    notes: list[str] = field(default_factory=list)
+    twin: RunResult | None = None  # the replay twin's run, when the case has one
+    twin_kind: str = ""  # single | every_micro_batch
+    failure: str = ""  # why the group as a whole failed (its launcher died), when it did
+
+    @classmethod
+    def launcher_failed(
+        cls, case_id: str, world_size: int, artifacts_dir: Path, why: str, duration_s: float = 0.0
+    ) -> RunResult:
+        """A run whose ranks never reported: the launcher (warm parent, Ray driver) is gone."""
+        folder = RunFolder(artifacts_dir)
+        ranks = [
+            RankResult(
+                rank,
+                None,
+                duration_s,
+                folder.log(rank),
+                error=RankError.from_json(read_json(folder.error(rank))),
+            )
+            for rank in range(world_size)
+        ]
+        return cls(case_id, world_size, ranks, artifacts_dir, duration_s, failure=why)
+
+    @property
+    def folder(self) -> RunFolder:
+        return RunFolder(self.artifacts_dir)
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(r.exit_code == 0 and r.metrics for r in self.ranks)
+
+    @property
+    def metrics(self) -> dict:
+        """Rank 0's metrics (every key is reduced across ranks where it needs to be)."""
+        return self.ranks[0].metrics or {}
+
+    def spec(self) -> RankSpec | None:
+        """What the ranks were launched with (a run that failed before its metrics still has it)."""
+        try:
+            return RankSpec.read(self.folder.spec)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def first_failed(self) -> RankResult | None:
+        """The rank that failed first (None when no single rank did: a timeout, the group)."""
+        return next((r for r in self.ranks if r.rank == self.first_failure), None)
+
+    def _followers_in_one_line(self, first: RankResult | None) -> bool:
+        """Whether the ranks that failed after the first get one line each: not after a hang
+        (the case's timeout, or a collective that timed out), where every rank's stacks are the
+        story, nor when the group as a whole failed."""
+        hang = (
+            first is not None
+            and first.error is not None
+            and ("timed out" in first.error.message.lower())
+        )
+        return not (self.timed_out or self.failure or hang or first is None)
+
+    def _follower_line(self, rank: RankResult, told: dict) -> str:
+        error = rank.error
+        if error is None:
+            return f"stopped after rank {self.first_failure} failed"
+        key = (error.phase, error.type, error.message)
+        if key in told:
+            return f"phase {error.phase}: {error.type}: as rank {told[key]}"
+        told[key] = rank.rank
+        line = (error.message.strip().splitlines() or [""])[0][:FOLLOWER_CHARS]
+        waiting = any(mark in error.message for mark in PEER_GONE)
+        tail = f" (waiting for rank {self.first_failure})" if waiting else ""
+        return f"phase {error.phase}: {error.type}: {line}{tail}"
+
+    def failure_text(self) -> str:
+        if self.ok:
+            return ""
+        if self.failure:
+            head = f"case {self.case_id}: {self.failure}"
+        elif self.timed_out:
+            head = (
+                f"case {self.case_id}: timed out after {self.timeout_s:g}s; Python stacks of "
+                "every rank are in the log tails below"
+            )
+        else:
+            head = f"case {self.case_id}: rank {self.first_failure} failed first"
+        first = self.first_failed()
+        group_failed = self.failure or self.timed_out
+        first_error = first.error if first is not None and not group_failed else None
+        if first_error is not None:  # the first rank's cause, before anything else
+            head += f" in phase {first_error.phase}: {first_error.type}: {first_error.message}"
+        one_line = self._followers_in_one_line(first)
+        parts = [head, f"artifacts: {self.artifacts_dir}"]
+        told: dict[tuple[str, str, str], int] = {}  # an error every rank raised is shown once
+        # the rank that failed first, then the others in rank order
+        for rank in sorted(self.ranks, key=lambda r: r.rank != self.first_failure):
+            if rank.exit_code == 0 and rank.metrics and not self.timed_out:
+                continue
+            where = f"--- rank {rank.rank}: exit {rank.exit_code}, log {rank.log_path}"
+            if one_line and rank is not first:  # what it did, not its traceback or log tail
+                parts.append(f"{where}: {self._follower_line(rank, told)}")
+                continue
+            parts.append(where)
+            if rank.exit_code == 0 and not rank.metrics:
+                parts.append("exited with code 0 without writing its results (did it call exit?)")
+            error = rank.error
+            if error is None:
+                parts.append("log tail:\n" + rank.log_tail())
+                continue
+            key = (error.phase, error.type, error.message)
+            if key in told:
+                parts.append(f"phase {error.phase}: {error.type}: as rank {told[key]}")
+                continue
+            told[key] = rank.rank
+            trace = error.traceback.rstrip().splitlines()
+            if trace and error.message and trace[-1].endswith(error.message):
+                trace = trace[:-1]  # the exception line: its message is in the head line
+            cause = f"phase {error.phase}: {error.type}: {error.message}"
+            shown = [] if first_error is error else [cause]  # the head has the first one
+            parts.append("\n".join([*shown, *trace]))
+            parts.append("log tail:\n" + rank.log_tail(without=error.traceback))
+        return "\n".join(parts)

@@ -1,0 +1,80 @@
+"""The project's names, defined once and torch-free, so the plugin and the ranks import the same
+ones: device kinds, sync policies, launchers, twins, golden statuses and environment variables
+(metric keys are part of the rank contract, in contract.py). The small closed sets are StrEnums
+(their members are the strings themselves, for JSON, dict keys and comparisons); env variables are
+plain string constants. Pytest never imports this module at start-up: what it reads on every start
+lives in options.py."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class DeviceKind(StrEnum):
+    CPU = "cpu"
+    CUDA = "cuda"
+    NPU = "npu"
+
+
+# the collective backend of each device kind's process group
+BACKEND_BY_KIND = {DeviceKind.CPU: "gloo", DeviceKind.CUDA: "nccl", DeviceKind.NPU: "hccl"}
+
+
+class SyncPolicy(StrEnum):
+    DEFERRED = "deferred"  # reduce-scatter only on the last micro-batch
+    EVERY_MICRO_BATCH = "every_micro_batch"
+
+
+class Dtype(StrEnum):
+    AUTO = "auto"  # fp32 on cpu, bf16 on accelerators
+    FP32 = "fp32"
+    BF16 = "bf16"  # bf16 parameters, fp32 gradient reduction
+
+
+class Rollout(StrEnum):
+    HF = "hf"  # the harness's own HF generate
+    VLLM = "vllm"
+
+
+class GoldenTier(StrEnum):
+    EXACT = "exact"
+    RELATIVE = "relative"
+    NONE = "none"
+
+
+class Launcher(StrEnum):
+    LOCAL = "local"  # forked from this process's warm parent
+    SPAWN = "spawn"  # fresh interpreters
+    RAY = "ray"
+
+
+class TwinKind(StrEnum):
+    SINGLE = "single"
+    EVERY_MICRO_BATCH = "every_micro_batch"
+    NONE = "none"
+
+
+# verl:<name>: an engine from verl's own EngineRegistry (verl:fsdp2, verl:fsdp_turbo)
+VERL_PREFIX = "verl:"
+
+
+class GoldenStatus(StrEnum):
+    MATCHED = "matched"
+    RECORDED = "recorded"
+    MISSING = "missing"
+    NOT_COMPARED = "not compared"
+
+
+class Env:
+    """Environment variables the harness reads or sets (options have their own, in settings)."""
+
+    STATE_DIR = "PYTEST_FSDP_TURBO_STATE_DIR"
+    ENGINE_MODULES = "PYTEST_FSDP_TURBO_ENGINE_MODULES"
+    COLLECTIVE_TIMEOUT_S = "PYTEST_FSDP_TURBO_COLLECTIVE_TIMEOUT_S"
+    CHECKOUT = "PYTEST_FSDP_TURBO_CHECKOUT"
+    FAULT = "PYTEST_FSDP_TURBO_FAULT"
+    FAULT_STALL_S = "PYTEST_FSDP_TURBO_FAULT_STALL_S"  # how long a stall fault sleeps
+    LAUNCHED_AT = "PYTEST_FSDP_TURBO_LAUNCHED_AT"
+    NO_FORK = "PYTEST_FSDP_TURBO_NO_FORK"
+    WARM_SOCKET = "PYTEST_FSDP_TURBO_WARM_SOCKET"  # set by the harness for its descendants
+    VLLM_MEMORY = "PYTEST_FSDP_TURBO_VLLM_MEMORY"

@@ -1,0 +1,283 @@
+"""What the harness reads off an FSDP2 model, whatever engine built it.
+
+The measurements the checks depend on live here, in harness code, never in a method an engine can
+override. Public structure (the module tree, DTensor placements) is used where it suffices; the one
+reach into FSDP2 private state (unsharded gradients held between micro-batches) is asserted and
+fails naming the torch version when the internals move, instead of silently counting 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from pytest_fsdp_turbo_engine.fsdp_engine import full_tensor
+
+
+class FSDPInternalsChanged(RuntimeError):
+    pass
+
+
+def _managed_parameters(unit: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Parameters a fully_shard unit owns: its subtree minus nested units' subtrees."""
+    owned: list[torch.nn.Parameter] = []
+    stack = [unit]
+    while stack:
+        module = stack.pop()
+        owned.extend(module.parameters(recurse=False))
+        stack.extend(c for c in module.children() if not isinstance(c, FSDPModule))
+    return owned
+
+
+def _trainable_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [
+        module
+        for module in model.modules()
+        if isinstance(module, FSDPModule)
+        and any(p.requires_grad for p in _managed_parameters(module))
+    ]
+
+
+def fsdp_units(model: torch.nn.Module) -> int:
+    """fully_shard units holding trainable parameters."""
+    return len(_trainable_units(model))
+
+
+class UnitsThatRan:
+    """The trainable fully_shard units whose forward ran while installed: each of them, and only
+    they, reduce-scatters once per synced backward. A unit that never runs (a vision tower on a
+    text-only batch) holds no gradient, so FSDP2 issues nothing for it. Installed by the harness
+    around the train phase with plain forward pre-hooks, removed after."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._units = _trainable_units(model)
+        self._ran: set[int] = set()
+        self._handles: list = []
+        # the most tokens (rows x sequence) a decoder layer was handed at once: under sequence
+        # parallelism, a chunk of each row, or of the one packed row (verl)
+        self.layer_tokens = 0
+
+    @property
+    def count(self) -> int:
+        return len(self._ran)
+
+    def __enter__(self) -> UnitsThatRan:
+        for unit in self._units:
+            self._handles.append(unit.register_forward_pre_hook(self._seen(id(unit))))
+        return self
+
+    def _seen(self, key: int):
+        def hook(module, args) -> None:
+            self._ran.add(key)
+            hidden = args[0] if args else None
+            is_layer = type(module).__name__.endswith("DecoderLayer")
+            if is_layer and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+                self.layer_tokens = max(self.layer_tokens, hidden.shape[0] * hidden.shape[1])
+
+        return hook
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def shard_group_size(model: torch.nn.Module) -> int:
+    """Ranks each parameter is sharded over (1: FSDP2 skips the reduce-scatter altogether)."""
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            return math.prod(
+                param.device_mesh.size(i) for i, p in enumerate(param.placements) if p.is_shard()
+            )
+    return 1
+
+
+# The torch.distributed functions FSDP2 issues its collectives through, looked up on the module at
+# call time (`dist.<name>(...)` in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
+# torch >= 2.12 calls reduce_scatter_single / all_gather_single from its Default*/ProcessGroupAlloc*
+# comm classes; earlier FSDP2 called reduce_scatter_tensor / all_gather_into_tensor directly.
+# These are backend-independent Python entry points: gloo, NCCL and HCCL alike dispatch from them
+# to the group's backend. torch_npu/__init__.py registers ProcessGroupHCCL as the "hccl" c10d
+# backend (torch.distributed.Backend.register_backend("hccl", ..., devices=["npu"])) and FSDP2 on
+# NPU runs this same torch code; where torch_npu's import-time distributed patches replace one of
+# these functions, the counter wraps the replacement as it finds it at the train phase. So counting
+# calls here counts what FSDP2 issues on gloo, NCCL and HCCL alike (not run on an NPU here).
+REDUCE_SCATTER_FUNCTIONS = ("reduce_scatter_single", "reduce_scatter_tensor")
+ALL_GATHER_FUNCTIONS = ("all_gather_single", "all_gather_into_tensor")
+
+
+class CollectiveCounter:
+    """Counts the reduce-scatters and all-gathers issued while installed, per micro-batch.
+
+    Installed by the harness around the train phase (never inside an engine method): each hooked
+    torch.distributed function is wrapped for the duration and restored after. `next_micro_batch()`
+    is called as each micro-batch's loss is computed, so reduce-scatters (issued by backward, after
+    the loss) land on the micro-batch whose backward issued them. All-gathers run in forward too,
+    before the loss is known, so they are counted as one total. Costs one Python call per
+    collective, nothing per op.
+    """
+
+    def __init__(self) -> None:
+        self.reduce_scatters: list[int] = []
+        self.all_gathers_total = 0
+        self._saved: dict[str, object] = {}
+
+    def next_micro_batch(self) -> None:
+        self.reduce_scatters.append(0)
+
+    def _count(self, name: str) -> None:
+        if name in ALL_GATHER_FUNCTIONS:
+            self.all_gathers_total += 1
+        elif self.reduce_scatters:  # none is due before the first micro-batch's loss
+            self.reduce_scatters[-1] += 1
+
+    def _wrap(self, name: str) -> None:
+        original = getattr(dist, name)
+
+        def counted(*args, **kwargs):
+            self._count(name)
+            return original(*args, **kwargs)
+
+        self._saved[name] = original
+        setattr(dist, name, counted)
+
+    def __enter__(self) -> CollectiveCounter:
+        hooked = [n for n in (*REDUCE_SCATTER_FUNCTIONS, *ALL_GATHER_FUNCTIONS) if hasattr(dist, n)]
+        if not any(n in hooked for n in REDUCE_SCATTER_FUNCTIONS):
+            raise FSDPInternalsChanged(
+                f"torch {torch.__version__}: torch.distributed has none of "
+                f"{REDUCE_SCATTER_FUNCTIONS}; update pytest_fsdp_turbo_engine.fsdp_probe"
+            )
+        for name in hooked:
+            self._wrap(name)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved.clear()
+
+
+def _param_group(unit: FSDPModule):
+    try:
+        return unit._get_fsdp_state()._fsdp_param_group
+    except AttributeError as exc:
+        raise FSDPInternalsChanged(
+            f"torch {torch.__version__}: FSDP2 state no longer exposes _get_fsdp_state()."
+            f"_fsdp_param_group ({exc}); update pytest_fsdp_turbo_engine.fsdp_probe"
+        ) from None
+
+
+def unsharded_grad_bytes(model: torch.nn.Module) -> int:
+    """Bytes of unsharded gradients FSDP2 holds right now (non-zero only under deferred sync)."""
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = _param_group(module)
+        for param in group.fsdp_params if group else ():
+            if not hasattr(param, "unsharded_accumulated_grad") or not hasattr(
+                param, "init_unsharded_param"
+            ):
+                raise FSDPInternalsChanged(
+                    f"torch {torch.__version__}: FSDPParam has no unsharded_accumulated_grad / "
+                    "init_unsharded_param; update pytest_fsdp_turbo_engine.fsdp_probe"
+                )
+            grad = param.unsharded_accumulated_grad
+            # `_unsharded_param` exists only after the first all-gather (torch tests it the same
+            # way): a unit that never ran forward, like a vision tower on text, holds nothing
+            unsharded = getattr(param, "_unsharded_param", None)
+            if grad is None and unsharded is not None:
+                grad = unsharded.grad
+            if grad is not None:
+                total += grad.numel() * grad.element_size()
+    return total
+
+
+def global_grad_norm(module: torch.nn.Module) -> float:
+    """L2 norm of all gradients, from each rank's local shards and explicit sums over shard groups.
+
+    Written independently of torch's clip_grad_norm_, so an engine that reduces its norm wrongly
+    cannot agree with it by construction. Replicated mesh dimensions contribute once.
+    """
+    device = next(module.parameters()).device
+    plain = torch.zeros((), dtype=torch.float64, device=device)
+    sharded: dict[tuple, list] = {}
+    for param in module.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        if not isinstance(grad, DTensor):
+            plain += grad.detach().double().pow(2).sum()
+            continue
+        if any(p.is_partial() for p in grad.placements):
+            raise ValueError("gradient with a Partial placement: not reduced yet, norm undefined")
+        dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+        key = (id(grad.device_mesh), dims)
+        entry = sharded.setdefault(
+            key, [grad.device_mesh, dims, torch.zeros((), dtype=torch.float64, device=device)]
+        )
+        entry[2] += grad.to_local().detach().double().pow(2).sum()
+    total = float(plain)
+    for mesh, dims, local_sum in sharded.values():
+        for dim in dims:
+            dist.all_reduce(local_sum, group=mesh.get_group(dim))
+        total += float(local_sum)
+    return math.sqrt(total)
+
+
+# segments wrappers add to parameter names (activation checkpointing, torch.compile)
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _plain_name(name: str) -> str:
+    for segment in WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def parameter_names(module: torch.nn.Module) -> list[str]:
+    """One name per parameter (a tied parameter under its first name), wrapper segments removed."""
+    return [_plain_name(n) for n, _ in module.named_parameters()]
+
+
+def unsharded_parameters(module: torch.nn.Module, aliases: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter of the module, gathered whole (a collective: every rank calls it). With
+    `aliases`, a tied parameter appears under each of its names."""
+    named = module.named_parameters(remove_duplicate=not aliases)
+    return {_plain_name(n): full_tensor(p.detach()) for n, p in named}
+
+
+def unsharded_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradient of every parameter that has one, gathered whole (a collective)."""
+    return {
+        _plain_name(n): full_tensor(p.grad.detach())
+        for n, p in module.named_parameters()
+        if p.grad is not None
+    }
+
+
+SKETCH_STRIDE = 0.6180339887498949  # the golden ratio: positional weights that never repeat
+
+
+def gradient_sketch(module: torch.nn.Module) -> dict[str, list[float]]:
+    """Per parameter, [norm, projection] of its whole gradient: the projection weighs element i by
+    cos(i * golden ratio + a phase from the name), so gradients that trade places inside a tensor
+    (heads sent to the wrong rank) move it while the norm stays. One parameter is gathered at a
+    time (a collective: every rank calls it), so the probe holds at most one whole gradient."""
+    sketch = {}
+    for name, param in module.named_parameters():
+        if param.grad is None:
+            continue
+        plain = _plain_name(name)
+        grad = full_tensor(param.grad.detach()).double().flatten()
+        phase = sum(plain.encode()) % 97
+        index = torch.arange(grad.numel(), device=grad.device, dtype=torch.float64)
+        weights = torch.cos(index * SKETCH_STRIDE + phase)
+        sketch[plain] = [float(grad.norm()), float((grad * weights).sum())]
+        del grad, index, weights
+    return sketch

@@ -1,0 +1,104 @@
+"""Tiny LMs (causal, or vision-language where the real checkpoints are) built from specs in
+fixtures/models, saved in HF format and loaded like real ones.
+
+The builder runs once per session (the plugin calls it in a subprocess under a lock); ranks load the
+result with `from_pretrained`, the same path a real checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pytest_fsdp_turbo_fixtures import DATA_DIR
+
+SPECS_DIR = DATA_DIR / "models"
+SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")
+
+
+def load_spec(name: str, directory: Path | None = None) -> dict:
+    path = (directory or SPECS_DIR) / f"{name}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in (directory or SPECS_DIR).glob("*.json"))
+        raise FileNotFoundError(
+            f"tiny model spec {name!r} not found in {path.parent}; known: {known}"
+        )
+    return json.loads(path.read_text())
+
+
+def build_byte_tokenizer():
+    """A byte-level tokenizer with no merges: every byte is a token, plus EOS and PAD."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for token in SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[1]
+    )
+
+
+def _pin_version_sensitive_init(model) -> None:
+    """Parameters whose HF initialisation changed between transformers releases get fixed values,
+    so a spec builds the same weights (and matches its goldens) on every supported version. Seen:
+    gated delta-net A_log (log of a uniform draw) differs between transformers 5.10 and 5.24."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.linspace(1.0, 16.0, param.numel()).log().view_as(param))
+
+
+def tiny_config(
+    recipe: dict, vocab_size: int, eos_id: int | None = None, pad_id: int | None = None
+):
+    """The HF config of a spec. A vision-language spec (a `text_config` inside) gets the vocabulary
+    and special tokens in its text config, where the language model reads them."""
+    from transformers import AutoConfig
+
+    tokens = {"vocab_size": vocab_size}
+    if eos_id is not None:
+        tokens.update(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=eos_id)
+    fields = dict(recipe["config"])
+    if "text_config" in fields:
+        fields["text_config"] = {**fields["text_config"], **tokens}
+        return AutoConfig.for_model(recipe["model_type"], **fields)
+    return AutoConfig.for_model(recipe["model_type"], **tokens, **fields)
+
+
+def build_tiny_model(name: str, out_dir: Path, spec_dir: Path | None = None) -> Path:
+    import torch
+
+    from pytest_fsdp_turbo_engine.hf_model import from_config
+
+    spec = load_spec(name, spec_dir)
+    tokenizer = build_byte_tokenizer()
+    config = tiny_config(spec, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    torch.manual_seed(spec.get("seed", 0))
+    model = from_config(config, dtype=torch.float32)
+    _pin_version_sensitive_init(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="build a tiny HF model from a fixtures spec")
+    parser.add_argument("name")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--spec-dir", type=Path, help=f"where NAME.json is (default {SPECS_DIR})")
+    args = parser.parse_args()
+    print(build_tiny_model(args.name, args.out_dir, args.spec_dir))
+
+
+if __name__ == "__main__":
+    main()
