@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from pytest_fsdp_turbo_contract.spec import EngineSpec
 from pytest_fsdp_turbo_contract.vocab import Dtype, SyncPolicy
-from pytest_fsdp_turbo_engine.config import EngineConfig
 from pytest_fsdp_turbo_engine.ppo import entropy_from_logits, response_logprobs
 from pytest_fsdp_turbo_engine.registry import register
 
@@ -29,7 +29,7 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def adamw(params, config: EngineConfig) -> torch.optim.AdamW:
+def adamw(params, config: EngineSpec) -> torch.optim.AdamW:
     """AdamW with the case's settings (the reference step and the harness's closed form read the
     same ones)."""
     return torch.optim.AdamW(
@@ -70,7 +70,7 @@ class FSDPEngineWithLMHead:
     # the harness runs the micro-batch loop, asking gradient_sync_context per micro-batch
     drives_micro_batches: ClassVar[bool] = False
 
-    def __init__(self, config: EngineConfig, device: torch.device):
+    def __init__(self, config: EngineSpec, device: torch.device):
         if config.sync_policy not in SYNC_POLICIES:
             raise ValueError(
                 f"sync_policy: expected one of {SYNC_POLICIES}; got {config.sync_policy!r}"

@@ -19,10 +19,6 @@ if TYPE_CHECKING:
 
     from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec
 
-# A hook renamed when it became public: an engine still defining the old name would be skipped
-# silently, so loading refuses it instead.
-RENAMED_HOOKS = {"_gradient_sync_context": "gradient_sync_context"}
-
 
 @runtime_checkable
 class Engine(Protocol):
@@ -99,9 +95,6 @@ def contract_breaches(engine_class: type) -> list[str]:
         if not name.startswith("_") and name not in ("module", "drives_micro_batches")
     }
     breaches = [f"no {name}()" for name in sorted(wanted) if not hasattr(engine_class, name)]
-    for old, new in RENAMED_HOOKS.items():
-        if hasattr(engine_class, old):
-            breaches.append(f"{old} is now the public {new}: rename it, or it is never called")
     return breaches
 
 

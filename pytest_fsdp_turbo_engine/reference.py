@@ -9,15 +9,15 @@ import math
 import torch
 
 from pytest_fsdp_turbo_contract.records import NAMES_DIFFER
+from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec
 from pytest_fsdp_turbo_engine import ppo
-from pytest_fsdp_turbo_engine.config import EngineConfig, PPOConfig
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
 
 FINGERPRINT_VALUES = 16
 
 
 def reference_gradients(
-    model: torch.nn.Module, batch: TrainBatch, tokens: float, cfg: PPOConfig
+    model: torch.nn.Module, batch: TrainBatch, tokens: float, cfg: PPOSpec
 ) -> dict[str, torch.Tensor]:
     """Gradients of the PPO loss over the whole global batch in one process, no sharding."""
     model.zero_grad(set_to_none=True)
@@ -63,7 +63,7 @@ class ReferenceOptimizer:
     the reference gradients, then AdamW with the case's settings, its moments carried from one
     update to the next."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig):
+    def __init__(self, model: torch.nn.Module, config: EngineSpec):
         from pytest_fsdp_turbo_engine.fsdp_engine import adamw
 
         self.model, self.config = model, config

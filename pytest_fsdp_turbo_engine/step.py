@@ -37,10 +37,9 @@ from pytest_fsdp_turbo_contract.records import (
     TrainRecord,
     timing_key,
 )
-from pytest_fsdp_turbo_contract.spec import RankSpec
+from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, Env, Rollout
 from pytest_fsdp_turbo_engine import fsdp_probe, ppo, weight_handoff
-from pytest_fsdp_turbo_engine.config import EngineConfig, PPOConfig
 from pytest_fsdp_turbo_engine.faults import Fault
 from pytest_fsdp_turbo_engine.fsdp_engine import local_tensor
 from pytest_fsdp_turbo_engine.reductions import all_max, all_sum, gather_rows
@@ -132,8 +131,8 @@ class Rank:
     rank: int
     phase: Phase
     out: Path
-    engine_cfg: EngineConfig
-    cfg: PPOConfig
+    engine_cfg: EngineSpec
+    cfg: PPOSpec
     device: torch.device
     engine: Any = None  # an pytest_fsdp_turbo_engine/protocol.py Engine, once loaded
     tokenizer: Any = None
@@ -192,7 +191,7 @@ def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
     return ctx
 
 
-def make_rollout(cfg: PPOConfig, engine_cfg: EngineConfig, model_path: str, device, tokenizer):
+def make_rollout(cfg: PPOSpec, engine_cfg: EngineSpec, model_path: str, device, tokenizer):
     if cfg.rollout == Rollout.VLLM:
         from pytest_fsdp_turbo_engine.vllm_rollout import VLLMRollout
 
@@ -284,7 +283,7 @@ class MicroBatchProbe:
         self,
         module: torch.nn.Module,
         tokens: float,
-        cfg: PPOConfig,
+        cfg: PPOSpec,
         counter: fsdp_probe.CollectiveCounter,
         loss_scale: float,
     ):
@@ -585,7 +584,7 @@ class AdamMoments:
 def adamw_closed_form(
     before: list[torch.Tensor],
     grads: list[torch.Tensor | None],
-    cfg: EngineConfig,
+    cfg: EngineSpec,
     moments: AdamMoments | None,
 ) -> tuple[list[torch.Tensor], AdamMoments]:
     """Each parameter after one AdamW step, from the parameters and (clipped) gradients the

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.spec import PPOSpec
 from pytest_fsdp_turbo_engine import ppo
-from pytest_fsdp_turbo_engine.config import PPOConfig
 from pytest_fsdp_turbo_engine.reductions import gather_rows
 
 TENSOR_FIELDS = ("input_ids", "mask", "advantages", "old_logprobs", "ref_logprobs")
@@ -61,7 +61,7 @@ def ppo_loss(
     entropy: torch.Tensor | None,
     mb: TrainBatch,
     tokens: float,
-    cfg: PPOConfig,
+    cfg: PPOSpec,
     lm_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-mean over the global batch (`tokens`), so any split into ranks and micro-batches sums

@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec
 from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX, Dtype, SyncPolicy
-from pytest_fsdp_turbo_engine.config import EngineConfig, PPOConfig
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch
 
 MODEL_TYPE = "language_model"  # verl's registry key for causal LMs with an LM head
@@ -51,7 +51,7 @@ class VerlEngineAdapter:
         True  # verl runs its own micro-batch loop (forward_backward_batch)
     )
 
-    def __init__(self, config: EngineConfig, device: torch.device):
+    def __init__(self, config: EngineSpec, device: torch.device):
         from pytest_fsdp_turbo_engine.verl_cpu_platform import prepare
 
         self.config, self.device = config, device
@@ -178,7 +178,7 @@ class VerlEngineAdapter:
         return logprobs, entropy
 
     # --- training -------------------------------------------------------------------------------
-    def _actor_config(self, cfg: PPOConfig, global_rows: int):
+    def _actor_config(self, cfg: PPOSpec, global_rows: int):
         from verl.workers.config import FSDPActorConfig
 
         return FSDPActorConfig(
@@ -198,7 +198,7 @@ class VerlEngineAdapter:
             use_torch_compile=False,
         )
 
-    def forward_backward(self, batch: TrainBatch, tokens: float, cfg: PPOConfig, probe) -> None:
+    def forward_backward(self, batch: TrainBatch, tokens: float, cfg: PPOSpec, probe) -> None:
         """verl's forward_backward_batch with verl's PPO loss; the probe sees every micro-batch."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.losses import ppo_loss

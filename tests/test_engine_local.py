@@ -8,13 +8,12 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = torch.distributed
 
-from pytest_fsdp_turbo_engine.config import EngineConfig  # noqa: E402
+from pytest_fsdp_turbo.environ import restored_environ  # noqa: E402
+from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir  # noqa: E402
+from pytest_fsdp_turbo_contract.spec import EngineSpec  # noqa: E402
 from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead  # noqa: E402
 from pytest_fsdp_turbo_engine.rollout import response_mask  # noqa: E402
 from pytest_fsdp_turbo_engine.tiny_models import build_tiny_model  # noqa: E402
-
-from pytest_fsdp_turbo.environ import restored_environ  # noqa: E402
-from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +41,7 @@ def make_engine(policy):
     from torch.distributed.fsdp import fully_shard
 
     engine = Recorder(
-        EngineConfig(world_size=1, fsdp_size=1, sync_policy=policy), torch.device("cpu")
+        EngineSpec(world_size=1, fsdp_size=1, sync_policy=policy), torch.device("cpu")
     )
     engine.toggles = []
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
@@ -106,8 +105,9 @@ def test_probe_norm_is_the_global_l2_norm(process_group):
 
 
 def test_probe_names_the_torch_version_when_fsdp_internals_move(process_group, monkeypatch):
-    from pytest_fsdp_turbo_engine import fsdp_probe
     from torch.distributed.fsdp import FSDPModule
+
+    from pytest_fsdp_turbo_engine import fsdp_probe
 
     engine = make_engine("deferred")
     monkeypatch.delattr(FSDPModule, "_get_fsdp_state")
@@ -140,8 +140,9 @@ def test_response_mask_cuts_after_first_eos():
 
 
 def test_tiny_model_builder_saves_hf_format(tmp_path):
-    from pytest_fsdp_turbo_engine.hf_model import load_pretrained
     from transformers import AutoTokenizer
+
+    from pytest_fsdp_turbo_engine.hf_model import load_pretrained
 
     out = build_tiny_model("tiny-qwen3_5", tmp_path / "m")
     assert local_model_dir("m", tmp_path) == out  # complete: config and weights
@@ -177,8 +178,9 @@ class _TwoOfThree(torch.nn.Module):
 
 
 def _deferred_bf16_steps(materialize: bool) -> torch.Tensor:
-    from pytest_fsdp_turbo_engine.fsdp_engine import materialize_unsharded_params
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from pytest_fsdp_turbo_engine.fsdp_engine import materialize_unsharded_params
 
     torch.manual_seed(0)
     model = _TwoOfThree()

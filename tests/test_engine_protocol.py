@@ -14,9 +14,7 @@ from pytest_fsdp_turbo_engine.protocol import (  # noqa: E402
     HarnessLoopEngine,
     OwnLoopEngine,
     contract_breaches,
-    require_protocol,
 )
-from pytest_fsdp_turbo_engine.registry import RegistryError  # noqa: E402
 
 E2E = Path(__file__).resolve().parents[1] / "e2e"
 
@@ -42,18 +40,6 @@ def test_our_engines_verls_adapter_and_every_broken_engine_meet_the_protocol():
         loop = OwnLoopEngine if engine.drives_micro_batches else HarnessLoopEngine
         missing = [n for n in ("gradient_sync_context", "forward_backward") if n in dir(loop)]
         assert all(hasattr(engine, n) for n in missing), engine
-
-
-def test_an_engine_still_overriding_the_private_sync_hook_is_refused_in_one_line():
-    class OldStyle(FSDPEngineWithLMHead):
-        def _gradient_sync_context(self, is_last_micro_batch):  # never called any more
-            raise AssertionError
-
-    with pytest.raises(RegistryError) as refused:
-        require_protocol(OldStyle, "old_style")
-    message = str(refused.value)
-    assert "\n" not in message and "backend 'old_style'" in message
-    assert "_gradient_sync_context is now the public gradient_sync_context" in message
 
 
 def test_an_engine_that_does_not_say_who_runs_the_loop_or_lacks_a_call_is_refused():

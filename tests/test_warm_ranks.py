@@ -152,7 +152,7 @@ def test_helpers_run_as_forks_of_the_warm_parent_with_their_output_and_exit_code
     assert (forked.returncode, forked.stderr.strip()) == (3, "to stderr"), forked
     report = json.loads(forked.stdout)
     assert report == {"argv": argv, "parent": outer.pid, "torch_loaded": True}
-    code = f"from pytest_fsdp_turbo import warm; print(warm.run_module('helper_probe', {argv!r}, timeout_s=60, env={env!r}).stdout)"
+    code = f"from pytest_fsdp_turbo.launching import warm; print(warm.run_module('helper_probe', {argv!r}, timeout_s=60, env={env!r}).stdout)"
     inner = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(inner.stdout)["parent"] == outer.pid  # a descendant uses the same parent
     sibling = Path(sys.executable).with_name("python3")  # console scripts' shebang says python3
