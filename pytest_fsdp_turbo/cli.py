@@ -98,6 +98,16 @@ def doctor(args: argparse.Namespace) -> int:
     for name, value in sorted(mask_secrets(group.env).items()):
         mark = "  (set by user)" if name in group.from_user else ""
         print(f"  {name}={value}{mark}")
+    if args.node_ip:
+        from pytest_fsdp_turbo.environ import interface_of, node_env
+
+        where = interface_of(args.node_ip)
+        print(
+            f"env per node, for the node at {args.node_ip} "
+            f"({f'interface {where}' if where else 'no interface here holds it'}):"
+        )
+        for name, value in sorted(node_env(accel.kind, args.node_ip).items()):
+            print(f"  {name}={value}")
     try:
         found = resolve_checkout(settings.checkout, clone=args.clone)
         print(f"FSDPTurbo: {found.path} @ {found.commit or 'unknown commit'} ({found.source})")
@@ -262,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 1 unless this device kind is present",
     )
     doc.add_argument("--clone", action="store_true", help="clone FSDPTurbo if not yet cached")
+    doc.add_argument(
+        "--node-ip",
+        help="also show the per-node env a multi-node rank on the node with this address gets",
+    )
     doc.set_defaults(func=doctor)
     one = verbs.add_parser("run", help="run one case outside pytest and print its metrics")
     one.add_argument("case_id")

@@ -164,3 +164,42 @@ def restored_environ() -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+# What a rank on one node of several needs to reach the others: the address and interface of its
+# own node, for each backend's socket layer. HCCL picks its host NIC by HCCL_IF_IP, then
+# HCCL_SOCKET_IFNAME, then by name (Ascend's HCCL environment reference): a NIC with no route to
+# rank 0's node fails the group's creation, so both are set. gloo and NCCL take the interface.
+NODE_VARS = {
+    DeviceKind.CPU: ("GLOO_SOCKET_IFNAME",),
+    DeviceKind.CUDA: ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
+    DeviceKind.NPU: ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
+}
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds `ip` on this machine (None: none does)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(address.address == ip for address in addresses):
+            return name
+    return None
+
+
+def node_env(kind: str, ip: str, user_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The per-node part of the collective environment for a rank whose node has address `ip`:
+    the same for every rank of that node, built on the node itself (Ray's rank actors) and shown
+    by `pytest-fsdp-turbo doctor --node-ip`. A variable the user set on that node wins."""
+    user_env = os.environ if user_env is None else user_env
+    interface = interface_of(ip)
+    values = {"HCCL_IF_IP": ip}
+    if interface is not None:
+        values.update(
+            HCCL_SOCKET_IFNAME=interface, GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface
+        )
+    return {
+        name: values[name]
+        for name in NODE_VARS[DeviceKind(kind)]
+        if name in values and name not in user_env
+    }

@@ -48,6 +48,7 @@ class RunFolder:
     launcher_log = _File("launcher.log")  # port retries
     batch = _File("batch.pt")  # the global training batch, for a twin to replay
     post_step = _File("post_step.pt")  # the global post-step logprobs on that batch
+    nodes = _File("nodes.json")  # Ray: rank -> the node it ran on
     log = _RankFile("log")
     metrics = _RankFile("metrics.json")  # written last: the rank's success marker
     partial_metrics = _RankFile("partial-metrics.json")  # what a failed rank measured

@@ -64,6 +64,11 @@ class RankResult:
     log_path: Path
     metrics: dict | None = None  # rankN.metrics.json as written (StepMetrics.from_json types it)
     error: RankError | None = None
+    node: str = ""  # where it ran, when the launcher placed ranks on nodes (Ray)
+
+    @property
+    def name(self) -> str:
+        return f"rank {self.rank}" + (f" on {self.node}" if self.node else "")
 
     @classmethod
     def read(
@@ -189,6 +194,8 @@ class RunResult:
         else:
             head = f"case {self.case_id}: rank {self.first_failure} failed first"
         first = self.first_failed()
+        if first is not None and first.node and not self.failure:
+            head = f"case {self.case_id}: {first.name} failed first"
         group_failed = self.failure or self.timed_out
         first_error = first.error if first is not None and not group_failed else None
         if first_error is not None:  # the first rank's cause, before anything else
@@ -200,7 +207,7 @@ class RunResult:
         for rank in sorted(self.ranks, key=lambda r: r.rank != self.first_failure):
             if rank.exit_code == 0 and rank.metrics and not self.timed_out:
                 continue
-            where = f"--- rank {rank.rank}: exit {rank.exit_code}, log {rank.log_path}"
+            where = f"--- {rank.name}: exit {rank.exit_code}, log {rank.log_path}"
             if one_line and rank is not first:  # what it did, not its traceback or log tail
                 parts.append(f"{where}: {self._follower_line(rank, told)}")
                 continue

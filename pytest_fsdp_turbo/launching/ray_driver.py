@@ -236,6 +236,14 @@ class RayDriver:
         outcome = (reply["timed_out"], reply["first_failure"], ends)
         result = collect_result(case_id, handles, artifacts_dir, timeout_s, reply["start"], outcome)
         result.notes.extend(reply["notes"])
+        nodes = {int(rank): node for rank, node in reply.get("nodes", {}).items()}
+        for ranked in result.ranks:
+            ranked.node = nodes.get(ranked.rank, "")
+        if lost := reply.get("lost_nodes"):
+            result.failure = "; ".join(
+                f"{node} left the Ray cluster while rank(s) {', '.join(map(str, ranks))} ran on it"
+                for node, ranks in lost.items()
+            )
         return result
 
     def close(self, grace_s: float = 20.0) -> None:

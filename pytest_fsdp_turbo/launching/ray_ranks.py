@@ -4,17 +4,23 @@ Ray actor per rank in a placement group. Runs only inside the Ray driver process
 in pytest: Ray ends a driver whose cluster dies.
 
 Each actor starts its rank as a subprocess on its node, so faulthandler stack dumps, per-rank logs and
-process-tree kills work exactly as locally. Artifacts are written to the same path on every node: a
-multi-node cluster needs that folder on a shared filesystem.
+process-tree kills work exactly as locally. Nothing is shared through a filesystem: the actor gets
+the rank's inputs (spec.json, a twin's replayed batch) through Ray, runs the rank in a folder of its
+own node, and hands every file the rank wrote back through Ray when the rank has ended, failed or
+not; this driver writes them into the run folder. A rank whose node left the cluster is named with
+that node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Mapping
@@ -26,21 +32,23 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
+from pytest_fsdp_turbo.environ import node_env
 from pytest_fsdp_turbo.launching.supervisor import (
     LocalRank,
     rank_env,
     supervise,
     worker_command,
-    wrote_results,
 )
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent
+from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
 RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
 PLACEMENT_TIMEOUT_S = 120
 CALL_TIMEOUT_S = 60
+REPLAYED = "replay"  # a twin's inputs from its main run, under the rank's own folder
 POLL_S = 0.2
 KILLED = -9
 
@@ -59,12 +67,22 @@ def init_ray(address: str | None):
         )
 
 
+def node_of() -> dict:
+    """Where this process runs: the Ray node (its id) and that node's address."""
+    return {"id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+
+def node_name(node: dict) -> str:
+    return f"node {node['id'][:8]} ({node['ip']})"
+
+
 @ray.remote
 class RankActor:
-    """Lives on the rank's node; owns the rank's process."""
+    """Lives on the rank's node; owns the rank's process and the folder it runs in."""
 
     def __init__(self) -> None:
         self.rank: LocalRank | None = None
+        self.folder: Path | None = None
 
     def node_address(self) -> tuple[str, int]:
         with socket.socket() as sock:
@@ -78,18 +96,34 @@ class RankActor:
             return []
         return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get(resource, [])]
 
-    def start(self, rank: int, world_size: int, overrides: dict, kind: str, out: str) -> int:
-        env = rank_env({**os.environ, **overrides}, rank, world_size)
+    def start(
+        self, rank: int, world_size: int, overrides: dict, kind: str, inputs: dict[str, bytes]
+    ) -> dict:
+        """The rank's process, in a folder of this node holding `inputs`; where it runs."""
+        node = node_of()
+        base = {**os.environ, **overrides}
+        env = rank_env({**base, **node_env(kind, node["ip"], base)}, rank, world_size)
         var = VISIBLE_DEVICES_VAR.get(kind)
         if var:  # Ray's assignment, also when RAY_EXPERIMENTAL_NOSET_* kept Ray from exporting it
             env[var] = ",".join(self.visible_devices(kind))
             env["LOCAL_RANK"] = "0"
-        folder = Path(out)
+        self.folder = folder = Path(tempfile.mkdtemp(prefix=f"fsdp-turbo-rank{rank}-"))
+        for name, data in inputs.items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(data)
+        if (folder / REPLAYED).is_dir():  # the twin replays its main run's batch, copied here
+            spec = RankSpec.read(RunFolder(folder).spec)
+            ppo = dataclasses.replace(spec.ppo, replay=str(folder / REPLAYED))
+            dataclasses.replace(spec, ppo=ppo).write(RunFolder(folder).spec)
         self.rank = LocalRank(rank, worker_command(folder), env, RunFolder(folder).log(rank))
-        return self.rank.proc.pid
+        return {**node, "pid": self.rank.proc.pid, "folder": str(folder)}
 
     def poll(self) -> int | None:
         return self.rank.poll() if self.rank else None
+
+    def finished(self) -> bool:
+        """The worker's success marker, in this node's folder."""
+        return self.rank is not None and RunFolder(self.folder).metrics(self.rank.rank).is_file()
 
     def dump_stacks(self) -> None:
         if self.rank:
@@ -99,31 +133,90 @@ class RankActor:
         if self.rank:
             self.rank.kill()
 
+    def files(self) -> dict[str, bytes]:
+        """Every file the rank wrote (log, metrics or error, partial metrics, phases, rank 0's
+        batch and gradients), then the folder is removed: its node keeps nothing."""
+        if self.folder is None:
+            return {}
+        out = {}
+        for path in sorted(self.folder.rglob("*")):
+            name = path.relative_to(self.folder).as_posix()
+            if path.is_file() and name != RunFolder.spec and not name.startswith(REPLAYED + "/"):
+                out[name] = path.read_bytes()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return out
+
 
 class RayRank:
-    """The pytest-side handle of one actor; remembers the exit code once seen."""
+    """The driver-side handle of one actor; remembers the exit code once seen, and whether the
+    actor (its node) was lost."""
 
-    def __init__(self, rank: int, actor, log_path: Path):
-        self.rank, self.actor, self.log_path = rank, actor, log_path
+    def __init__(self, rank: int, actor, log_path: Path, node: dict):
+        self.rank, self.actor, self.log_path, self.node = rank, actor, log_path, node
         self.code: int | None = None
+        self.lost = False
 
     def poll(self) -> int | None:
         if self.code is None:
             try:
                 self.code = ray.get(self.actor.poll.remote(), timeout=CALL_TIMEOUT_S)
             except (RayActorError, GetTimeoutError):
-                self.code = KILLED
+                self.code, self.lost = KILLED, True
         return self.code
+
+    def finished(self) -> bool:
+        try:
+            return bool(ray.get(self.actor.finished.remote(), timeout=CALL_TIMEOUT_S))
+        except (RayActorError, GetTimeoutError):
+            return False
 
     def dump_stacks(self) -> None:
         with contextlib.suppress(RayActorError, GetTimeoutError):
             ray.get(self.actor.dump_stacks.remote(), timeout=CALL_TIMEOUT_S)
 
     def kill(self) -> None:
+        """The rank's process; the actor stays until its files are fetched."""
         with contextlib.suppress(RayActorError, GetTimeoutError):
             ray.get(self.actor.kill.remote(), timeout=CALL_TIMEOUT_S)
         self.poll()
-        ray.kill(self.actor, no_restart=True)
+
+    def fetch_files(self, out: Path) -> str | None:
+        """The rank's files into the run folder; what was lost instead, in words (None: nothing)."""
+        try:
+            files = ray.get(self.actor.files.remote(), timeout=CALL_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError) as exc:
+            self.lost = True
+            return (
+                f"rank {self.rank}'s files stayed on {node_name(self.node)}: {type(exc).__name__}"
+            )
+        for name, data in files.items():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / name).write_bytes(data)
+        return None
+
+
+def lost_nodes(handles: list[RayRank]) -> dict[str, list[int]]:
+    """Nodes that left the cluster while ranks ran on them: node name -> those ranks."""
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    gone: dict[str, list[int]] = {}
+    for handle in handles:
+        if handle.node["id"] not in alive:
+            gone.setdefault(node_name(handle.node), []).append(handle.rank)
+    return gone
+
+
+def rank_inputs(out: Path) -> dict[str, bytes]:
+    """What a rank reads from the run folder, as bytes for Ray: its spec, and for a twin the
+    batch and post-step log-probabilities of the main run it replays."""
+    folder = RunFolder(out)
+    inputs = {RunFolder.spec: folder.spec.read_bytes()}
+    replay = RankSpec.read(folder.spec).ppo.replay
+    if replay:
+        main = RunFolder(Path(replay))
+        for path in (main.batch, main.post_step):
+            if path.is_file():
+                inputs[f"{REPLAYED}/{path.name}"] = path.read_bytes()
+    return inputs
 
 
 def launch_ray(
@@ -165,28 +258,41 @@ def launch_ray(
         overrides = {**env_overrides, "MASTER_ADDR": address, "MASTER_PORT": str(port)}
         if overrides.get("GLOO_SOCKET_IFNAME") == "lo":  # ranks may sit on several nodes
             del overrides["GLOO_SOCKET_IFNAME"]
+        inputs = rank_inputs(out)
         start = time.monotonic()
-        ray.get(
+        started = ray.get(
             [
-                actor.start.remote(rank, world_size, overrides, kind, str(out))
+                actor.start.remote(rank, world_size, overrides, kind, inputs)
                 for rank, actor in enumerate(actors)
             ],
             timeout=CALL_TIMEOUT_S,
         )
         handles = [
-            RayRank(rank, actor, RunFolder(out).log(rank)) for rank, actor in enumerate(actors)
+            RayRank(rank, actor, RunFolder(out).log(rank), node)
+            for rank, (actor, node) in enumerate(zip(actors, started))
         ]
-        actors = []  # owned by the handles now: supervise() kills them
-        timed_out, first_failure, ends = supervise(
-            handles, timeout_s, POLL_S, completed=wrote_results(out)
-        )
+        try:
+            timed_out, first_failure, ends = supervise(
+                handles, timeout_s, POLL_S, completed=lambda handle: handle.finished()
+            )
+        finally:
+            lost_files = [why for h in handles if (why := h.fetch_files(out)) is not None]
+        gone = lost_nodes(handles)
+        nodes = {handle.rank: node_name(handle.node) for handle in handles}
+        RunFolder(out).nodes.write_text(json.dumps(nodes, indent=1))
+        spread = len(set(nodes.values()))
         return {
             "start": start,
             "timed_out": timed_out,
             "first_failure": first_failure,
             "ends": ends,
             "codes": {handle.rank: handle.poll() for handle in handles},
-            "notes": [f"ranks ran as Ray actors; rendezvous at {address}:{port}"],
+            "nodes": nodes,
+            "lost_nodes": gone,
+            "notes": [
+                f"ranks ran as Ray actors on {spread} node(s); rendezvous at {address}:{port}",
+                *lost_files,
+            ],
         }
     finally:
         for actor in actors:
