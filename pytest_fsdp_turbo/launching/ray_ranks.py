@@ -48,6 +48,7 @@ from pytest_fsdp_turbo_contract.vocab import DeviceKind
 RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
 PLACEMENT_TIMEOUT_S = 120
 CALL_TIMEOUT_S = 60
+NODE_DEATH_S = 30.0  # how long a lost actor's node may take to be declared dead
 REPLAYED = "replay"  # a twin's inputs from its main run, under the rank's own folder
 POLL_S = 0.2
 KILLED = -9
@@ -196,8 +197,15 @@ class RayRank:
 
 
 def lost_nodes(handles: list[RayRank]) -> dict[str, list[int]]:
-    """Nodes that left the cluster while ranks ran on them: node name -> those ranks."""
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    """Nodes that left the cluster while ranks ran on them: node name -> those ranks. A rank whose
+    actor was lost gives the cluster a moment to declare its node dead (Ray's health check)."""
+    deadline = time.monotonic() + NODE_DEATH_S
+    while True:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        waiting = [h for h in handles if h.lost and h.node["id"] in alive]
+        if not waiting or time.monotonic() > deadline:
+            break
+        time.sleep(POLL_S)
     gone: dict[str, list[int]] = {}
     for handle in handles:
         if handle.node["id"] not in alive:
@@ -291,6 +299,7 @@ def launch_ray(
             "lost_nodes": gone,
             "notes": [
                 f"ranks ran as Ray actors on {spread} node(s); rendezvous at {address}:{port}",
+                *(f"rank {h.rank} ran in {h.node['folder']} on {nodes[h.rank]}" for h in handles),
                 *lost_files,
             ],
         }

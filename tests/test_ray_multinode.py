@@ -1,0 +1,164 @@
+"""Cases across two Ray nodes on this one machine: a cluster of Ray's own test utility (two
+raylets, two CPUs each, a resource per node; tests/ray_probes/two_nodes.py), and a pytest session
+of its own pointed at it with --fsdp-turbo-ray-address, as a user points the plugin at theirs. A
+4-rank case must spread 2 + 2; a node removed mid-case turns that case red with the node named,
+and the session goes on to its next case and its summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+if importlib.util.find_spec("ray") is None:  # never imported here: the pytest process stays light
+    pytest.skip("needs ray: pip install 'pytest-fsdp-turbo[ray]'", allow_module_level=True)
+
+REPO = Path(__file__).resolve().parent.parent
+PROBE = Path(__file__).parent / "ray_probes" / "two_nodes.py"
+SPREAD_CASE = "tiny-qwen3-hsdp-2x2-deferred"  # 4 ranks, HSDP: every check applies
+
+SESSION = """
+import json, os
+from pathlib import Path
+
+from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo.checks import goldens
+from pytest_fsdp_turbo.session import cases_of, goldens_dir
+
+CASE = "tiny-qwen3-hsdp-2x2-deferred"
+
+
+def test_a_case_spread_over_two_nodes_passes_every_check_and_its_golden(ppo_run, pytestconfig):
+    result = ppo_run(CASE)
+    assert checks.check_all(result).not_applicable() == []
+    case = cases_of(pytestconfig).get(CASE)  # the numbers of a one-machine run, to 1e-3
+    goldens.check_or_record(result, case, "cpu", goldens_dir(pytestconfig), record=False, strict=True)
+    nodes = [rank.node for rank in result.ranks]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3], nodes  # 2 + 2, the node named per rank
+    assert json.loads(result.folder.nodes.read_text()) == {str(r): n for r, n in enumerate(nodes)}
+    # every rank ran in a folder of its own node; what it wrote came back through Ray
+    ran_in = [n for n in result.notes if n.startswith("rank ") and " ran in " in n]
+    assert len(ran_in) == 4, result.notes
+    for rank in range(4):
+        folder = ran_in[rank].split(" ran in ")[1].split(" on node ")[0]
+        assert folder != str(result.artifacts_dir) and not Path(folder).exists(), folder
+        assert result.folder.metrics(rank).is_file() and result.folder.log(rank).is_file()
+        assert result.folder.phases(rank).is_file()
+
+
+def test_b_a_rank_that_dies_on_a_node_is_named_with_it_and_its_log_tail(ppo_run):
+    result = ppo_run(CASE, extra_env={"PYTEST_FSDP_TURBO_FAULT": "crash:3:rollout"})
+    assert not result.ok and result.first_failure == 3
+    text = result.failure_text()
+    head = text.splitlines()[0]
+    assert head.startswith(f"case {CASE}: rank 3 on {result.ranks[3].node} failed first"), head
+    assert "phase rollout: InjectedFault: injected crash in rank 3" in head
+    assert "[rank 3] phase rollout" in text  # its log tail, fetched from its node
+
+
+def test_c_a_node_lost_mid_case_fails_the_case_with_the_node_named(ppo_run):
+    Path(os.environ["TWO_NODES_SIGNAL"]).write_text("the case with the stalled rank starts")
+    result = ppo_run(CASE, extra_env={
+        "PYTEST_FSDP_TURBO_FAULT": "stall:3:train", "PYTEST_FSDP_TURBO_FAULT_STALL_S": "120",
+    })
+    assert not result.ok
+    removed = os.environ["TWO_NODES_REMOVED"][:8]
+    head = result.failure_text().splitlines()[0]
+    assert f"node {removed}" in head and "left the Ray cluster while rank(s)" in head, head
+
+
+def test_d_the_session_goes_on_with_the_node_left(ppo_run):
+    result = ppo_run("tiny-llama-fsdp2-deferred")
+    checks.check_all(result)
+    assert len({rank.node for rank in result.ranks}) == 1
+"""
+
+
+class TwoNodes:
+    """The cluster helper process: its address, its nodes, and the command that removes the
+    second node."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PROBE)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{PROBE} did not start a cluster (exit {self.proc.wait()})")
+        info = json.loads(line)
+        self.address, self.nodes = info["address"], info["nodes"]
+
+    def remove_second(self) -> str:
+        self.proc.stdin.write("remove\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["removed"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                child.kill()
+            self.proc.kill()
+
+
+def remove_when_ranks_run(cluster: TwoNodes, signal: Path, stop: threading.Event) -> None:
+    """Waits for the node-loss test to start its case, then for its ranks on the second node to
+    run (a worker process in a node-local rank folder, held in phase train by the stall), then
+    takes that node out of the cluster."""
+    while not signal.exists() and not stop.wait(0.2):
+        pass
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not stop.is_set():
+        workers = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "fsdp-turbo-rank3-" in " ".join(p.info["cmdline"] or ())
+        ]
+        if workers:
+            time.sleep(3.0)  # past its start-up: the ranks are in the case, rank 3 stalled
+            cluster.remove_second()
+            return
+        time.sleep(0.2)
+
+
+def test_cases_across_two_ray_nodes(pytester: pytest.Pytester, monkeypatch, tmp_path):
+    cluster = TwoNodes()
+    stop = threading.Event()
+    signal = tmp_path / "node-loss-case-started"
+    watcher = threading.Thread(target=remove_when_ranks_run, args=(cluster, signal, stop))
+    try:
+        watcher.start()
+        monkeypatch.setenv("TWO_NODES_SIGNAL", str(signal))
+        monkeypatch.setenv("TWO_NODES_REMOVED", cluster.nodes[1]["id"])
+        monkeypatch.delenv("PYTEST_FSDP_TURBO_WARM_SOCKET", raising=False)
+        pytester.makepyfile(test_two_nodes=SESSION)
+        result = pytester.runpytest_subprocess(
+            "-p",
+            "no:cacheprovider",
+            "--fsdp-turbo-device=cpu",
+            "--fsdp-turbo-launcher=ray",
+            f"--fsdp-turbo-ray-address={cluster.address}",
+            f"--fsdp-turbo-cases={REPO / 'e2e' / 'cases.toml'}",
+            f"--fsdp-turbo-goldens={REPO / 'fixtures' / 'goldens'}",
+            timeout=400,
+        )
+    finally:
+        stop.set()
+        watcher.join(timeout=30)
+        cluster.close()
+    text = result.stdout.str()
+    result.assert_outcomes(passed=4)
+    assert "fsdp-turbo e2e runs" in text  # the session reached its summary
