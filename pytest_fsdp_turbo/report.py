@@ -78,7 +78,7 @@ def summary_row(result: RunResult, test: str = "", options: dict | None = None) 
         "overrides": [f"{k}={v}" for k, v in sorted(overrides.items())],
         "cause": run_cause(result),
         "device": m.get(Metric.CASE_DEVICE) or _spec_device(result),
-        "ranks": result.world_size,
+        "ranks": ranks_cell(result),
         "grad_norm": m.get(Metric.ACTOR_GRAD_NORM),
         "loss": m.get(Metric.ACTOR_PG_LOSS),
         "peak": m.get(Metric.PERF_PEAK_MEMORY_BYTES),
@@ -90,6 +90,12 @@ def summary_row(result: RunResult, test: str = "", options: dict | None = None) 
         "not_applicable": _not_applicable(result),
     }
     return json.dumps(row)
+
+
+def ranks_cell(result: RunResult) -> str:
+    """How many ranks, and on how many nodes when a launcher placed them (Ray): "4 (2 nodes)"."""
+    nodes = {rank.node for rank in result.ranks if rank.node}
+    return f"{result.world_size} ({len(nodes)} nodes)" if len(nodes) > 1 else str(result.world_size)
 
 
 def run_cause(result: RunResult) -> str:

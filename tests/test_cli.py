@@ -64,6 +64,11 @@ def test_doctor_shows_devices_env_user_values_and_masks_secrets(tmp_path):
     assert cli("doctor", "--require", "npu", env=env).returncode == 0
     missing = cli("doctor", "--require", "cuda", env=env)
     assert missing.returncode == 1 and "doctor --require cuda: detected npu" in missing.stderr
+    # the per-node part a rank on the node with a given address gets (multi-node Ray)
+    node = cli("doctor", "--node-ip", "203.0.113.77", env=env)
+    assert node.returncode == 0, node.stderr
+    assert "env per node, for the node at 203.0.113.77 (no interface here holds it):" in node.stdout
+    assert "  HCCL_IF_IP=203.0.113.77" in node.stdout
 
 
 def test_doctor_reports_the_checkout_layout_and_torch_range(tmp_path):

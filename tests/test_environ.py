@@ -6,7 +6,9 @@ from pytest_fsdp_turbo.environ import (
     COLLECTIVE_TIMEOUT_VAR,
     Timeouts,
     build_collective_env,
+    interface_of,
     mask_secrets,
+    node_env,
     parse_port_range,
     restored_environ,
 )
@@ -107,3 +109,38 @@ def test_rank_threads_share_the_cores_with_the_other_xdist_workers():
         "cpu", (0,), 29555, world_size=1, user_env={"PYTEST_XDIST_WORKER_COUNT": "2"}
     )
     assert shared.env["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+
+
+def this_machines_address() -> tuple[str, str]:
+    """A real (non-loopback) IPv4 address of this machine and the interface holding it."""
+    import socket
+
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return address.address, name
+    pytest.skip("no non-loopback IPv4 address on this machine")
+
+
+def test_the_per_node_env_names_the_nodes_address_and_interface_for_each_backend():
+    """What a rank on one node of several gets (Ray's rank actors build it on their node)."""
+    ip, interface = this_machines_address()
+    assert interface_of(ip) == interface and interface_of("203.0.113.77") is None
+    assert node_env("npu", ip, user_env={}) == {
+        "HCCL_IF_IP": ip,
+        "HCCL_SOCKET_IFNAME": interface,
+        "GLOO_SOCKET_IFNAME": interface,
+    }
+    assert node_env("cuda", ip, user_env={}) == {
+        "NCCL_SOCKET_IFNAME": interface,
+        "GLOO_SOCKET_IFNAME": interface,
+    }
+    assert node_env("cpu", ip, user_env={}) == {"GLOO_SOCKET_IFNAME": interface}
+    # a value set on the node wins; an address no interface holds still pins HCCL's
+    assert node_env("npu", ip, user_env={"HCCL_SOCKET_IFNAME": "ib0"}) == {
+        "HCCL_IF_IP": ip,
+        "GLOO_SOCKET_IFNAME": interface,
+    }
+    assert node_env("npu", "203.0.113.77", user_env={}) == {"HCCL_IF_IP": "203.0.113.77"}

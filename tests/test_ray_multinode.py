@@ -162,3 +162,5 @@ def test_cases_across_two_ray_nodes(pytester: pytest.Pytester, monkeypatch, tmp_
     text = result.stdout.str()
     result.assert_outcomes(passed=4)
     assert "fsdp-turbo e2e runs" in text  # the session reached its summary
+    spread = [line for line in text.splitlines() if line.startswith("test_a_case_spread")]
+    assert len(spread) == 1 and " 4 (2 nodes) " in spread[0], spread
