@@ -31,8 +31,8 @@ def pytest_configure(config):
 # suite waits (Ray start-up, timeouts, stalls), and a third worker fills that time (220 s against
 # 239 s with two, consecutive runs of the same code).
 LONGEST_FIRST = (
+    "tests/test_ray_multinode.py",
     "tests/test_session_safety.py::test_faults_end_tests_never_the_session",
-    "tests/test_ray_launcher.py",
     "tests/test_warm_ranks.py::test_forked_and_spawned_ranks_give_identical_results",
     "tests/test_progress.py",
     "tests/test_session_safety.py::test_ctrl_c_during_a_case",

@@ -134,6 +134,17 @@ class RankActor:
         if self.rank:
             self.rank.kill()
 
+    def phases(self, offset: int) -> bytes:
+        """What the rank has added to its phase record since `offset` (live progress)."""
+        if self.rank is None:
+            return b""
+        try:
+            with open(RunFolder(self.folder).phases(self.rank.rank), "rb") as record:
+                record.seek(offset)
+                return record.read()
+        except OSError:
+            return b""
+
     def files(self) -> dict[str, bytes]:
         """Every file the rank wrote (log, metrics or error, partial metrics, phases, rank 0's
         batch and gradients), then the folder is removed: its node keeps nothing."""
@@ -156,6 +167,7 @@ class RayRank:
         self.rank, self.actor, self.log_path, self.node = rank, actor, log_path, node
         self.code: int | None = None
         self.lost = False
+        self.followed = 0  # bytes of its phase record already in the run folder
 
     def poll(self) -> int | None:
         if self.code is None:
@@ -180,6 +192,17 @@ class RayRank:
         with contextlib.suppress(RayActorError, GetTimeoutError):
             ray.get(self.actor.kill.remote(), timeout=CALL_TIMEOUT_S)
         self.poll()
+
+    def follow_phases(self, out: Path) -> None:
+        """Appends the rank's new phase lines to the run folder, where live progress reads them."""
+        try:
+            new = ray.get(self.actor.phases.remote(self.followed), timeout=CALL_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError):
+            return
+        if new:
+            with open(RunFolder(out).phases(self.rank), "ab") as record:
+                record.write(new)
+            self.followed += len(new)
 
     def fetch_files(self, out: Path) -> str | None:
         """The rank's files into the run folder; what was lost instead, in words (None: nothing)."""
@@ -281,7 +304,11 @@ def launch_ray(
         ]
         try:
             timed_out, first_failure, ends = supervise(
-                handles, timeout_s, POLL_S, completed=lambda handle: handle.finished()
+                handles,
+                timeout_s,
+                POLL_S,
+                watch=lambda _elapsed: [handle.follow_phases(out) for handle in handles],
+                completed=lambda handle: handle.finished(),
             )
         finally:
             lost_files = [why for h in handles if (why := h.fetch_files(out)) is not None]

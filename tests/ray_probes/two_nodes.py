@@ -1,7 +1,7 @@
 """A Ray cluster of two nodes on this one machine, for the multi-node tests: Ray's own test
-utility (ray.cluster_utils.Cluster) starts a head and a second raylet, each with two CPUs and a
-resource of its own, so a 4-rank case cannot fit on one node and its placement group spreads
-2 + 2. Prints one JSON line ({"address", "nodes": [{"id", "resource"}]}), then takes commands on
+utility (ray.cluster_utils.Cluster) starts a head and a second raylet, each with one CPU and a
+resource of its own, so a 2-rank case cannot fit on one node and its placement group spreads
+1 + 1. Prints one JSON line ({"address", "nodes": [{"id", "resource"}]}), then takes commands on
 stdin: "remove" takes the second node out of the cluster (its raylet and every process on it);
 end of input shuts the cluster down."""
 
@@ -10,7 +10,7 @@ import sys
 
 from ray.cluster_utils import Cluster
 
-NODE_CPUS = 2
+NODE_CPUS = 1
 
 
 def main() -> None:
