@@ -2,7 +2,7 @@
 raylets, one CPU each, a resource per node; tests/ray_probes/two_nodes.py), and a pytest session
 of its own pointed at it with --fsdp-turbo-ray-address, as a user points the plugin at theirs. A
 2-rank case must spread 1 + 1; a node removed mid-case turns that case red with the node named,
-and the session goes on to its next case and its summary."""
+and the session goes on to its summary."""
 
 from __future__ import annotations
 
@@ -93,12 +93,6 @@ def test_c_a_node_lost_mid_case_fails_the_case_with_the_node_named(ppo_run):
     removed = os.environ["TWO_NODES_REMOVED"][:8]
     head = result.failure_text().splitlines()[0]
     assert f"node {removed}" in head and "left the Ray cluster while rank(s)" in head, head
-
-
-def test_d_the_session_goes_on_with_the_node_left(ppo_run):
-    result = ppo_run("tiny-qwen3-single-rank")
-    checks.check_all(result)
-    assert len({rank.node for rank in result.ranks}) == 1
 '''
 
 
@@ -181,7 +175,7 @@ def test_cases_across_two_ray_nodes(pytester: pytest.Pytester, monkeypatch, tmp_
         watcher.join(timeout=30)
         cluster.close()
     text = result.stdout.str()
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=3)
     assert "fsdp-turbo e2e runs" in text  # the session reached its summary
     spread = [line for line in text.splitlines() if line.startswith("test_a_case_spread")]
     assert len(spread) == 1 and " 2 (2 nodes) " in spread[0], spread
