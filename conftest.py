@@ -27,9 +27,10 @@ def pytest_configure(config):
 # The suite's longest tests (see --durations), started first under xdist so the other worker fills
 # in around them instead of waiting on one at the end of the run (with --dist worksteal, the idle
 # worker then takes what is left from the busy one's queue: measured 225 s against 244-248 s with
-# the default load scheduling, same code, same box). Three workers on the two cores: a third of the
-# suite waits (Ray start-up, timeouts, stalls), and a third worker fills that time (220 s against
-# 239 s with two, consecutive runs of the same code).
+# the default load scheduling, same code, same box). Four workers on the two cores: much of the
+# suite waits (Ray start-up, inner pytest sessions, timeouts, stalls), and the extra workers fill
+# that time (249 s with four against 277 s with three, 2026-12-04, same code; the box was busy
+# 494 of 498 CPU-seconds with four).
 LONGEST_FIRST = (
     "tests/test_ray_multinode.py",
     "tests/test_session_safety.py::test_faults_end_tests_never_the_session",

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+
 from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead, full_tensor, local_tensor
 from pytest_fsdp_turbo_engine.ppo import (
     entropy_from_logits,
@@ -386,15 +387,6 @@ class LossWithoutClipRangeEngine(OwnLossEngine):
 
     def ppo_loss(self, logprobs, entropy, mb, tokens: float, cfg):
         return super().ppo_loss(logprobs, entropy, mb, tokens, replace(cfg, clip_ratio=1e9))
-
-
-@register(backend="fsdp_kl_counted_twice", device=EVERYWHERE)
-class KLCountedTwiceEngine(OwnLossEngine):
-    """The KL penalty added twice: its gradient is 0 while the policy equals the reference."""
-
-    def ppo_loss(self, logprobs, entropy, mb, tokens: float, cfg):
-        kl = token_sum(low_var_kl(logprobs, mb.ref_logprobs), mb.mask) / tokens
-        return super().ppo_loss(logprobs, entropy, mb, tokens, cfg) + cfg.kl_coef * kl
 
 
 @register(backend="fsdp_loss_without_response_mask", device=EVERYWHERE)

@@ -849,17 +849,15 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
         global_batch.save(folder.batch)
 
     sketching = not cfg.reference_checks or ctx.replaying  # the twin judges per parameter
-    ref_run = None
-    if cfg.reference_checks and global_batch is not None:  # not when replaying
-        with ctx.unsharded():
-            ref_run = ReferenceRun.of(ctx)
+    ref_run: ReferenceRun | None = None
     done: list[Update] = []
     for number in range(1, cfg.updates + 1):
         trained = train(ctx, batch, tokens, number)
         sketch = fsdp_probe.gradient_sketch(ctx.engine.module) if sketching else None
         referenced = None
-        if ref_run is not None and global_batch is not None:
+        if cfg.reference_checks and global_batch is not None:  # not when replaying
             with ctx.unsharded():
+                ref_run = ref_run or ReferenceRun.of(ctx)  # after the first train: its memory
                 referenced = reference(ctx, global_batch, tokens, ref_run.copy, number)
         stepped = optimizer(ctx, number, done[-1].stepped.moments if done else None)
         done.append(Update(trained, sketch if rank == 0 else None, referenced, stepped))
