@@ -149,8 +149,20 @@ def remove_when_ranks_run(cluster: TwoNodes, signal: Path, stop: threading.Event
         time.sleep(0.2)
 
 
-def test_cases_across_two_ray_nodes(pytester: pytest.Pytester, monkeypatch, tmp_path):
+@pytest.fixture
+def two_nodes():
+    """The two-node cluster for one test: started before it, shut down after it."""
     cluster = TwoNodes()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_cases_across_two_ray_nodes(
+    two_nodes: TwoNodes, pytester: pytest.Pytester, monkeypatch, tmp_path
+):
+    cluster = two_nodes
     stop = threading.Event()
     signal = tmp_path / "node-loss-case-started"
     watcher = threading.Thread(target=remove_when_ranks_run, args=(cluster, signal, stop))
@@ -173,7 +185,6 @@ def test_cases_across_two_ray_nodes(pytester: pytest.Pytester, monkeypatch, tmp_
     finally:
         stop.set()
         watcher.join(timeout=30)
-        cluster.close()
     text = result.stdout.str()
     result.assert_outcomes(passed=3)
     assert "fsdp-turbo e2e runs" in text  # the session reached its summary
