@@ -1,5 +1,5 @@
 """What a case needs, beyond the hardware its device kind names: one answer for the gate that
-skips a case (run_path), the pre-flight that fails a strict session before any case starts
+skips a case (launching/case_runner), the pre-flight that fails a strict session before any case starts
 (plugin), and the test that reads each CI job's install step (tests/test_workflow_jobs.py).
 """
 

@@ -1,9 +1,9 @@
 """The project's names, defined once and torch-free, so the plugin and the ranks import the same
 ones: device kinds, sync policies, launchers, twins, golden statuses and environment variables
-(metric keys are part of the rank contract, in contract.py). The small closed sets are StrEnums
+(metric keys are part of the rank contract, in records.py). The small closed sets are StrEnums
 (their members are the strings themselves, for JSON, dict keys and comparisons); env variables are
 plain string constants. Pytest never imports this module at start-up: what it reads on every start
-lives in options.py."""
+lives in pytest_fsdp_turbo/options.py."""
 
 from __future__ import annotations
 
