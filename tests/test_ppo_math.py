@@ -62,6 +62,7 @@ def test_dual_clip_bounds_negative_advantage():
 
 
 def test_token_mean_over_global_batch_is_split_invariant():
+    torch.manual_seed(0)  # the same draw wherever xdist schedules it
     logp = torch.randn(4, 5)
     old = logp + 0.1 * torch.randn(4, 5)
     adv = torch.randn(4, 5)
@@ -72,7 +73,8 @@ def test_token_mean_over_global_batch_is_split_invariant():
         ppo.policy_loss(logp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], tokens)[0]
         for i in range(4)
     )
-    assert whole.item() == pytest.approx(parts.item(), rel=1e-6)
+    # float32 sums of terms near 0.1 that can cancel: an absolute bound, not a relative one
+    assert whole.item() == pytest.approx(parts.item(), rel=1e-6, abs=1e-6)
 
 
 def test_low_var_kl_by_hand():
