@@ -64,10 +64,16 @@ class ReferenceOptimizer:
     update to the next."""
 
     def __init__(self, model: torch.nn.Module, config: EngineSpec):
-        from pytest_fsdp_turbo_engine.fsdp_engine import adamw
-
         self.model, self.config = model, config
-        self.adamw = adamw(model.parameters(), config)
+        # built here from the spec, not by our engine's helper: the reference must not share a
+        # bug of the engine it judges
+        self.adamw = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
 
     def step(self, grads: dict[str, torch.Tensor], norm: float) -> None:
         scale = clip_coefficient(norm, self.config.grad_clip)

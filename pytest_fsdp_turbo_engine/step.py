@@ -413,7 +413,7 @@ class Referenced:
     grad_max_rel_err: float
     grad_max_rel_err_param: str
     grad_rel_l2_err: float
-    fingerprint: dict | None  # rank 0 only
+    fingerprint: dict | None  # rank 0, first update only
 
 
 def single_process_copy(ctx: Rank) -> torch.nn.Module:
@@ -463,7 +463,7 @@ def reference(
         err,
         name,
         relative_l2_error(sharded, grads),
-        fingerprint(sharded) if ctx.rank == 0 else None,
+        fingerprint(sharded) if ctx.rank == 0 and update == 1 else None,  # the first update's
     )
 
 
