@@ -45,8 +45,11 @@ def rank_folders(result):
 
 
 def test_a_case_spread_over_two_nodes_passes_every_check_and_its_golden(ppo_run, pytestconfig):
-    result = ppo_run(CASE)
+    # with a replay twin: its rank gets the main run's batch through Ray, not through a path
+    result = ppo_run(CASE, twin="single")
     assert checks.check_all(result).not_applicable() == ["d: no replicas"]
+    assert result.twin is not None and result.twin.ok, result.twin
+    assert result.twin.folder.metrics(0).is_file() and not result.twin.folder.batch.exists()
     case = cases_of(pytestconfig).get(CASE)  # the numbers of a one-machine run, to 1e-3
     goldens.check_or_record(result, case, "cpu", goldens_dir(pytestconfig), record=False, strict=True)
     nodes = [rank.node for rank in result.ranks]

@@ -112,8 +112,8 @@ class RankActor:
         for name, data in inputs.items():
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             (folder / name).write_bytes(data)
-        if (folder / REPLAYED).is_dir():  # the twin replays its main run's batch, copied here
-            spec = RankSpec.read(RunFolder(folder).spec)
+        spec = RankSpec.read(RunFolder(folder).spec)
+        if spec.ppo.replay:  # a twin replays its main run's batch from the copy sent here only
             ppo = dataclasses.replace(spec.ppo, replay=str(folder / REPLAYED))
             dataclasses.replace(spec, ppo=ppo).write(RunFolder(folder).spec)
         self.rank = LocalRank(rank, worker_command(folder), env, RunFolder(folder).log(rank))
