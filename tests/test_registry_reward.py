@@ -190,12 +190,26 @@ def test_a_backend_only_the_ranks_can_refuse_is_reported_once_with_the_cases_dev
     name, so the ranks' registry decides; its error is shown once, not once per rank."""
     from pytest_fsdp_turbo.report import summary_row
 
+    refused = tmp_path / "refused"
+    refused.mkdir()
+    # Both ranks refuse; the supervisor stops the peers of the first rank that exits, so each rank
+    # leaves only once both have said why (a rank exits through os._exit, after its error file).
     (tmp_path / "indirect_engines.py").write_text(
+        "import os, time\n"
+        "from pathlib import Path\n"
         "from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead\n"
         "from pytest_fsdp_turbo_engine.registry import register\n"
         "NAME = 'indirect'\n"
         "@register(backend=NAME, device=['cpu'])\n"
         "class Indirect(FSDPEngineWithLMHead): ...\n"
+        "_exit, _refused = os._exit, Path(os.environ['REFUSED_DIR'])\n"
+        "def _exit_once_both_refused(code):\n"
+        "    (_refused / os.environ['RANK']).touch()\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while len(list(_refused.iterdir())) < 2 and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "    _exit(code)\n"
+        "os._exit = _exit_once_both_refused\n"
     )
     result = ppo_run(
         "tiny-qwen3-single-rank",
@@ -203,6 +217,7 @@ def test_a_backend_only_the_ranks_can_refuse_is_reported_once_with_the_cases_dev
         backend="indirekt",
         engine_modules=["indirect_engines"],
         pythonpath=[str(tmp_path)],
+        extra_env={"REFUSED_DIR": str(refused)},
     )
     assert not result.ok
     text = result.failure_text()
