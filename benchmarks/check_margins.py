@@ -16,8 +16,7 @@ from pathlib import Path
 
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.devices import detect
-from pytest_fsdp_turbo.launching.case_runner import standalone_runner
-from pytest_fsdp_turbo.settings import resolve
+from pytest_fsdp_turbo.launching.case_runner import standalone_runner, standalone_settings
 from pytest_fsdp_turbo_contract.records import Metric
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,8 +91,10 @@ def main() -> None:
     args = parser.parse_args()
     accel = detect("cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        settings = resolve({"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp})
-        runner = standalone_runner(settings, accel, cwd=REPO)
+        settings = standalone_settings(
+            {"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp}, cwd=REPO
+        )
+        runner = standalone_runner(settings, accel)
         case = runner.cases().get(args.case)
         print(f"case {case.id}, {case.world_size} ranks on {accel.describe()}")
         for dtype in args.dtypes.split(","):

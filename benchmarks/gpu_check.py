@@ -18,8 +18,11 @@ from pathlib import Path
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.cases import load_cases
 from pytest_fsdp_turbo.devices import detect
-from pytest_fsdp_turbo.launching.case_runner import Unavailable, standalone_runner
-from pytest_fsdp_turbo.settings import resolve
+from pytest_fsdp_turbo.launching.case_runner import (
+    Unavailable,
+    standalone_runner,
+    standalone_settings,
+)
 from pytest_fsdp_turbo_contract.records import Metric
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,8 +48,10 @@ def main() -> int:
     print(f"device: {accel.describe()}")
     rows, failed = [], 0
     with tempfile.TemporaryDirectory() as tmp:
-        settings = resolve({"fsdp_turbo_device": "cuda", "fsdp_turbo_artifacts": tmp})
-        runner = standalone_runner(settings, accel, cwd=REPO)  # the run path ppo_run uses
+        settings = standalone_settings(
+            {"fsdp_turbo_device": "cuda", "fsdp_turbo_artifacts": tmp}, cwd=REPO
+        )
+        runner = standalone_runner(settings, accel)  # the run path ppo_run uses
         for case in single_device_cases():
             start = time.perf_counter()
             try:

@@ -18,10 +18,9 @@ from pathlib import Path
 
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env
-from pytest_fsdp_turbo.launching.case_runner import standalone_runner
+from pytest_fsdp_turbo.launching.case_runner import standalone_runner, standalone_settings
 from pytest_fsdp_turbo.launching.request import RunRequest, rank_spec
 from pytest_fsdp_turbo.launching.supervisor import WORKER_MODULE
-from pytest_fsdp_turbo.settings import resolve
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import Metric
 
@@ -36,8 +35,10 @@ def main() -> None:
     accel = detect("cpu")
     ours, bare, rss = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        settings = resolve({"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp})
-        runner = standalone_runner(settings, accel, cwd=REPO)  # the run path ppo_run uses
+        settings = standalone_settings(
+            {"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp}, cwd=REPO
+        )
+        runner = standalone_runner(settings, accel)  # the run path ppo_run uses
         case = runner.cases().get(args.case)
         model, _ = runner.gate(case, None)
         book = runner.book

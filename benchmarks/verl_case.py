@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 from pytest_fsdp_turbo.devices import detect
-from pytest_fsdp_turbo.launching.case_runner import standalone_runner
-from pytest_fsdp_turbo.settings import resolve
+from pytest_fsdp_turbo.launching.case_runner import standalone_runner, standalone_settings
 from pytest_fsdp_turbo_contract.records import Metric
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,8 +29,10 @@ def main() -> None:
     times: dict[str, list[float]] = {"native": [], "verl": []}
     steps: dict[str, list[float]] = {"native": [], "verl": []}
     with tempfile.TemporaryDirectory() as tmp:
-        settings = resolve({"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp})
-        runner = standalone_runner(settings, detect("cpu"), cwd=REPO)
+        settings = standalone_settings(
+            {"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp}, cwd=REPO
+        )
+        runner = standalone_runner(settings, detect("cpu"))
         verl = runner.cases().get(args.case)
         native = dataclasses.replace(verl, backend="fsdp")
         for round_ in range(args.rounds):

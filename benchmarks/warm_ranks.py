@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 
 from pytest_fsdp_turbo.devices import detect
-from pytest_fsdp_turbo.launching.case_runner import standalone_runner
-from pytest_fsdp_turbo.settings import resolve
+from pytest_fsdp_turbo.launching.case_runner import standalone_runner, standalone_settings
 from pytest_fsdp_turbo_contract.records import Metric
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,8 +51,10 @@ def suite_seconds(launcher: str) -> float:
 def case_wall_and_step(rounds: int) -> tuple[float, float]:
     walls, steps = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        settings = resolve({"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp})
-        runner = standalone_runner(settings, detect("cpu"), cwd=REPO)
+        settings = standalone_settings(
+            {"fsdp_turbo_device": "cpu", "fsdp_turbo_artifacts": tmp}, cwd=REPO
+        )
+        runner = standalone_runner(settings, detect("cpu"))
         for round_ in range(rounds + 1):  # the first round starts the warm parent: not counted
             start = time.perf_counter()
             result = runner.run("tiny-qwen3_5-fsdp2-deferred", str(round_))

@@ -126,6 +126,7 @@ class Case:
         engine_modules: Sequence[str] = (),
         turbo_config: dict | None = None,
         replay: str = "",
+        collective_timeout_s: float | None = None,
     ) -> RankSpec:
         """What every rank of this case is asked to do on `kind` (spec.json)."""
         engine = EngineSpec(
@@ -164,6 +165,7 @@ class Case:
             ppo=ppo,
             memory_budget_mb=self.memory_budget_mb,
             engine_modules=tuple(engine_modules),
+            collective_timeout_s=collective_timeout_s or self.collective_timeout,
         )
 
 

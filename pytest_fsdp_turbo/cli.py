@@ -10,8 +10,8 @@ from pathlib import Path
 
 from pytest_fsdp_turbo.devices import KINDS, detect
 from pytest_fsdp_turbo.environ import build_collective_env, mask_secrets
+from pytest_fsdp_turbo.launching.case_runner import standalone_settings
 from pytest_fsdp_turbo.leases import hccl_port_ranges
-from pytest_fsdp_turbo.settings import resolve
 from pytest_fsdp_turbo.turbo.checkout import resolve_checkout
 from pytest_fsdp_turbo_contract.errors import CheckoutUnavailable, ConfigError, LeaseTimeout
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
@@ -78,7 +78,7 @@ def torch_pin_mismatches() -> list[str]:
 
 
 def doctor(args: argparse.Namespace) -> int:
-    settings = resolve({"fsdp_turbo_device": args.device})
+    settings = standalone_settings({"fsdp_turbo_device": args.device})
     accel = detect(settings.device)
     print(f"devices:   {accel.describe()}")
     print(
@@ -134,14 +134,13 @@ def doctor(args: argparse.Namespace) -> int:
 def _describe_cases_and_engines(settings) -> None:
     """The case file the rootdir's configuration selects and every engine announced to the ranks."""
     from pytest_fsdp_turbo.cases import announced_engines
-    from pytest_fsdp_turbo.launching.case_runner import case_file, read_ini
+    from pytest_fsdp_turbo.launching.case_runner import case_file
 
-    ini = read_ini(Path.cwd())
-    source = "option" if settings.cases else "ini fsdp_turbo_cases" if ini.cases else "default"
-    path = case_file(settings, ini)
+    source = "ini fsdp_turbo_cases" if settings.cases else "default"  # doctor takes no --cases
+    path = case_file(settings)
     state = "" if path.is_file() else ", missing"
     print(f"cases:     {path} ({source}{state})")
-    for name, where in announced_engines(ini.engine_modules):
+    for name, where in announced_engines(settings.engine_modules):
         shown = name or "(no @register(backend=...) found from here)"
         print(f"engine:    {shown}  [{where}]")
 
@@ -154,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     from pytest_fsdp_turbo import checks
     from pytest_fsdp_turbo.launching.case_runner import Unavailable, standalone_runner
 
-    settings = resolve(
+    settings = standalone_settings(
         {
             "fsdp_turbo_device": args.device,
             "fsdp_turbo_cases": args.cases,
@@ -203,7 +202,7 @@ def config(args: argparse.Namespace) -> int:
     from pytest_fsdp_turbo.turbo.library import TurboConfigProblems, inspect, turbo_config_for
     from pytest_fsdp_turbo_contract.turbo_config import resolved_targets
 
-    settings = resolve(
+    settings = standalone_settings(
         {
             "fsdp_turbo_cases": args.cases,
             "fsdp_turbo_path": args.fsdp_turbo_path,
@@ -242,7 +241,6 @@ def config(args: argparse.Namespace) -> int:
 
 
 def compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from pytest_fsdp_turbo.checks.compare import compare_runs, render, write_png, write_timeline_png
 

@@ -54,6 +54,7 @@ class CollectiveEnv:
     device_ids: tuple[int, ...] = ()
     master_port: int = 0
     world_size: int = 1
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # handed to the ranks in the spec
 
     def child_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         merged = dict(os.environ if base is None else base)
@@ -83,10 +84,7 @@ def _profile(
     port_ranges: tuple[tuple[int, int], tuple[int, int]] | None,
     cpu_count: int,
 ) -> dict[str, str]:
-    profile = {
-        "OMP_NUM_THREADS": str(max(1, cpu_count // max(1, world_size))),
-        COLLECTIVE_TIMEOUT_VAR: f"{timeouts.collective_s:g}",
-    }
+    profile = {"OMP_NUM_THREADS": str(max(1, cpu_count // max(1, world_size)))}
     if kind == DeviceKind.CUDA:
         profile["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
     elif kind == DeviceKind.NPU:
@@ -100,6 +98,19 @@ def _profile(
     else:
         profile["GLOO_SOCKET_IFNAME"] = "lo"
     return profile
+
+
+def collective_timeout_s(timeouts: Timeouts, user_env: Mapping[str, str] | None = None) -> float:
+    """The collective timeout the ranks get (through their spec): the case's, or the user's
+    variable, held below the case timeout so a hang is reported with its rank."""
+    user_env = os.environ if user_env is None else user_env
+    if COLLECTIVE_TIMEOUT_VAR not in user_env:
+        return timeouts.collective_s
+    from pytest_fsdp_turbo_contract.bounds import seconds
+
+    collective = seconds(user_env[COLLECTIVE_TIMEOUT_VAR], COLLECTIVE_TIMEOUT_VAR)
+    Timeouts(collective, timeouts.case_s)
+    return collective
 
 
 def build_collective_env(
@@ -117,6 +128,8 @@ def build_collective_env(
     """Rendezvous and visible devices come from the lease; profile variables the user set win."""
     user_env = os.environ if user_env is None else user_env
     timeouts = timeouts or Timeouts()
+    collective_s = collective_timeout_s(timeouts, user_env)
+    timeouts = Timeouts(collective_s, timeouts.case_s)
     if cpu_count is None:  # the box is shared with the other xdist workers' ranks
         workers = int(user_env.get(XDIST_WORKERS_VAR, "1") or 1)
         cpu_count = max(1, (os.cpu_count() or 1) // max(1, workers))
@@ -129,11 +142,6 @@ def build_collective_env(
     for name in ("HCCL_HOST_SOCKET_PORT_RANGE", "HCCL_NPU_SOCKET_PORT_RANGE"):
         if name in profile:
             parse_port_range(profile[name], name)
-    if COLLECTIVE_TIMEOUT_VAR in from_user:
-        from pytest_fsdp_turbo_contract.bounds import seconds
-
-        collective = seconds(profile[COLLECTIVE_TIMEOUT_VAR], COLLECTIVE_TIMEOUT_VAR)
-        Timeouts(collective, timeouts.case_s)
     env = {
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
@@ -143,7 +151,9 @@ def build_collective_env(
     var = VISIBLE_DEVICES_VAR.get(kind)
     if var:
         env[var] = ",".join(str(i) for i in device_ids)
-    return CollectiveEnv(env, tuple(from_user), tuple(device_ids), master_port, world_size)
+    return CollectiveEnv(
+        env, tuple(from_user), tuple(device_ids), master_port, world_size, collective_s
+    )
 
 
 def is_secret_name(name: str) -> bool:

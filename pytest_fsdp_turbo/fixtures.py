@@ -45,7 +45,7 @@ def fsdp_turbo_env_guard(request: pytest.FixtureRequest) -> Iterator[None]:
     Active on every test that uses the harness's fixtures (they depend on it), not imposed on the
     rest of a downstream suite; a conftest opts every test in with an autouse fixture that
     requests it (this repository does)."""
-    if not request.config.getini(ENV_GUARD_INI):
+    if not settings_of(request.config).env_guard:
         yield
         return
     env, cwd = dict(os.environ), os.getcwd()
@@ -240,7 +240,6 @@ def ppo_run(
         book=fsdp_turbo_lease_book,
         cases=lambda: cases_of(config),
         artifacts_root=artifacts_root(config),
-        ini_engine_modules=config.getini("fsdp_turbo_engine_modules"),
         checkout=lambda: request.getfixturevalue("fsdp_turbo_checkout"),
         start_ray=lambda: request.getfixturevalue("ray_cluster"),
         progress=terminal_progress(config),

@@ -88,6 +88,53 @@ OPTIONS = (
 )
 
 
+class IniKey:
+    """An ini key with no command-line option: its pytest type and default."""
+
+    __slots__ = ("name", "help", "type", "default")
+
+    def __init__(self, name: str, help: str, type: str, default: object) -> None:
+        self.name, self.help, self.type, self.default = name, help, type, default
+
+
+INI_KEYS = (
+    IniKey(
+        "fsdp_turbo_engine_modules",
+        "modules the ranks import before the engine lookup (downstream engines)",
+        "linelist",
+        [],
+    ),
+    IniKey(
+        "fsdp_turbo_stall_share",
+        "warn when a rank stays in one phase longer than this share of the case timeout",
+        "string",
+        "0.5",
+    ),
+    IniKey(
+        "fsdp_turbo_quiet_s",
+        "seconds a case runs before its live status line shows (a quicker case prints none)",
+        "string",
+        "10",
+    ),
+    IniKey(
+        "fsdp_turbo_env_guard",
+        "fail a test that leaves os.environ or the working directory changed",
+        "bool",
+        True,
+    ),
+)
+# every ini key the plugin reads, option-backed ones included (their default: unset)
+INI_DEFAULTS = {
+    **{opt.ini: "" for opt in OPTIONS if opt.ini},
+    **{key.name: key.default for key in INI_KEYS},
+}
+
+
+def ini_given(ini: Mapping[str, object]) -> bool:
+    """Whether any ini key differs from its default: settings are then validated at start-up."""
+    return any(ini.get(name, default) != default for name, default in INI_DEFAULTS.items())
+
+
 def option_dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 

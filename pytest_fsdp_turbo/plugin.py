@@ -25,18 +25,20 @@ from pytest_fsdp_turbo.fixtures import (  # noqa: F401
     tiny_model,
 )
 from pytest_fsdp_turbo.options import (
+    INI_DEFAULTS,
+    INI_KEYS,
     KIND_BY_MARKER,
     MARKER_BY_KIND,
     OPTIONS,
     SUMMARY_PROPERTY,
     env_given,
+    ini_given,
 )
 from pytest_fsdp_turbo.outcomes import fail_line
 from pytest_fsdp_turbo.session import (
     SETTINGS_KEY,
     accelerator_of,
     cases_of,
-    progress_ini,
     settings_of,
     strict_of,
 )
@@ -44,7 +46,6 @@ from pytest_fsdp_turbo_contract.errors import ConfigError
 
 # named, not imported: the plugin's start-up modules stay free of the checks
 CHECK_FAILURE = "pytest_fsdp_turbo.checks.CheckFailure"
-PROGRESS_INI = {"fsdp_turbo_stall_share": "0.5", "fsdp_turbo_quiet_s": "10"}  # key: default
 MARKERS = (
     "e2e: a distributed end-to-end test (runs on whatever hardware is detected)",
     "cpu_e2e: an e2e test that runs on CPU rank processes over gloo",
@@ -69,50 +70,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             group.addoption(opt.flag, default=None, help=opt.help + env_note)
         if opt.ini:
             parser.addini(opt.ini, opt.help)
-    parser.addini(
-        "fsdp_turbo_engine_modules",
-        "modules the ranks import before the engine lookup (downstream engines)",
-        type="linelist",
-        default=[],
-    )
-    parser.addini(
-        "fsdp_turbo_stall_share",
-        "warn when a rank stays in one phase longer than this share of the case timeout",
-        default=PROGRESS_INI["fsdp_turbo_stall_share"],
-    )
-    parser.addini(
-        "fsdp_turbo_quiet_s",
-        "seconds a case runs before its live status line shows (a quicker case prints none)",
-        default=PROGRESS_INI["fsdp_turbo_quiet_s"],
-    )
-    parser.addini(
-        "fsdp_turbo_env_guard",
-        "fail a test that leaves os.environ or the working directory changed",
-        type="bool",
-        default=True,
-    )
+    for key in INI_KEYS:
+        parser.addini(key.name, key.help, type=key.type, default=key.default)  # type: ignore[arg-type]
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     values = {opt.dest: config.getoption(opt.dest) for opt in OPTIONS}
-    for key in ("fsdp_turbo_cases", "fsdp_turbo_goldens", "fsdp_turbo_tiny_models"):
-        if values[key] is None and config.getini(key):
-            values[key] = str(config.rootpath / config.getini(key))
-    if any(config.getini(key) != default for key, default in PROGRESS_INI.items()):
-        try:
-            progress_ini(config)  # a bad value is one line now, not an error in a hook later
-        except ConfigError as exc:
-            raise pytest.UsageError(str(exc)) from None
-    if any(values.values()) or env_given():
+    ini = {name: config.getini(name) for name in INI_DEFAULTS}
+    if any(values.values()) or env_given() or ini_given(ini):
         # validated now, so bad input fails the session at start-up in one line; with nothing
         # given, settings_of() builds the defaults on first use and a suite that never asks
         # does not pay for them
         from pytest_fsdp_turbo.settings import resolve
 
         try:
-            config.stash[SETTINGS_KEY] = resolve(values)
+            config.stash[SETTINGS_KEY] = resolve(values, ini=ini, rootdir=config.rootpath)
         except ConfigError as exc:
             raise pytest.UsageError(str(exc)) from None
 
@@ -147,7 +121,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     watcher = ArtifactWatcher(
         artifacts_root(config),
         line,
-        *progress_ini(config),
+        settings_of(config).stall_share,
+        settings_of(config).quiet_s,
     )
     watcher.start()
     config.stash[_WATCHER] = watcher

@@ -24,7 +24,7 @@ def settings_of(config: pytest.Config) -> Settings:
     if SETTINGS_KEY not in config.stash:
         from pytest_fsdp_turbo.settings import resolve
 
-        config.stash[SETTINGS_KEY] = resolve({}, env={})
+        config.stash[SETTINGS_KEY] = resolve({}, env={}, rootdir=config.rootpath)
     return config.stash[SETTINGS_KEY]
 
 
@@ -68,9 +68,10 @@ def cases_of(config: pytest.Config) -> CaseBook:
         from pytest_fsdp_turbo.cases import CaseBook, load_cases
 
         path = cases_path(config)
-        modules = config.getini("fsdp_turbo_engine_modules")
-        tiny = settings_of(config).tiny_models
-        cases = load_cases(path, engine_modules=modules, tiny_models=tiny)
+        settings = settings_of(config)
+        cases = load_cases(
+            path, engine_modules=settings.engine_modules, tiny_models=settings.tiny_models
+        )
         config.stash[CASES_KEY] = CaseBook(path, cases)
     return config.stash[CASES_KEY]
 
@@ -87,18 +88,3 @@ def resolve_artifacts(given: Path | None, invocation_dir: Path, rootdir: Path) -
     if given is None:
         return rootdir / DEFAULT_ARTIFACTS
     return given if given.is_absolute() else invocation_dir / given
-
-
-def progress_ini(config: pytest.Config) -> tuple[float, float]:
-    """(stall share, quiet seconds) of the live progress, from the ini, bounded (ConfigError)."""
-    from pytest_fsdp_turbo_contract.bounds import DAY_S, number_in
-
-    share = number_in(
-        config.getini("fsdp_turbo_stall_share"),
-        "ini fsdp_turbo_stall_share",
-        0.0,
-        1.0,
-        low_open=True,
-    )
-    quiet = number_in(config.getini("fsdp_turbo_quiet_s"), "ini fsdp_turbo_quiet_s", 0.0, DAY_S)
-    return share, quiet

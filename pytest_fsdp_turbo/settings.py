@@ -1,7 +1,7 @@
 """One place that turns command-line options, ini values and env vars into a Settings object.
 
-The option wins over the env var; both are validated here so bad input fails once, at start-up,
-with a line that names the option or variable.
+The option wins over the env var, and both over the ini; all are validated here so bad input fails
+once, at start-up, with a line that names the option, variable or ini key.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_fsdp_turbo.options import DEFAULT_REPO, OPTIONS, option_dest
+from pytest_fsdp_turbo.options import DEFAULT_REPO, INI_DEFAULTS, OPTIONS, option_dest
 from pytest_fsdp_turbo.turbo.checkout_request import CheckoutRequest, validate_ref, validate_repo
-from pytest_fsdp_turbo_contract.bounds import DAY_S, seconds
+from pytest_fsdp_turbo_contract.bounds import DAY_S, number_in, seconds
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.vocab import Launcher
 
@@ -39,11 +39,23 @@ class Settings:
     launcher: Launcher = Launcher.LOCAL
     ray_address: str | None = None
     ray_connect_timeout_s: float = DEFAULT_RAY_CONNECT_TIMEOUT_S
+    rootdir: Path | None = None  # pytest's rootdir: where the ini's relative paths start
+    engine_modules: tuple[str, ...] = ()  # ini fsdp_turbo_engine_modules
+    stall_share: float = 0.5  # ini fsdp_turbo_stall_share
+    quiet_s: float = 10.0  # ini fsdp_turbo_quiet_s
+    env_guard: bool = True  # ini fsdp_turbo_env_guard
 
 
-def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
-    """values: option dest -> value (None when not given); env fills the gaps."""
+def resolve(
+    values: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    ini: Mapping[str, Any] | None = None,
+    rootdir: Path | None = None,
+) -> Settings:
+    """values: option dest -> value (None when not given); env, then the ini, fill the gaps.
+    ini: key -> value as pytest's getini gives it (missing keys take their defaults)."""
     env = os.environ if env is None else env
+    ini = {**INI_DEFAULTS, **(ini or {})}
     raw: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for opt in OPTIONS:
@@ -57,6 +69,9 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
                 if value.lower() not in (*_TRUE, "0", "false", "no", "off"):
                     raise ConfigError(f"{opt.env}: expected 1 or 0; got {value!r}")
                 value = value.lower() in _TRUE
+        if value is None and opt.ini and ini[opt.ini]:
+            value = str((rootdir or Path.cwd()) / ini[opt.ini])
+            origin[dest] = f"ini {opt.ini}"
         raw[dest] = value
     device = raw["fsdp_turbo_device"]
     if device:
@@ -86,6 +101,13 @@ def resolve(values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
         launcher=launcher,
         ray_address=raw["fsdp_turbo_ray_address"],
         ray_connect_timeout_s=connect_s,
+        rootdir=rootdir,
+        engine_modules=tuple(m.strip() for m in ini["fsdp_turbo_engine_modules"] if m.strip()),
+        stall_share=number_in(
+            ini["fsdp_turbo_stall_share"], "ini fsdp_turbo_stall_share", 0.0, 1.0, low_open=True
+        ),
+        quiet_s=number_in(ini["fsdp_turbo_quiet_s"], "ini fsdp_turbo_quiet_s", 0.0, DAY_S),
+        env_guard=bool(ini["fsdp_turbo_env_guard"]),
     )
 
 

@@ -66,6 +66,8 @@ class RankSpec:
     ppo: PPOSpec
     memory_budget_mb: float | None = None
     engine_modules: tuple[str, ...] = ()
+    # seconds a collective may wait before it fails and names its rank (below the case timeout)
+    collective_timeout_s: float = 120.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = RankSpec.read(spec_path)
     out = spec_path.parent
     folder = RunFolder(out)
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])  # torch's rendezvous variables; everything else: the spec
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,13 +49,17 @@ def main(argv: list[str] | None = None) -> int:
         phase.enter("init")
         import torch.distributed as dist
 
-        from pytest_fsdp_turbo_contract.vocab import BACKEND_BY_KIND, Env
+        from pytest_fsdp_turbo_contract.vocab import BACKEND_BY_KIND
         from pytest_fsdp_turbo_engine.step import run_ppo_step
 
         backend = BACKEND_BY_KIND[spec.device_kind]
-        timeout_s = float(os.environ.get(Env.COLLECTIVE_TIMEOUT_S, "120"))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-        assert dist.get_world_size() == world_size
+        timeout = timedelta(seconds=spec.collective_timeout_s)
+        dist.init_process_group(backend, timeout=timeout)
+        if dist.get_world_size() != spec.engine.world_size:
+            raise RuntimeError(
+                f"the process group has {dist.get_world_size()} ranks; the spec asks for "
+                f"{spec.engine.world_size}"
+            )
         output = run_ppo_step(spec, rank, phase, out)
         phase.enter("write")
         if output.grads_fingerprint is not None:

@@ -198,12 +198,12 @@ def test_run_takes_the_rootdirs_case_file_and_the_fixtures_gates(tmp_path):
     (project / "my_cases.toml").write_text(
         '[[case]]\nid = "vl"\nmodel = "tiny-qwen3"\nrollout = "vllm"\nworld_size = 1\n'
     )
-    from pytest_fsdp_turbo.launching.case_runner import read_ini
+    from pytest_fsdp_turbo.launching.case_runner import standalone_settings
 
-    ini = read_ini(project / "sub")
-    assert (ini.rootdir, ini.cases, ini.engine_modules) == (
+    settings = standalone_settings({}, project / "sub")
+    assert (settings.rootdir, settings.cases, settings.engine_modules) == (
         project,
-        "my_cases.toml",
+        project / "my_cases.toml",
         ("nowhere_engines",),
     )
     gated = cli("run", "vl", "--device", "cpu", cwd=project / "sub")
@@ -242,10 +242,10 @@ def test_the_cli_finds_its_configuration_as_pytest_does(tmp_path):
         '[tool.pytest.ini_options]\nfsdp_turbo_cases = "from_pyproject.toml"\n'
     )
     (project / "pytest.ini").write_text("[pytest]\nfsdp_turbo_cases = from_pytest_ini.toml\n")
-    assert read_ini(project / "deep").cases == "from_pytest_ini.toml"
+    assert read_ini(project / "deep").values["fsdp_turbo_cases"] == "from_pytest_ini.toml"
     (project / "pytest.ini").write_text("")  # an empty pytest.ini is still pytest's config file
     ini = read_ini(project / "deep")
-    assert (ini.rootdir, ini.cases) == (project, "")
+    assert (ini.rootdir, ini.values["fsdp_turbo_cases"]) == (project, "")
     ran = cli("run", "any", "--device", "cpu", cwd=project / "deep")  # falls back to e2e/cases.toml
     assert ran.returncode == 2
     assert f"case file {project / 'e2e' / 'cases.toml'} does not exist" in ran.stderr

@@ -30,7 +30,8 @@ def test_nccl_profile_sets_visible_devices_and_error_handling():
     group = build_collective_env("cuda", (2, 3), 1234, world_size=2, user_env={})
     assert group.env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert group.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
-    assert float(group.env[COLLECTIVE_TIMEOUT_VAR]) < Timeouts().case_s
+    assert group.collective_timeout_s < Timeouts().case_s
+    assert COLLECTIVE_TIMEOUT_VAR not in group.env  # the ranks read it from their spec
 
 
 def test_hccl_profile():

@@ -237,7 +237,8 @@ def test_settings_given_nothing_are_the_defaults_and_an_env_var_makes_them_stric
         from pytest_fsdp_turbo.settings import resolve
 
         def test_settings(pytestconfig):
-            assert settings_of(pytestconfig) == resolve({}, env={})
+            defaults = resolve({}, env={}, rootdir=pytestconfig.rootpath)
+            assert settings_of(pytestconfig) == defaults
             assert strict_of(pytestconfig) is False
         """
     )
@@ -450,3 +451,29 @@ def test_skipped_e2e_tests_list_their_reasons_once_each(pytester):
     section = result.stdout.str().split("fsdp-turbo e2e skips")[1]
     lines = [line for line in section.splitlines() if " x " in line]
     assert len(lines) == 2 and all(line.startswith("1 x ") for line in lines), lines
+
+
+def test_ini_keys_are_settings_validated_once_with_the_options(tmp_path):
+    """Every ini key the plugin reads lands in the one Settings object, with the option-backed
+    paths made absolute from the rootdir and the numbers bounded, naming the key when not."""
+    from pytest_fsdp_turbo.settings import resolve
+    from pytest_fsdp_turbo_contract.errors import ConfigError
+
+    ini = {
+        "fsdp_turbo_engine_modules": ["my_engines", " ", "more_engines "],
+        "fsdp_turbo_stall_share": "0.25",
+        "fsdp_turbo_quiet_s": "3",
+        "fsdp_turbo_env_guard": False,
+        "fsdp_turbo_cases": "e2e/mine.toml",
+    }
+    settings = resolve({}, env={}, ini=ini, rootdir=tmp_path)
+    assert (settings.engine_modules, settings.stall_share, settings.quiet_s) == (
+        ("my_engines", "more_engines"),
+        0.25,
+        3.0,
+    )
+    assert settings.env_guard is False and settings.cases == tmp_path / "e2e" / "mine.toml"
+    given = resolve({"fsdp_turbo_cases": "other.toml"}, env={}, ini=ini, rootdir=tmp_path)
+    assert given.cases == Path("other.toml")  # the option wins over the ini
+    with pytest.raises(ConfigError, match=r"^ini fsdp_turbo_stall_share: expected a number in"):
+        resolve({}, env={}, ini={**ini, "fsdp_turbo_stall_share": "0"}, rootdir=tmp_path)

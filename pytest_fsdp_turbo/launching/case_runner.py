@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pytest_fsdp_turbo.cases import (
     DEFAULT_CASES,
@@ -25,7 +25,7 @@ from pytest_fsdp_turbo.launching.request import RunRequest, launcher_for, run_wi
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
 from pytest_fsdp_turbo.session import resolve_artifacts
-from pytest_fsdp_turbo.settings import Settings, launcher_named
+from pytest_fsdp_turbo.settings import Settings, launcher_named, resolve
 from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.results import RunResult
@@ -41,7 +41,6 @@ class CaseRunner:
     book: LeaseBook
     cases: Callable[[], CaseBook]  # loaded when a case is named by id
     artifacts_root: Path
-    ini_engine_modules: Sequence[str] = ()
     checkout: Callable[[], Checkout] = field(default=lambda: None)  # resolved only when needed
     start_ray: Callable[[], RayDriver] = field(default=lambda: None)
     progress: Callable | None = None  # (case_id, world_size, timeout_s, artifacts) -> Progress
@@ -101,7 +100,7 @@ class CaseRunner:
         checkout: Checkout | None = None,
         **overrides: object,
     ) -> RunResult:
-        modules = [*self.ini_engine_modules, *engine_modules]
+        modules = [*self.settings.engine_modules, *engine_modules]
         resolved = self.resolve(case, modules, overrides, pythonpath)
         model, found = self.gate(resolved, checkout)
         _refuse_unimportable(resolved, modules, pythonpath)
@@ -133,11 +132,8 @@ def _refuse_unimportable(case: Case, modules: Sequence[str], pythonpath: Sequenc
 
 @dataclass(frozen=True)
 class IniConfig:
-    """The rootdir and the plugin's ini values, as pytest started in a folder would see them."""
-
     rootdir: Path
-    cases: str  # fsdp_turbo_cases, "" when unset
-    engine_modules: tuple[str, ...]
+    values: dict[str, Any]  # ini key -> value, as pytest's getini gives it
 
 
 def read_ini(start: Path) -> IniConfig:
@@ -148,54 +144,60 @@ def read_ini(start: Path) -> IniConfig:
 
     import pytest
 
+    from pytest_fsdp_turbo.options import INI_DEFAULTS
+
     class Reader:
         found: IniConfig | None = None
 
         @pytest.hookimpl(tryfirst=True)
         def pytest_cmdline_main(self, config: pytest.Config) -> int:
-            modules = tuple(config.getini("fsdp_turbo_engine_modules") or ())
-            Reader.found = IniConfig(config.rootpath, config.getini("fsdp_turbo_cases"), modules)
+            values = {name: config.getini(name) for name in INI_DEFAULTS}
+            Reader.found = IniConfig(config.rootpath, values)
             return 0  # nothing else runs: no configure hooks, no collection
 
     with open(os.devnull, "w") as sink, contextlib.chdir(start), contextlib.redirect_stdout(sink):
         pytest.main(["--noconftest", "-p", "no:cacheprovider"], plugins=[Reader()])
-    return Reader.found or IniConfig(start, "", ())
+    return Reader.found or IniConfig(start, {})
 
 
-def case_file(settings: Settings, ini: IniConfig) -> Path:
-    """The option's case file, else the rootdir ini's fsdp_turbo_cases, else e2e/cases.toml."""
-    return settings.cases or ini.rootdir / (ini.cases or DEFAULT_CASES)
-
-
-def standalone_cases(settings: Settings, cwd: Path | None = None) -> CaseBook:
-    """The case book `pytest-fsdp-turbo` verbs read, found as pytest would find it."""
+def standalone_settings(values: dict[str, Any], cwd: Path | None = None) -> Settings:
+    """Settings for `pytest-fsdp-turbo` verbs and benchmarks: their options over the ini pytest
+    would read from `cwd`, validated by the same rules as the plugin's."""
     ini = read_ini((cwd or Path.cwd()).resolve())
-    path = case_file(settings, ini)
-    cases = load_cases(path, engine_modules=ini.engine_modules, tiny_models=settings.tiny_models)
-    return CaseBook(path, cases)
+    return resolve(values, ini=ini.values, rootdir=ini.rootdir)
 
 
-def standalone_runner(
-    settings: Settings, accelerator: Accelerator, cwd: Path | None = None
-) -> CaseRunner:
+def case_file(settings: Settings) -> Path:
+    """The option's case file, else the rootdir ini's fsdp_turbo_cases, else e2e/cases.toml."""
+    return settings.cases or (settings.rootdir or Path.cwd()) / DEFAULT_CASES
+
+
+def standalone_cases(settings: Settings) -> CaseBook:
+    """The case book `pytest-fsdp-turbo` verbs read, found as pytest would find it."""
+    path = case_file(settings)
+    return CaseBook(path, _load(path, settings))
+
+
+def _load(path: Path, settings: Settings) -> list[Case]:
+    return load_cases(
+        path, engine_modules=settings.engine_modules, tiny_models=settings.tiny_models
+    )
+
+
+def standalone_runner(settings: Settings, accelerator: Accelerator) -> CaseRunner:
     """The runner `pytest-fsdp-turbo run` and the benchmarks use: the same case file (from the
     option, else the rootdir's ini, else e2e/cases.toml under the rootdir), the ini engine modules,
     the same gates and launchers as the fixture."""
     from pytest_fsdp_turbo.turbo.checkout import resolve_checkout
 
-    ini = read_ini((cwd or Path.cwd()).resolve())
-    path = case_file(settings, ini)
-    artifacts = resolve_artifacts(settings.artifacts, Path.cwd(), ini.rootdir)
+    path = case_file(settings)
+    artifacts = resolve_artifacts(settings.artifacts, Path.cwd(), settings.rootdir or Path.cwd())
     return CaseRunner(
         settings=settings,
         accelerator=accelerator,
         book=LeaseBook(),
-        cases=lambda: CaseBook(
-            path,
-            load_cases(path, engine_modules=ini.engine_modules, tiny_models=settings.tiny_models),
-        ),
+        cases=lambda: CaseBook(path, _load(path, settings)),
         artifacts_root=artifacts,
-        ini_engine_modules=list(ini.engine_modules),
         checkout=lambda: resolve_checkout(settings.checkout),
         start_ray=lambda: _start_ray(settings, artifacts),
         progress=_stderr_progress,

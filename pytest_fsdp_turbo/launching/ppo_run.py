@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_fsdp_turbo.outcomes import fail_line, skip_or_fail
-from pytest_fsdp_turbo.session import progress_ini
+from pytest_fsdp_turbo.session import settings_of
 from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout
 
 if TYPE_CHECKING:
@@ -65,7 +65,8 @@ def terminal_progress(config: pytest.Config):
         return None
     from pytest_fsdp_turbo.launching.progress import Progress
 
-    share, quiet = progress_ini(config)
+    settings = settings_of(config)
+    share, quiet = settings.stall_share, settings.quiet_s
     capture = config.pluginmanager.getplugin("capturemanager")
 
     def uncaptured():  # as pytest's live logging does: past the test's output capture

@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING
 
 from pytest_fsdp_turbo.cases import Case
 from pytest_fsdp_turbo.devices import Accelerator
-from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
+from pytest_fsdp_turbo.environ import (
+    Timeouts,
+    build_collective_env,
+    collective_timeout_s,
+    mask_secrets,
+)
 from pytest_fsdp_turbo.launching.progress import Progress
 from pytest_fsdp_turbo.launching.supervisor import launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
@@ -66,6 +71,9 @@ def rank_spec(request: RunRequest) -> RankSpec:
         engine_modules=request.engine_modules,
         turbo_config=request.turbo_config,
         replay=str(request.replay) if request.replay else "",
+        collective_timeout_s=collective_timeout_s(
+            Timeouts(request.case.collective_timeout, request.case.timeout)
+        ),
     )
 
 
