@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import typing
 from collections.abc import Iterable, Sequence
@@ -19,13 +18,18 @@ from typing import Any
 from pytest_fsdp_turbo_fixtures import DATA_DIR
 
 from pytest_fsdp_turbo.devices import KINDS
+from pytest_fsdp_turbo_contract.engines import (
+    ANNOUNCED_WHERE,
+    GIVEN,
+    EngineCatalog,
+    engine_catalog,
+)
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo_contract.vocab import (
     VERL_PREFIX,
     DeviceKind,
     Dtype,
-    Env,
     GoldenTier,
     Rollout,
     SyncPolicy,
@@ -34,13 +38,10 @@ from pytest_fsdp_turbo_contract.vocab import (
 
 FIXTURES_DIR = DATA_DIR
 TINY_PREFIX = "tiny-"
-BUILTIN_BACKENDS = ("fsdp", "fsdp_turbo")
 VERL_NAME = re.compile(r"^verl:[A-Za-z0-9_]+$")
-BACKEND_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 # Ids become test ids and folder names (goldens, artifacts): no separators, no "..", no spaces.
 CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # whole id (fullmatch: no trailing newline)
 CASE_ID_MAX = 100  # a folder name under the artifacts and goldens, with room for suffixes
-ENGINE_ENTRY_POINTS = "pytest_fsdp_turbo.engines"
 DEFAULT_CASES = Path("e2e") / "cases.toml"
 MAX_UPDATES = 4  # each update is another forward, backward and step: a few prove the point  # under the rootdir, unless an option or ini names one
 
@@ -207,40 +208,6 @@ _TYPES = {name: _base_type(hint) for name, hint in _HINTS.items()}
 _CLOSED_SETS = {name: e for name, hint in _HINTS.items() if (e := _closed_set(hint)) is not None}
 
 
-ANNOUNCED_WHERE = (
-    f"engines are announced by the {ENGINE_ENTRY_POINTS} entry points, the ini "
-    f"fsdp_turbo_engine_modules or {Env.ENGINE_MODULES}"
-)
-
-
-def announced_engines(engine_modules: Iterable[str] = ()) -> list[tuple[str | None, str]]:
-    """(backend, where it was announced) for every engine a case may name: built-ins, entry
-    points, and the modules named in the ini or the environment, whose backends are read from
-    their source (nothing is imported). A module whose source shows none has backend None."""
-    from importlib import metadata
-
-    found: list[tuple[str | None, str]] = [(name, "built in") for name in BUILTIN_BACKENDS]
-    # an entry point's module is read too, so a typo in its @register is refused here, not in a rank
-    for ep in metadata.entry_points(group=ENGINE_ENTRY_POINTS):
-        where = f"entry point {ep.name} = {ep.value}"
-        found += [(name, where) for name in registered_backends(ep.module) or [ep.name]]
-    env = filter(None, os.environ.get(Env.ENGINE_MODULES, "").split(","))
-    for origin, modules in (
-        ("ini fsdp_turbo_engine_modules", engine_modules),
-        (Env.ENGINE_MODULES, env),
-    ):
-        for module in (m.strip() for m in modules):
-            names = registered_backends(module)
-            found += [(name, f"{origin}: {module}") for name in names or [None]]
-    return found
-
-
-def known_backends(engine_modules: Iterable[str] = ()) -> tuple[str, ...]:
-    """The backend names a case may use (announced_engines without where)."""
-    names = (name for name, _ in announced_engines(engine_modules) if name is not None)
-    return tuple(dict.fromkeys(names))
-
-
 def engine_module_source(module: str, pythonpath: Iterable[str] = ()) -> Path | None:
     """Where a named engine module's source is, as the ranks will look (ppo_run's `pythonpath`
     first, then this process's path), found without importing it; None: nowhere."""
@@ -256,30 +223,6 @@ def engine_module_source(module: str, pythonpath: Iterable[str] = ()) -> Path | 
     if spec is None or not (spec.origin or "").endswith(".py"):
         return None
     return Path(spec.origin)
-
-
-def registered_backends(module: str, pythonpath: Iterable[str] = ()) -> list[str]:
-    """The backend names a module passes to @register(backend=...), from its source text (the
-    module imports torch, which the pytest process never does); [] when it cannot be found.
-    `pythonpath`: folders the ranks will have on their path (ppo_run's pythonpath)."""
-    import ast
-
-    source = engine_module_source(module, pythonpath)
-    if source is None:
-        return []
-    names = []
-    for node in ast.walk(ast.parse(source.read_text())):
-        func = getattr(node, "func", None)
-        if (
-            isinstance(node, ast.Call)
-            and getattr(func, "id", getattr(func, "attr", "")) == "register"
-        ):
-            names += [
-                kw.value.value
-                for kw in node.keywords
-                if kw.arg == "backend" and isinstance(getattr(kw.value, "value", None), str)
-            ]
-    return names
 
 
 def tiny_spec_dirs(extra: Path | None = None, fixtures_dir: Path = FIXTURES_DIR) -> list[Path]:
@@ -335,13 +278,12 @@ def validate_case(
     raw: dict,
     path: Path | str,
     specs: list[str],
-    open_backends: bool = False,
-    backends: tuple[str, ...] | None = None,
+    engines: EngineCatalog | None = None,
     announced: str = ANNOUNCED_WHERE,
 ) -> Case:
-    """Every rule for a case, wherever it is made (case file or ppo_run overrides).
-    open_backends: engine modules will register engines the pytest process cannot see, so any
-    plain backend name is accepted and the rank's registry lookup names it if it is missing."""
+    """Every rule for a case, wherever it is made (case file or ppo_run overrides). The backend
+    must be one the engine catalog knows; a catalog with bare modules accepts any plain name, and
+    the ranks' registry names it if no module registers it."""
     case_id = raw.get("id")
     where = _Where(path, case_id if isinstance(case_id, str) else "?")
     if (
@@ -378,10 +320,10 @@ def validate_case(
                 "backend", "verl:<name> with a name from verl's EngineRegistry", case.backend
             )
     else:
-        allowed = (*(backends if backends is not None else known_backends()), "verl:<name>")
-        if not (open_backends and BACKEND_NAME.match(case.backend)) and case.backend not in allowed:
-            expected = f"one of {', '.join(allowed)} ({announced})"
-            raise where.error("backend", expected, case.backend)
+        engines = engines or engine_catalog()
+        if not engines.accepts(case.backend):
+            allowed = ", ".join((*engines.backends, "verl:<name>"))
+            raise where.error("backend", f"one of {allowed} ({announced})", case.backend)
     if case.twin_kind() == TwinKind.EVERY_MICRO_BATCH and case.gradient_sync != SyncPolicy.DEFERRED:
         raise where.error(
             "twin", "single or none when gradient_sync is already every_micro_batch", case.twin
@@ -468,35 +410,30 @@ def validate_case(
 def with_overrides(
     case: Case,
     overrides: dict,
-    engine_modules: Sequence[str] = (),
-    pythonpath: Sequence[str] = (),
+    engines: EngineCatalog | None = None,
     tiny_models: Path | None = None,
 ) -> Case:
-    """`ppo_run(case, **overrides)`: the same rules as the case file, the same one-line errors.
-    The backend may be one the engine modules register, read from their source (with ppo_run's
-    pythonpath) before any rank starts; where a module's source shows no engine from here, any
-    plain name is left to the ranks' registry."""
+    """`ppo_run(case, **overrides)`: the same rules as the case file, the same one-line errors,
+    against the catalog of engines this run announces (ppo_run's engine_modules included)."""
     raw = {k: v for k, v in dataclasses.asdict(case).items() if v is not None}
     raw.update(overrides)
     raw = {k: v for k, v in raw.items() if v is not None}  # None: back to the field's default
-    found = [registered_backends(module, pythonpath) for module in engine_modules]
-    backends = tuple(dict.fromkeys((*known_backends(), *(n for names in found for n in names))))
+    engines = engines or engine_catalog()
     announced = ANNOUNCED_WHERE
-    if engine_modules:
-        announced += f"; engine modules read: {', '.join(engine_modules)}"
+    given = [e.text for e in engines.entries if e.where == GIVEN]
+    if given:
+        announced += f"; ppo_run engine_modules: {', '.join(given)}"
     specs = tiny_specs(tiny_models)
-    return validate_case(
-        raw, "ppo_run overrides", specs, not all(found), backends, announced=announced
-    )
+    return validate_case(raw, "ppo_run overrides", specs, engines, announced=announced)
 
 
 def load_cases(
     path: Path,
     fixtures_dir: Path = FIXTURES_DIR,
-    engine_modules: Iterable[str] = (),
+    engines: EngineCatalog | None = None,
     tiny_models: Path | None = None,
 ) -> list[Case]:
-    """The case file, every case validated; backends may be any engine announced for the ranks."""
+    """The case file, every case validated; backends may be any engine the catalog announces."""
     import tomllib
 
     if not path.is_file():
@@ -513,12 +450,12 @@ def load_cases(
     if not isinstance(defaults, dict):
         raise ConfigError(f"{path}: [defaults] must be a table")
     specs = tiny_specs(tiny_models, fixtures_dir)
-    backends = known_backends(engine_modules)
+    engines = engines or engine_catalog()
     cases, seen = [], set()
     for row in rows:
         if not isinstance(row, dict):
             raise ConfigError(f"{path}: every [[case]] entry must be a table")
-        case = validate_case({**defaults, **row}, path, specs, backends=backends)
+        case = validate_case({**defaults, **row}, path, specs, engines)
         if case.id in seen:
             raise ConfigError(
                 f"{path}: case {case.id!r}: field 'id': expected a unique id; got a duplicate"

@@ -133,16 +133,15 @@ def doctor(args: argparse.Namespace) -> int:
 
 def _describe_cases_and_engines(settings) -> None:
     """The case file the rootdir's configuration selects and every engine announced to the ranks."""
-    from pytest_fsdp_turbo.cases import announced_engines
     from pytest_fsdp_turbo.launching.case_runner import case_file
 
     source = "ini fsdp_turbo_cases" if settings.cases else "default"  # doctor takes no --cases
     path = case_file(settings)
     state = "" if path.is_file() else ", missing"
     print(f"cases:     {path} ({source}{state})")
-    for name, where in announced_engines(settings.engine_modules):
-        shown = name or "(no @register(backend=...) found from here)"
-        print(f"engine:    {shown}  [{where}]")
+    for entry in settings.engines().entries:
+        shown = entry.backend or f"(any backend {entry.module} registers; its ranks tell)"
+        print(f"engine:    {shown}  [{entry.where}: {entry.module}]")
 
 
 def run(args: argparse.Namespace) -> int:

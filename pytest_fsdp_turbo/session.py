@@ -69,9 +69,7 @@ def cases_of(config: pytest.Config) -> CaseBook:
 
         path = cases_path(config)
         settings = settings_of(config)
-        cases = load_cases(
-            path, engine_modules=settings.engine_modules, tiny_models=settings.tiny_models
-        )
+        cases = load_cases(path, engines=settings.engines(), tiny_models=settings.tiny_models)
         config.stash[CASES_KEY] = CaseBook(path, cases)
     return config.stash[CASES_KEY]
 

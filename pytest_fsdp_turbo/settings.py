@@ -7,7 +7,7 @@ once, at start-up, with a line that names the option, variable or ini key.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from typing import Any
 from pytest_fsdp_turbo.options import DEFAULT_REPO, INI_DEFAULTS, OPTIONS, option_dest
 from pytest_fsdp_turbo.turbo.checkout_request import CheckoutRequest, validate_ref, validate_repo
 from pytest_fsdp_turbo_contract.bounds import DAY_S, number_in, seconds
+from pytest_fsdp_turbo_contract.engines import GIVEN, INI, EngineCatalog, engine_catalog
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.vocab import Launcher
 
@@ -44,6 +45,11 @@ class Settings:
     stall_share: float = 0.5  # ini fsdp_turbo_stall_share
     quiet_s: float = 10.0  # ini fsdp_turbo_quiet_s
     env_guard: bool = True  # ini fsdp_turbo_env_guard
+
+    def engines(self, given: Iterable[str] = ()) -> EngineCatalog:
+        """The engine catalog a run announces: built-ins, entry points, the ini's entries,
+        `given` (ppo_run's engine_modules) and PYTEST_FSDP_TURBO_ENGINE_MODULES."""
+        return engine_catalog([(INI, self.engine_modules), (GIVEN, given)])
 
 
 def resolve(

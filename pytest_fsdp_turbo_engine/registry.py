@@ -1,25 +1,20 @@
 """Engine registry: (model_type, backend, device) -> engine class.
 
-Downstream repos add engines through the `pytest_fsdp_turbo.engines` entry-point group or by naming
-modules in PYTEST_FSDP_TURBO_ENGINE_MODULES (comma-separated); ranks import both before the lookup.
+Which modules a rank imports comes from the engine catalog in its spec
+(pytest_fsdp_turbo_contract/engines.py): the entries serving its backend, nothing else.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable, Iterable
-from importlib import metadata
 
-from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX, Env
+from pytest_fsdp_turbo_contract.engines import EngineCatalog
+from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX
 
-ENTRY_POINT_GROUP = "pytest_fsdp_turbo.engines"
-MODULES_VAR = Env.ENGINE_MODULES
 ANY = "*"
 
 _REGISTRY: dict[tuple[str, str, str], type] = {}
-_BUILTIN_MODULES = ("pytest_fsdp_turbo_engine.fsdp_engine",)
-_LAZY_BACKENDS = {"fsdp_turbo": "pytest_fsdp_turbo_engine.fsdp_turbo_engine"}
 
 
 class RegistryError(LookupError):
@@ -62,15 +57,19 @@ def registered() -> list[tuple[str, str, str, str]]:
     return sorted((*key, cls.__qualname__) for key, cls in _REGISTRY.items())
 
 
-def load_engine_plugins(extra_modules: Iterable[str] = ()) -> None:
-    """Import built-in engines, entry-point engines and modules named by the env var."""
-    for name in _BUILTIN_MODULES:
-        importlib.import_module(name)
-    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        entry.load()
-    names = [m.strip() for m in os.environ.get(MODULES_VAR, "").split(",") if m.strip()]
-    for name in [*names, *extra_modules]:
-        importlib.import_module(name)
+def load_engines(catalog: EngineCatalog, backend: str) -> None:
+    """Import what the catalog names for `backend`; an entry that declares it must register it."""
+    for entry in catalog.serving(backend):
+        importlib.import_module(entry.module)
+        if entry.backend is not None and not any(key[1] == backend for key in _REGISTRY):
+            raise RegistryError(
+                f"{entry.where} declares backend {backend!r}, but importing {entry.module} "
+                f"registered no engine for it; registered backends: {_backends() or 'none'}"
+            )
+
+
+def _backends() -> str:
+    return ", ".join(sorted({key[1] for key in _REGISTRY}))
 
 
 def lookup(model_type: str, backend: str, device: str) -> type:
@@ -79,8 +78,6 @@ def lookup(model_type: str, backend: str, device: str) -> type:
         from pytest_fsdp_turbo_engine.verl_adapter import VerlEngineAdapter
 
         return VerlEngineAdapter
-    if backend in _LAZY_BACKENDS:
-        importlib.import_module(_LAZY_BACKENDS[backend])  # imported only when selected
     for key in ((model_type, backend, device), (ANY, backend, device)):
         if key in _REGISTRY:
             return _REGISTRY[key]

@@ -162,8 +162,9 @@ class Rank:
 def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
     from transformers import AutoTokenizer
 
+    from pytest_fsdp_turbo_contract.engines import EngineCatalog
     from pytest_fsdp_turbo_engine.protocol import require_protocol
-    from pytest_fsdp_turbo_engine.registry import VERL_PREFIX, load_engine_plugins, lookup
+    from pytest_fsdp_turbo_engine.registry import VERL_PREFIX, load_engines, lookup
 
     engine_cfg, cfg, kind = spec.engine, spec.ppo, spec.device_kind
     device = device_for(kind, int(os.environ.get("LOCAL_RANK", rank)))
@@ -175,7 +176,7 @@ def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
         from pytest_fsdp_turbo_engine.verl_cpu_platform import prepare
 
         prepare(kind)  # before any engine module imports verl
-    load_engine_plugins(spec.engine_modules)
+    load_engines(EngineCatalog.from_ranks(spec.engine_modules), engine_cfg.backend)
     engine_class = require_protocol(
         lookup(spec.model_type, engine_cfg.backend, kind), engine_cfg.backend
     )

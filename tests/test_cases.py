@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from pytest_fsdp_turbo.cases import CaseBook, load_cases
+from pytest_fsdp_turbo_contract.engines import GIVEN, engine_catalog
 from pytest_fsdp_turbo_contract.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -254,15 +255,20 @@ def test_overrides_obey_the_case_rules_with_the_same_one_line_errors():
             f"ppo_run overrides: case 'tiny-qwen3-single-rank': field '{field}'"
         )
         assert expected in message and "\n" not in message
-    # engine modules whose source the pytest process cannot see: a plain name is left to the ranks
-    unseen = with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, ["not_importable_here"])
-    assert unseen.backend == "fsdp_off_by_one_sync"
-    # ones it can read (through ppo_run's pythonpath) name their backends, and nothing else passes
-    e2e = [str(REPO / "e2e")]
-    read = with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, ["broken_engines"], e2e)
+    # a bare engine module may register any backend: a plain name is left to the ranks
+    bare = engine_catalog([(GIVEN, ["broken_engines"])], env={})
+    assert with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, bare).backend == (
+        "fsdp_off_by_one_sync"
+    )
+    # a declared one names its backend, and nothing else passes
+    declared = engine_catalog([(GIVEN, ["fsdp_off_by_one_sync = broken_engines"])], env={})
+    read = with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, declared)
     assert read.backend == "fsdp_off_by_one_sync"
-    with pytest.raises(ConfigError, match=r"engine modules read: broken_engines\); got 'fsdp_of"):
-        with_overrides(case, {"backend": "fsdp_of_by_one_sync"}, ["broken_engines"], e2e)
+    with pytest.raises(
+        ConfigError,
+        match=r"ppo_run engine_modules: fsdp_off_by_one_sync = broken_engines\); got 'fsdp_of",
+    ):
+        with_overrides(case, {"backend": "fsdp_of_by_one_sync"}, declared)
 
 
 def test_a_single_twin_differs_from_its_case_in_every_dimension_under_test():

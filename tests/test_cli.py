@@ -255,7 +255,8 @@ def test_doctor_names_the_case_file_and_every_announced_engine_with_its_origin(t
     project = tmp_path / "downstream"
     (project / "tests").mkdir(parents=True)
     (project / "pytest.ini").write_text(
-        "[pytest]\nfsdp_turbo_cases = tests/cases.toml\nfsdp_turbo_engine_modules = my_engines\n"
+        "[pytest]\nfsdp_turbo_cases = tests/cases.toml\n"
+        "fsdp_turbo_engine_modules =\n    mine = my_engines\n    more_engines\n"
     )
     (project / "my_engines.py").write_text(
         "import torch\nfrom pytest_fsdp_turbo_engine.registry import register\n"
@@ -264,8 +265,10 @@ def test_doctor_names_the_case_file_and_every_announced_engine_with_its_origin(t
     shown = cli("doctor", cwd=project / "tests", env={"PYTHONPATH": str(project)})
     lines = shown.stdout.splitlines()
     assert f"cases:     {project / 'tests' / 'cases.toml'} (ini fsdp_turbo_cases, missing)" in lines
-    assert "engine:    fsdp  [built in]" in lines
+    assert "engine:    fsdp  [built in: pytest_fsdp_turbo_engine.fsdp_engine]" in lines
     assert "engine:    mine  [ini fsdp_turbo_engine_modules: my_engines]" in lines
+    bare = "(any backend more_engines registers; its ranks tell)"
+    assert f"engine:    {bare}  [ini fsdp_turbo_engine_modules: more_engines]" in lines
 
 
 def test_artifacts_default_to_the_rootdir_wherever_pytest_starts(tmp_path):

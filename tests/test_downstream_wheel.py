@@ -35,7 +35,7 @@ FILES = {
 
         [tool.pytest.ini_options]
         fsdp_turbo_cases = "tests/e2e/cases.toml"
-        fsdp_turbo_engine_modules = ["ds_rl.ini_engines"]
+        fsdp_turbo_engine_modules = ["ini_engine = ds_rl.ini_engines"]
         """,
     "ds_rl/__init__.py": "",
     "ds_rl/engines.py": """
@@ -145,7 +145,7 @@ def test_a_downstream_repository_runs_on_the_installed_wheel(tmp_path):
 
     doctor = run(str(venv / "bin" / "pytest-fsdp-turbo"), "doctor", cwd=project, env=env).stdout
     assert f"cases:     {project / 'tests' / 'e2e' / 'cases.toml'} (ini fsdp_turbo_cases)" in doctor
-    assert "engine:    ds_engine  [entry point ds_engine = ds_rl.engines]" in doctor
+    assert "engine:    ds_engine  [entry point ds_engine: ds_rl.engines]" in doctor
     assert "engine:    ini_engine  [ini fsdp_turbo_engine_modules: ds_rl.ini_engines]" in doctor
 
     pytest_cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2"]

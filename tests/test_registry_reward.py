@@ -61,17 +61,28 @@ def test_lookup_error_lists_registered(clean_registry):
         registry.lookup("llama", "nope", "cpu")
 
 
-def test_engine_modules_env_var_is_imported(clean_registry, tmp_path, monkeypatch):
-    (tmp_path / "downstream_engines.py").write_text(
-        "from pytest_fsdp_turbo_engine.registry import register\n"
-        "@register(backend='downstream', device='cpu')\n"
-        "class Downstream: pass\n"
-    )
+def test_a_rank_imports_what_the_catalog_names_for_its_backend_and_nothing_else(
+    clean_registry, tmp_path, monkeypatch
+):
+    import sys
+
+    from pytest_fsdp_turbo_contract.engines import EngineCatalog
+
+    for name, backend in (("downstream_engines", "downstream"), ("other_engines", "other")):
+        (tmp_path / f"{name}.py").write_text(
+            "from pytest_fsdp_turbo_engine.registry import register\n"
+            f"@register(backend='{backend}', device='cpu')\n"
+            "class Downstream: pass\n"
+        )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv(registry.MODULES_VAR, "downstream_engines")
-    registry.load_engine_plugins()
+    catalog = EngineCatalog.from_ranks(["downstream = downstream_engines", "other = other_engines"])
+    registry.load_engines(catalog, "downstream")
     assert registry.lookup("any", "downstream", "cpu").__name__ == "Downstream"
+    assert "other_engines" not in sys.modules  # declared for another backend: left alone
+    catalog = EngineCatalog.from_ranks(["other_engines"])  # a bare module: imported for any
+    registry.load_engines(catalog, "fsdp")
     assert registry.lookup("qwen3", "fsdp", "cpu").__name__ == "FSDPEngineWithLMHead"
+    assert registry.lookup("any", "other", "cpu").__name__ == "Downstream"
 
 
 def test_reward_is_dense_and_deterministic():
@@ -88,42 +99,53 @@ def test_prompts_have_equal_length():
     assert len({len(p.text.encode()) for p in prompts}) == 1
 
 
-def test_entry_point_engines_are_loaded_and_their_backends_known(
+def test_an_entry_point_names_its_backend_and_a_module_that_does_not_register_it_is_named(
     clean_registry, tmp_path, monkeypatch
 ):
-    from pytest_fsdp_turbo.cases import known_backends
+    """The entry point's name is the backend: known at collection, nothing imported; a module
+    that registers another name is refused in the rank, naming the entry point."""
+    import sys
+
+    from pytest_fsdp_turbo_contract.engines import EngineCatalog, engine_catalog
 
     (tmp_path / "ep_engines_mod.py").write_text(
+        "import torch  # never imported by the pytest process\n"
         "from pytest_fsdp_turbo_engine.registry import register\n"
         "@register(backend='ep_engine', device='cpu')\n"
         "class FromEntryPoint: pass\n"
     )
+    typo = tmp_path / "ep_engines_typo.py"
+    typo.write_text((tmp_path / "ep_engines_mod.py").read_text().replace("ep_engine'", "ep_engin'"))
     dist = tmp_path / "downstream_rl-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: downstream-rl\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_mod\n"
-    )
+    entry_points = dist / "entry_points.txt"
+    entry_points.write_text("[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_mod\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert "ep_engine" in known_backends()  # case files may name it; nothing imported yet
-    typo = tmp_path / "ep_engines_typo.py"  # a typo in @register is refused at collection
-    typo.write_text((tmp_path / "ep_engines_mod.py").read_text().replace("ep_engine'", "ep_engin'"))
-    (dist / "entry_points.txt").write_text(
-        "[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_typo\n"
-    )
-    assert "ep_engin" in known_backends() and "ep_engine" not in known_backends()
-    (dist / "entry_points.txt").write_text(
-        "[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_mod\n"
-    )
-    registry.load_engine_plugins()
+    catalog = engine_catalog(env={})
+    assert "ep_engine" in catalog.backends and not catalog.is_open
+    assert "ep_engines_mod" not in sys.modules
+    registry.load_engines(EngineCatalog.from_ranks(catalog.for_ranks()), "ep_engine")
     assert registry.lookup("llama", "ep_engine", "cpu").__name__ == "FromEntryPoint"
+    entry_points.write_text("[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_typo\n")
+    catalog = engine_catalog(env={})
+    registry._REGISTRY.pop(("*", "ep_engine", "cpu"))
+    with pytest.raises(registry.RegistryError) as refused:
+        registry.load_engines(EngineCatalog.from_ranks(catalog.for_ranks()), "ep_engine")
+    assert str(refused.value).startswith(
+        "spec engine_modules declares backend 'ep_engine', but importing ep_engines_typo "
+        "registered no engine for it; registered backends: "
+    )
+    assert "ep_engin," in str(refused.value)
 
 
-def test_an_engine_named_only_in_the_ini_is_a_backend_case_files_may_name(tmp_path, monkeypatch):
-    """Its backends are read from the module's source: the pytest process imports nothing."""
+def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path, monkeypatch):
+    """`BACKEND = MODULE` declares it: the pytest process imports nothing; a bare module opens
+    the backends to any plain name, which its ranks judge."""
     import sys
 
     from pytest_fsdp_turbo.cases import load_cases
+    from pytest_fsdp_turbo_contract.engines import INI, engine_catalog
     from pytest_fsdp_turbo_contract.errors import ConfigError
 
     (tmp_path / "ini_engines_mod.py").write_text(
@@ -135,17 +157,25 @@ def test_an_engine_named_only_in_the_ini_is_a_backend_case_files_may_name(tmp_pa
     monkeypatch.syspath_prepend(str(tmp_path))
     cases = tmp_path / "cases.toml"
     cases.write_text('[[case]]\nid = "c"\nmodel = "tiny-qwen3"\nbackend = "ini_engine"\n')
-    (case,) = load_cases(cases, engine_modules=["ini_engines_mod"])
+    declared = engine_catalog([(INI, ["ini_engine = ini_engines_mod"])], env={})
+    (case,) = load_cases(cases, engines=declared)
     assert case.backend == "ini_engine" and "ini_engines_mod" not in sys.modules
-    monkeypatch.setenv("PYTEST_FSDP_TURBO_ENGINE_MODULES", "ini_engines_mod")  # the variable too
-    assert load_cases(cases)[0].backend == "ini_engine"
-    monkeypatch.delenv("PYTEST_FSDP_TURBO_ENGINE_MODULES")
+    variable = {"PYTEST_FSDP_TURBO_ENGINE_MODULES": "ini_engine=ini_engines_mod"}
+    assert load_cases(cases, engines=engine_catalog(env=variable))[0].backend == "ini_engine"
+    bare = engine_catalog([(INI, ["ini_engines_mod"])], env={})
+    assert load_cases(cases, engines=bare)[0].backend == "ini_engine"
     with pytest.raises(ConfigError) as unknown:
-        load_cases(cases)
+        load_cases(cases, engines=engine_catalog(env={}))
     message = str(unknown.value)
     assert "field 'backend': expected one of fsdp, fsdp_turbo" in message
     assert "got 'ini_engine'" in message and "\n" not in message
     assert "the ini fsdp_turbo_engine_modules or PYTEST_FSDP_TURBO_ENGINE_MODULES" in message
+    with pytest.raises(ConfigError) as malformed:
+        engine_catalog([(INI, ["my engines = x"])], env={})
+    assert str(malformed.value) == (
+        "ini fsdp_turbo_engine_modules: expected MODULE or BACKEND = MODULE (a dotted module "
+        "name, a backend of letters, digits and '_'); got 'my engines = x'"
+    )
 
 
 def test_a_backend_no_engine_module_registers_is_refused_before_any_rank_starts(ppo_run, tmp_path):
@@ -157,7 +187,7 @@ def test_a_backend_no_engine_module_registers_is_refused_before_any_rank_starts(
         ppo_run(
             "tiny-qwen3-single-rank",
             backend="rael",
-            engine_modules=["real_engines"],
+            engine_modules=["real = real_engines"],
             pythonpath=[str(tmp_path)],
         )
     message = str(failed.value)
@@ -166,7 +196,7 @@ def test_a_backend_no_engine_module_registers_is_refused_before_any_rank_starts(
         "fsdp_turbo"
     )
     assert ", real, verl:<name> (" in message
-    assert "engine modules read: real_engines); got 'rael'" in message
+    assert "ppo_run engine_modules: real = real_engines); got 'rael'" in message
     assert "\n" not in message
 
 
@@ -186,8 +216,8 @@ def test_an_engine_module_no_rank_could_import_is_refused_before_launch(ppo_run,
 def test_a_backend_only_the_ranks_can_refuse_is_reported_once_with_the_cases_device(
     ppo_run, tmp_path
 ):
-    """A module whose @register names its backend through a variable: the plugin cannot read the
-    name, so the ranks' registry decides; its error is shown once, not once per rank."""
+    """A bare engine module (no `BACKEND = MODULE`): the plugin cannot know what it registers,
+    so the ranks' registry decides; its error is shown once, not once per rank."""
     from pytest_fsdp_turbo.report import summary_row
 
     refused = tmp_path / "refused"

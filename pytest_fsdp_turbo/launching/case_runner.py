@@ -27,6 +27,7 @@ from pytest_fsdp_turbo.needs import case_needs, missing_packages
 from pytest_fsdp_turbo.session import resolve_artifacts
 from pytest_fsdp_turbo.settings import Settings, launcher_named, resolve
 from pytest_fsdp_turbo.turbo.checkout import Checkout
+from pytest_fsdp_turbo_contract.engines import EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.results import RunResult
 
@@ -46,11 +47,7 @@ class CaseRunner:
     progress: Callable | None = None  # (case_id, world_size, timeout_s, artifacts) -> Progress
 
     def resolve(
-        self,
-        case: Case | CaseParam | str,
-        modules: list[str],
-        overrides: dict,
-        pythonpath: Sequence[str] = (),
+        self, case: Case | CaseParam | str, engines: EngineCatalog, overrides: dict
     ) -> Case:
         if isinstance(case, CaseParam):
             case = case.case
@@ -58,7 +55,7 @@ class CaseRunner:
             case = self.cases().get(case)
         if not overrides:
             return case
-        return with_overrides(case, overrides, modules, pythonpath, self.settings.tiny_models)
+        return with_overrides(case, overrides, engines, self.settings.tiny_models)
 
     def gate(self, case: Case, checkout: Checkout | None) -> tuple[Path, Checkout | None]:
         from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
@@ -100,17 +97,17 @@ class CaseRunner:
         checkout: Checkout | None = None,
         **overrides: object,
     ) -> RunResult:
-        modules = [*self.settings.engine_modules, *engine_modules]
-        resolved = self.resolve(case, modules, overrides, pythonpath)
+        engines = self.settings.engines(engine_modules)
+        resolved = self.resolve(case, engines, overrides)
         model, found = self.gate(resolved, checkout)
-        _refuse_unimportable(resolved, modules, pythonpath)
+        _refuse_unimportable(resolved, engines, pythonpath)
         request = RunRequest(
             case=resolved,
             model_path=model,
             artifacts_dir=self.artifacts_root / name,
             accelerator=self.accelerator,
             checkout=found,
-            engine_modules=modules,
+            engines=engines,
             pythonpath=list(pythonpath),
             extra_env=dict(extra_env or {}),
             launcher=launcher_named(launcher, "launcher") if launcher else self.settings.launcher,
@@ -119,9 +116,9 @@ class CaseRunner:
         return self.launch(request)
 
 
-def _refuse_unimportable(case: Case, modules: Sequence[str], pythonpath: Sequence[str]) -> None:
+def _refuse_unimportable(case: Case, engines: EngineCatalog, pythonpath: Sequence[str]) -> None:
     """An engine module no rank could import: one line here, not an ImportError in every rank."""
-    for module in modules:
+    for module in (entry.module for entry in engines.serving(case.backend)):
         if engine_module_source(module, pythonpath) is None:
             looked = f"the pythonpath given ({', '.join(pythonpath)}) and " if pythonpath else ""
             raise ConfigError(
@@ -179,9 +176,7 @@ def standalone_cases(settings: Settings) -> CaseBook:
 
 
 def _load(path: Path, settings: Settings) -> list[Case]:
-    return load_cases(
-        path, engine_modules=settings.engine_modules, tiny_models=settings.tiny_models
-    )
+    return load_cases(path, engines=settings.engines(), tiny_models=settings.tiny_models)
 
 
 def standalone_runner(settings: Settings, accelerator: Accelerator) -> CaseRunner:

@@ -26,6 +26,7 @@ from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
 from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.engines import EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.faults import FAULT_VAR, parse_fault
 from pytest_fsdp_turbo_contract.results import RunResult
@@ -54,7 +55,7 @@ class RunRequest:
     artifacts_dir: Path
     accelerator: Accelerator
     checkout: Checkout | None = None
-    engine_modules: list[str] = field(default_factory=list)
+    engines: EngineCatalog = field(default_factory=EngineCatalog)  # what the ranks may import
     pythonpath: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     replay: Path | None = None  # twin runs: the main run's artifacts, whose batch is replayed
@@ -68,7 +69,7 @@ def rank_spec(request: RunRequest) -> RankSpec:
         request.accelerator.kind,
         model_path=str(request.model_path),
         model_type=model_type_of(request.model_path),
-        engine_modules=request.engine_modules,
+        engine_modules=request.engines.for_ranks(),
         turbo_config=request.turbo_config,
         replay=str(request.replay) if request.replay else "",
         collective_timeout_s=collective_timeout_s(
