@@ -17,7 +17,12 @@ from pathlib import Path
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.launching.case_runner import standalone_runner, standalone_settings
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import (
+    LossRecord,
+    OptimizerRecord,
+    PostStepRecord,
+    ReferenceRecord,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,54 +33,60 @@ def rel(a: float, b: float) -> float:
 
 def margins(result, twin_result, dtype: str) -> list[tuple[str, float, float]]:
     ref, main, twin = result.metrics, twin_result.metrics, twin_result.twin.metrics
-    worst_step = max(r.metrics[Metric.SYNC_STEP_MAX_ERR_LR] for r in result.ranks)
-    worst_l2 = max(r.metrics[Metric.SYNC_STEP_REL_L2_ERR] for r in result.ranks)
+    worst_step = max(r.metrics[PostStepRecord.key("step_max_err_lr")] for r in result.ranks)
+    worst_l2 = max(r.metrics[PostStepRecord.key("step_rel_l2_err")] for r in result.ranks)
     atol, rtol = checks.TWIN_LOSS_TOL[dtype]
-    worst_adamw = max(r.metrics[Metric.SYNC_ADAMW_STEP_MAX_ERR_LR] for r in result.ranks)
+    worst_adamw = max(r.metrics[OptimizerRecord.key("adamw_step_max_err_lr")] for r in result.ranks)
     return [
         (
             "b first micro-batch ppo_kl (abs)",
-            ref[Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH],
+            ref[LossRecord.key("ppo_kl_first_micro_batch")],
             checks.ON_POLICY_KL_TOL[dtype],
         ),
         (
             "b first micro-batch log-ratio (abs, per token)",
-            ref[Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH],
+            ref[LossRecord.key("ppo_log_ratio_abs_max_first_micro_batch")],
             checks.ON_POLICY_LOG_RATIO_TOL.get(dtype),
         ),
         (
             "a norm vs harness norm (rel)",
-            rel(ref[Metric.ACTOR_GRAD_NORM], ref[Metric.SYNC_GRAD_NORM_MEASURED]),
+            rel(
+                ref[OptimizerRecord.key("grad_norm")],
+                ref[OptimizerRecord.key("grad_norm_measured")],
+            ),
             checks.GRAD_NORM_TRUE_REL[dtype],
         ),
         (
             "a norm vs reference norm (rel)",
-            rel(ref[Metric.ACTOR_GRAD_NORM], ref[Metric.SYNC_REFERENCE_GRAD_NORM]),
+            rel(
+                ref[OptimizerRecord.key("grad_norm")],
+                ref[ReferenceRecord.key("reference_grad_norm")],
+            ),
             checks.GRAD_NORM_REFERENCE_REL[dtype],
         ),
         (
             "c gradients vs reference (relative L2)",
-            ref[Metric.SYNC_GRAD_REL_L2_ERR],
+            ref[ReferenceRecord.key("grad_rel_l2_err")],
             checks.GRAD_PARITY_L2_TOL[dtype],
         ),
         (
             "c gradients vs reference (per parameter, rel to its max entry)",
-            ref[Metric.SYNC_GRAD_MAX_REL_ERR],
+            ref[ReferenceRecord.key("grad_max_rel_err")],
             checks.GRAD_PARITY_TOL.get(dtype),
         ),
         (
             "c twin loss (abs)",
-            abs(main[Metric.ACTOR_LOSS] - twin[Metric.ACTOR_LOSS]),
-            atol + rtol * abs(twin[Metric.ACTOR_LOSS]),
+            abs(main[LossRecord.key("loss")] - twin[LossRecord.key("loss")]),
+            atol + rtol * abs(twin[LossRecord.key("loss")]),
         ),
         (
             "c twin grad norm (rel)",
-            rel(main[Metric.ACTOR_GRAD_NORM], twin[Metric.ACTOR_GRAD_NORM]),
+            rel(main[OptimizerRecord.key("grad_norm")], twin[OptimizerRecord.key("grad_norm")]),
             checks.TWIN_GRAD_NORM_REL[dtype],
         ),
         (
             "c twin post-step logprobs (abs)",
-            twin[Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF],
+            twin[PostStepRecord.key("post_step_logprob_max_abs_diff")],
             checks.TWIN_LOGPROB_TOL[dtype],
         ),
         ("i step vs AdamW's first step (x lr)", worst_adamw, checks.ADAMW_STEP_TOL_LR[dtype]),
@@ -108,7 +119,9 @@ def main() -> None:
                     raise SystemExit(result.failure_text())
                 runs.append(result)
             print(f"\n{dtype}: {'measured':>10}  {'tolerance':>10}  {'headroom':>8}  what")
-            print(f"      worst parameter: {runs[0].metrics[Metric.SYNC_GRAD_MAX_REL_ERR_PARAM]}")
+            print(
+                f"      worst parameter: {runs[0].metrics[ReferenceRecord.key('grad_max_rel_err_param')]}"
+            )
             for what, value, tol in margins(*runs, dtype):
                 if tol is None:
                     print(f"      {value:10.3g}  {'-':>10}  {'-':>8}  {what} (not checked)")

@@ -23,7 +23,13 @@ from pytest_fsdp_turbo.launching.case_runner import (
     standalone_runner,
     standalone_settings,
 )
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import (
+    CaseRecord,
+    LossRecord,
+    OptimizerRecord,
+    PerfRecord,
+    PostStepRecord,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,12 +75,12 @@ def main() -> int:
             rows.append(
                 (
                     case.id,
-                    m.get(Metric.CASE_DTYPE, "?"),
-                    f"{m.get(Metric.ACTOR_GRAD_NORM, float('nan')):.4g}",
-                    f"{m.get(Metric.ACTOR_PG_LOSS, float('nan')):.4g}",
-                    f"{m.get(Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF, float('nan')):.3g}",
-                    f"{m.get(Metric.PERF_PEAK_MEMORY_BYTES, 0) / 2**20:.0f}",
-                    f"{m.get(Metric.PERF_STEP_TIME_S, float('nan')):.2f}",
+                    m.get(CaseRecord.key("dtype"), "?"),
+                    f"{m.get(OptimizerRecord.key('grad_norm'), float('nan')):.4g}",
+                    f"{m.get(LossRecord.key('pg_loss'), float('nan')):.4g}",
+                    f"{m.get(PostStepRecord.key('rollout_logprob_max_abs_diff'), float('nan')):.3g}",
+                    f"{m.get(PerfRecord.key('peak_memory_bytes'), 0) / 2**20:.0f}",
+                    f"{m.get(PerfRecord.key('step_time_s'), float('nan')):.2f}",
                     f"{wall:.1f}",
                     verdict,
                 )

@@ -22,7 +22,7 @@ from pytest_fsdp_turbo.launching.case_runner import standalone_runner, standalon
 from pytest_fsdp_turbo.launching.request import RunRequest, rank_spec
 from pytest_fsdp_turbo.launching.supervisor import WORKER_MODULE
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import PerfRecord
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,7 @@ def main() -> None:
                 if mode == "launcher":
                     for rank in range(case.world_size):
                         metrics = json.loads(RunFolder(out).metrics(rank).read_text())
-                        rss.append(metrics[Metric.PERF_PEAK_MEMORY_BYTES])
+                        rss.append(metrics[PerfRecord.key("peak_memory_bytes")])
     a, b = statistics.median(ours), statistics.median(bare)
     print(
         f"{case.id} ({case.world_size} ranks, cpu), median of {args.rounds}: launcher {a:.2f}s, "

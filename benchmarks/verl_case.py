@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.launching.case_runner import standalone_runner, standalone_settings
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import PerfRecord
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def main() -> None:
                 if not result.ok:
                     raise SystemExit(result.failure_text())
                 times[name].append(time.perf_counter() - start)
-                steps[name].append(result.metrics[Metric.PERF_STEP_TIME_S])
+                steps[name].append(result.metrics[PerfRecord.key("step_time_s")])
     med = {name: statistics.median(values) for name, values in times.items()}
     step = {name: statistics.median(values) for name, values in steps.items()}
     print(f"case {verl.id} ({verl.world_size} ranks, {args.rounds} rounds, medians)")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.launching.case_runner import standalone_runner, standalone_settings
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import PerfRecord
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,7 +63,7 @@ def case_wall_and_step(rounds: int) -> tuple[float, float]:
                 raise SystemExit(result.failure_text())
             if round_:
                 walls.append(wall)
-                steps.append(result.metrics[Metric.PERF_STEP_TIME_S])
+                steps.append(result.metrics[PerfRecord.key("step_time_s")])
     return statistics.median(walls), statistics.median(steps)
 
 

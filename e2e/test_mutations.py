@@ -5,7 +5,7 @@ sequence-parallel ones (e2e/broken_turbo_sp_*.py) run FSDP 2 x SP 2 on the stand
 
 One run serves both modes: each engine runs once with the reference and the twin, and the checks
 judge it twice, once without the twin and once without any metric the reference wrote
-(vocab.REFERENCE_METRICS). The reference runs in rank 0 after the engine's step was measured, so
+(records.REFERENCE_KEYS). The reference runs in rank 0 after the engine's step was measured, so
 the only reading it touches is rank 0's peak memory; an engine proven by check f (memory) therefore
 runs once per mode.
 
@@ -24,7 +24,15 @@ from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.checks import goldens
 from pytest_fsdp_turbo.session import cases_of, goldens_dir
 from pytest_fsdp_turbo.turbo.checkout import Checkout
-from pytest_fsdp_turbo_contract.records import REFERENCE_METRICS, Metric
+from pytest_fsdp_turbo_contract.records import (
+    REFERENCE_KEYS,
+    CaseRecord,
+    LossRecord,
+    OptimizerRecord,
+    PerfRecord,
+    PostStepRecord,
+    TrainRecord,
+)
 from pytest_fsdp_turbo_contract.results import RunResult
 
 HERE = Path(__file__).parent
@@ -105,7 +113,7 @@ CLIP = ("k", "from the raw ones clipped by the global norm and max_norm")
 TWIN_NORM = ("c", "twin (single): actor/grad_norm")
 TWIN_POST = ("c", "post-step logprobs on the batch differ from the twin's")
 NOT_STEPPED = ("i", "actor/param_update_max_abs = 0.0, expected this rank's")
-ROLLOUT_LP = ("e", Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF)
+ROLLOUT_LP = ("e", PostStepRecord.key("rollout_logprob_max_abs_diff"))
 # g: the goldens hold post-step values too, so a wrong step or a stale rollout fails them
 GOLDEN = ("g", "check g: metric ")
 GOLDEN_NORM = ("g", "check g: metric actor/grad_norm = ")
@@ -201,8 +209,13 @@ MUTANTS = (
     Mutant(
         "fsdp_drifting_replica",
         {
-            "reference": (("d", Metric.SYNC_REPLICA_MAX_ABS_DIFF), ADAMW, GOLDEN_STEP),
-            "twin": (("d", Metric.SYNC_REPLICA_MAX_ABS_DIFF), ADAMW, TWIN_POST, GOLDEN_STEP),
+            "reference": (("d", PostStepRecord.key("replica_max_abs_diff")), ADAMW, GOLDEN_STEP),
+            "twin": (
+                ("d", PostStepRecord.key("replica_max_abs_diff")),
+                ADAMW,
+                TWIN_POST,
+                GOLDEN_STEP,
+            ),
         },
         case=HSDP_CASE,
     ),
@@ -223,7 +236,7 @@ MUTANTS = (
         VLLM_CASE,
         label="fsdp_stale_rollout_weights_vllm",
     ),
-    Mutant("fsdp_hoarding_memory", both(("f", Metric.PERF_PEAK_MEMORY_BYTES))),
+    Mutant("fsdp_hoarding_memory", both(("f", PerfRecord.key("peak_memory_bytes")))),
     # one check alone, where no other bug here leaves it alone (the reference's parity of one small
     # gradient has no twin-mode counterpart: the twin sees parts per million, inside its tolerance)
     Mutant("fsdp_norm_logged_in_bf16_on_rank1", both(("a", "differs from rank 0's"))),
@@ -237,7 +250,7 @@ MUTANTS = (
     ),
     Mutant(
         "fsdp_fused_optimizer_on_one_replica",
-        both(("d", Metric.SYNC_REPLICA_MAX_ABS_DIFF)),
+        both(("d", PostStepRecord.key("replica_max_abs_diff"))),
         case=HSDP_CASE,
     ),
     Mutant("fsdp_entropy_in_bits", both(("g", "check g: metric actor/entropy = "))),
@@ -346,8 +359,8 @@ def in_mode(result: RunResult, mode: str) -> RunResult:
     def bare(metrics: dict | None) -> dict | None:
         if metrics is None:
             return None
-        kept = {k: v for k, v in metrics.items() if k not in REFERENCE_METRICS}
-        return {**kept, Metric.CASE_REFERENCE: False}
+        kept = {k: v for k, v in metrics.items() if k not in REFERENCE_KEYS}
+        return {**kept, CaseRecord.key("reference"): False}
 
     ranks = [dataclasses.replace(r, metrics=bare(r.metrics)) for r in result.ranks]
     return dataclasses.replace(result, ranks=ranks)
@@ -395,8 +408,8 @@ def test_a_mode_view_hides_what_the_mode_lacks(ppo_run, pytestconfig):
         view = in_mode(result, mode)
         assert checks.check_all(view).not_applicable() == ["d: no replicas"], mode
         assert (view.twin is not None) == (mode == "twin")
-        has_reference = any(k in view.metrics for k in REFERENCE_METRICS)
-        assert has_reference == (mode == "reference") == view.metrics[Metric.CASE_REFERENCE]
+        has_reference = any(k in view.metrics for k in REFERENCE_KEYS)
+        assert has_reference == (mode == "reference") == view.metrics[CaseRecord.key("reference")]
     case = cases_of(pytestconfig).get(CASE)
     assert golden_failure(result, case, goldens_dir(pytestconfig)) is None
     for rank in result.ranks:  # every rank wrote every metric the checks and goldens read
@@ -405,22 +418,22 @@ def test_a_mode_view_hides_what_the_mode_lacks(ppo_run, pytestconfig):
 
 MEASURED = (
     *goldens.GOLDEN_KEYS,
-    *REFERENCE_METRICS,
-    Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH,
-    Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH,
-    Metric.ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH,
-    Metric.SYNC_GRAD_NORM_MEASURED,
-    Metric.SYNC_ADAMW_STEP_MAX_ERR_LR,
-    Metric.ACTOR_PARAM_UPDATE_MAX_ABS,
-    Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF,
-    Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF,
-    Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF,
-    Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH,
-    Metric.COMM_FSDP_UNITS,
-    Metric.SYNC_RETAINED_GRAD_BYTES,
-    Metric.PERF_PEAK_MEMORY_BYTES,
-    Metric.PERF_STEP_TIME_S,
-    Metric.PERF_TOKENS_PER_S,
+    *REFERENCE_KEYS,
+    LossRecord.key("ppo_kl_first_micro_batch"),
+    LossRecord.key("ppo_log_ratio_abs_max_first_micro_batch"),
+    LossRecord.key("pg_clipfrac_first_micro_batch"),
+    OptimizerRecord.key("grad_norm_measured"),
+    OptimizerRecord.key("adamw_step_max_err_lr"),
+    OptimizerRecord.key("param_update_max_abs"),
+    PostStepRecord.key("handoff_weight_max_abs_diff"),
+    PostStepRecord.key("rollout_weight_max_abs_diff"),
+    PostStepRecord.key("rollout_logprob_max_abs_diff"),
+    TrainRecord.key("reduce_scatter_calls_by_micro_batch"),
+    TrainRecord.key("fsdp_units"),
+    TrainRecord.key("retained_grad_bytes"),
+    PerfRecord.key("peak_memory_bytes"),
+    PerfRecord.key("step_time_s"),
+    PerfRecord.key("tokens_per_s"),
 )
 
 
@@ -444,7 +457,7 @@ def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant):
     for mode in MODES:
         expected = {letter for letter, _ in mutant.caught[mode]}
         assert set(failed[mode]) == expected, f"{mode}: {mutant} fails {failed[mode]}"
-        units = str(runs[mode].metrics[Metric.COMM_FSDP_UNITS])
+        units = str(runs[mode].metrics[TrainRecord.key("fsdp_units")])
         for letter, text in mutant.caught[mode]:
             assert f"check {letter}" in failed[mode][letter], failed[mode][letter]
             assert text.replace("{units}", units) in failed[mode][letter], failed[mode][letter]
@@ -488,7 +501,7 @@ def test_verl_engine_with_noop_sync_context_is_caught(ppo_run):
         ppo_run, "verl:fsdp2_noop_sync_context", VERL_CASE, module="broken_verl_engines"
     )
     checks.check_completed(result)
-    units = result.metrics[Metric.COMM_FSDP_UNITS]
+    units = result.metrics[TrainRecord.key("fsdp_units")]
     for mode in MODES:
         failed = failed_checks(result, mode)
         assert set(failed) == {"h"}, (mode, failed)  # same gradients; only the contract can tell
@@ -606,7 +619,7 @@ def test_head_gradients_sent_to_the_wrong_sp_rank_are_caught_per_parameter(ppo_r
     assert "gradient sketch differs from the twin's" in failed["c"], failed["c"]
     # the totals alone (the sketch dropped from the run) pass: only the per-parameter view sees it
     ranks = [
-        dataclasses.replace(r, metrics={**r.metrics, Metric.SYNC_GRAD_SKETCH: None})
+        dataclasses.replace(r, metrics={**r.metrics, TrainRecord.key("grad_sketch"): None})
         for r in result.ranks
     ]
     checks.check_all(dataclasses.replace(result, ranks=ranks))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_fsdp_turbo import checks
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import TrainRecord
 
 
 def test_ppo_one_step(
@@ -29,11 +29,11 @@ def test_sync_policies_agree_and_differ_in_cost(ppo_run):
         checks.check_completed(result)
     checks.check_policies_agree(deferred, every)  # raises beyond POLICY_AGREEMENT_TOL
     assert (
-        deferred.metrics[Metric.COMM_REDUCE_SCATTER_CALLS]
-        < every.metrics[Metric.COMM_REDUCE_SCATTER_CALLS]
+        deferred.metrics[TrainRecord.key("reduce_scatter_calls")]
+        < every.metrics[TrainRecord.key("reduce_scatter_calls")]
     )
-    assert deferred.metrics[Metric.SYNC_RETAINED_GRAD_BYTES] > 0
-    assert every.metrics[Metric.SYNC_RETAINED_GRAD_BYTES] == 0
-    units = deferred.metrics[Metric.COMM_FSDP_UNITS]
-    assert deferred.metrics[Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH] == [0, units]
-    assert every.metrics[Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH] == [units, units]
+    assert deferred.metrics[TrainRecord.key("retained_grad_bytes")] > 0
+    assert every.metrics[TrainRecord.key("retained_grad_bytes")] == 0
+    units = deferred.metrics[TrainRecord.key("fsdp_units")]
+    assert deferred.metrics[TrainRecord.key("reduce_scatter_calls_by_micro_batch")] == [0, units]
+    assert every.metrics[TrainRecord.key("reduce_scatter_calls_by_micro_batch")] == [units, units]

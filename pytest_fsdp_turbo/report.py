@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 
 from pytest_fsdp_turbo.options import SUMMARY_PROPERTY  # noqa: F401
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import (
+    STARTUP,
+    TIMING_PREFIX,
+    LossRecord,
+    OptimizerRecord,
+    PerfRecord,
+    StepMetrics,
+    TrainRecord,
+)
 from pytest_fsdp_turbo_contract.results import read_json
 
 if TYPE_CHECKING:
@@ -41,13 +49,13 @@ def artifact_name(nodeid: str) -> str:
 
 
 JUNIT_METRICS = (
-    Metric.ACTOR_GRAD_NORM,
-    Metric.ACTOR_PG_LOSS,
-    Metric.SYNC_RETAINED_GRAD_BYTES,
-    Metric.COMM_REDUCE_SCATTER_CALLS,
-    Metric.PERF_PEAK_MEMORY_BYTES,
-    Metric.PERF_STEP_TIME_S,
-    Metric.TIMING_S_STARTUP,
+    OptimizerRecord.key("grad_norm"),
+    LossRecord.key("pg_loss"),
+    TrainRecord.key("retained_grad_bytes"),
+    TrainRecord.key("reduce_scatter_calls"),
+    PerfRecord.key("peak_memory_bytes"),
+    PerfRecord.key("step_time_s"),
+    TIMING_PREFIX + STARTUP,
 )
 
 
@@ -68,7 +76,7 @@ CAUSE_CHARS = 60
 
 
 def summary_row(result: RunResult, test: str = "", options: dict | None = None) -> str:
-    m = result.metrics
+    step = result.ranks[0].step if result.ranks else StepMetrics()
     overrides = {
         k: v for k, v in (options or {}).items() if k not in NOT_OVERRIDES and v is not None
     }
@@ -77,15 +85,15 @@ def summary_row(result: RunResult, test: str = "", options: dict | None = None) 
         "case": result.case_id,
         "overrides": [f"{k}={v}" for k, v in sorted(overrides.items())],
         "cause": run_cause(result),
-        "device": m.get(Metric.CASE_DEVICE) or _spec_device(result),
+        "device": step.case.device or _spec_device(result),
         "ranks": ranks_cell(result),
-        "grad_norm": m.get(Metric.ACTOR_GRAD_NORM),
-        "loss": m.get(Metric.ACTOR_PG_LOSS),
-        "peak": m.get(Metric.PERF_PEAK_MEMORY_BYTES),
-        "retained": m.get(Metric.SYNC_RETAINED_GRAD_BYTES),
-        "rs_calls": m.get(Metric.COMM_REDUCE_SCATTER_CALLS),
-        "start_s": m.get(Metric.TIMING_S_STARTUP),
-        "step_s": m.get(Metric.PERF_STEP_TIME_S),
+        "grad_norm": step.optimizer.grad_norm,
+        "loss": step.loss.pg_loss,
+        "peak": step.perf.peak_memory_bytes,
+        "retained": step.train.retained_grad_bytes,
+        "rs_calls": step.train.reduce_scatter_calls,
+        "start_s": step.timings.get(STARTUP),
+        "step_s": step.perf.step_time_s,
         "ok": result.ok,
         "not_applicable": _not_applicable(result),
     }

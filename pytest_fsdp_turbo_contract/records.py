@@ -1,10 +1,16 @@
-"""What a rank measured: the step's typed records, each field written under its metric key in
-rankN.metrics.json (`Metric` names the keys), and `StepMetrics`, the records of one rank."""
+"""What a rank measured: one typed record per phase of the step, and `StepMetrics`, the records of
+one rank. A measurement has one name end to end: the record's field. Its key in rankN.metrics.json
+is derived from it, `<namespace>/<field>` (the record's namespace unless the field names another),
+as the training world names metrics (`actor/grad_norm`, `perf/step_time_s`); three keys verl
+spells its own way say so where they are declared.
+"""
 
 from __future__ import annotations
 
+import math
 import typing
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 # how the reference phase says the engine's parameter names are not the checkpoint's (check c)
@@ -12,289 +18,278 @@ NAMES_DIFFER = "parameter names differ from the reference's"
 # The StepMetrics a failed step had filled ride on its exception under this attribute (the step
 # sets it, the worker writes them as rankN.partial-metrics.json), so nothing measured is lost.
 PARTIAL_METRICS_ATTR = "partial_metrics"
-
-# --- metric keys ----------------------------------------------------------------------------------
-
-
-class Metric:
-    """Keys of rankN.metrics.json, as the training world names them (plain strings, so a rank's
-    metrics are plain JSON that goldens, junit and older artifacts read alike)."""
-
-    ACTOR_ENTROPY = "actor/entropy"
-    ACTOR_GRAD_NORM = "actor/grad_norm"
-    ACTOR_GRAD_NORM_FINITE = "actor/grad_norm_finite"
-    ACTOR_KL_LOSS = "actor/kl_loss"
-    ACTOR_LOCAL_PARAM_NUMEL = "actor/local_param_numel"
-    ACTOR_LOSS = "actor/loss"
-    ACTOR_PARAM_UPDATE_MAX_ABS = "actor/param_update_max_abs"
-    ACTOR_PG_CLIPFRAC = "actor/pg_clipfrac"
-    ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH = "actor/pg_clipfrac_first_micro_batch"
-    # the last of several updates on one rollout: how far off-policy it trained
-    ACTOR_PG_CLIPFRAC_LAST_UPDATE = "actor/pg_clipfrac_last_update"
-    ACTOR_PPO_KL_LAST_UPDATE = "actor/ppo_kl_last_update"
-    ACTOR_PG_LOSS = "actor/pg_loss"
-    ACTOR_PPO_KL = "actor/ppo_kl"
-    ACTOR_PPO_KL_FIRST_MICRO_BATCH = "actor/ppo_kl_first_micro_batch"
-    # largest |logprob - old logprob| over the first micro-batch's response tokens
-    ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH = "actor/ppo_log_ratio_abs_max_first_micro_batch"
-    ACTOR_POST_STEP_LOGPROB_MEAN = "actor/post_step_logprob_mean"  # token mean, global batch
-    ACTOR_UPDATE_L2 = "actor/update_l2"  # L2 norm of the whole model's parameter update
-    CASE_DEVICE = "case/device"
-    CASE_DTYPE = "case/dtype"
-    CASE_MEMORY_BUDGET_MB = "case/memory_budget_mb"
-    CASE_MICRO_BATCHES = "case/micro_batches"
-    CASE_REFERENCE = "case/reference"
-    CASE_REPLICAS = "case/replicas"
-    CASE_SP_SIZE = "case/sp_size"
-    CASE_SYNC_POLICY = "case/sync_policy"
-    CASE_UPDATES = "case/updates"  # optimizer updates on the one rollout (2: the second off-policy)
-    CASE_WORLD_SIZE = "case/world_size"
-    COMM_ALL_GATHER_CALLS = "comm/all_gather_calls"
-    COMM_FSDP_UNITS = "comm/fsdp_units"
-    COMM_REDUCE_SCATTER_CALLS = "comm/reduce_scatter_calls"
-    COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH = "comm/reduce_scatter_calls_by_micro_batch"
-    COMM_SHARD_GROUP_SIZE = "comm/shard_group_size"
-    CRITIC_SCORE_MEAN = "critic/score/mean"
-    PERF_PEAK_MEMORY_BYTES = "perf/peak_memory_bytes"
-    PERF_STEP_TIME_S = "perf/step_time_s"
-    PERF_TOKENS_PER_S = "perf/tokens_per_s"
-    PPO_ADVANTAGES_ABS_MAX = "ppo/advantages_abs_max"
-    RESPONSE_LENGTH_MEAN = "response_length/mean"
-    SYNC_GRAD_MAX_REL_ERR = "sync/grad_max_rel_err"
-    SYNC_GRAD_MAX_REL_ERR_PARAM = "sync/grad_max_rel_err_param"
-    SYNC_GRAD_NORM_MEASURED = "sync/grad_norm_measured"
-    SYNC_GRAD_REL_L2_ERR = "sync/grad_rel_l2_err"
-    SYNC_ADAMW_STEP_MAX_ERR_LR = "sync/adamw_step_max_err_lr"
-    SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF = "sync/handoff_weight_max_abs_diff"
-    SYNC_HANDOFF_WEIGHT_WORST = "sync/handoff_weight_worst"
-    SYNC_LAYER_TOKENS = "sync/layer_tokens"
-    # the loss's gradient on the log-probabilities the engine reported, against the harness's
-    # closed form, relative to its largest entry; worst over updates and micro-batches
-    SYNC_LOSS_GRAD_MAX_REL_ERR = "sync/loss_grad_max_rel_err"
-    SYNC_MICRO_BATCH_ROWS = "sync/micro_batch_rows"
-    # the gradients the optimizer stepped on against the harness's clip of the raw ones
-    SYNC_CLIP_MAX_REL_ERR = "sync/clip_max_rel_err"
-    SYNC_CLIP_COEF = "sync/clip_coef"  # min(1, max_norm / (measured norm + 1e-6))
-    SYNC_DATA_ROWS = "sync/data_rows"  # the global batch rows this rank trained on
-    # per parameter [norm, positional projection] of the whole gradient (no-reference runs, rank 0)
-    SYNC_GRAD_SKETCH = "sync/grad_sketch"
-    SYNC_REFERENCE_GRAD_NORM = "sync/reference_grad_norm"
-    SYNC_REPLICA_MAX_ABS_DIFF = "sync/replica_max_abs_diff"
-    SYNC_RETAINED_GRAD_BYTES = "sync/retained_grad_bytes"
-    SYNC_SEQ_LEN = "sync/seq_len"
-    SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF = "sync/rollout_logprob_max_abs_diff"
-    SYNC_ROLLOUT_LOGPROB_MEAN = "sync/rollout_logprob_mean"  # the rollout's, after the push
-    SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF = "sync/rollout_weight_max_abs_diff"
-    SYNC_ROLLOUT_WEIGHT_WORST = "sync/rollout_weight_worst"
-    SYNC_ROLLOUT_WEIGHTS_COMPARED = "sync/rollout_weights_compared"
-    SYNC_STEP_MAX_ERR_LR = "sync/step_max_err_lr"
-    SYNC_STEP_REL_L2_ERR = "sync/step_rel_l2_err"
-    TIMING_PREFIX = "timing_s/"
-    TIMING_S_STARTUP = "timing_s/startup"
-    TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF = "twin/post_step_logprob_max_abs_diff"
+TIMING_PREFIX = "timing_s/"  # timing_s/<phase>: seconds from entering a phase to the next
+STARTUP = "startup"  # timing_s/startup: launch to the rank's first phase
+# How a field of a step with several updates is taken from the updates' own records:
+FIRST = "first"  # the first, on-policy update's (counts, norms, the loss)
+WORST = "worst"  # the largest over every update (errors against closed forms and references)
+EACH = "each"  # every update's entries, the later ones named `<name> (update N)`
 
 
-# Written only by the in-rank single-process reference (reference_checks on): without them the checks
-# judge a run as a run without a reference, whatever else it measured.
-REFERENCE_METRICS = (
-    Metric.SYNC_GRAD_MAX_REL_ERR,
-    Metric.SYNC_GRAD_MAX_REL_ERR_PARAM,
-    Metric.SYNC_GRAD_REL_L2_ERR,
-    Metric.SYNC_REFERENCE_GRAD_NORM,
-    Metric.SYNC_STEP_MAX_ERR_LR,
-    Metric.SYNC_STEP_REL_L2_ERR,
-)
+def metric(
+    namespace: str | None = None,
+    *,
+    key: str | None = None,
+    optional: bool = False,
+    over_updates: str = FIRST,
+) -> Any:
+    """A record field. `namespace`: another than the record's; `key`: a key not derived from the
+    field (verl's spelling); `optional`: written only when measured (not None), where the others
+    are always written, None included (measured as not applicable)."""
+    meta = {"namespace": namespace, "key": key, "optional": optional, "over_updates": over_updates}
+    return field(default=None, metadata=meta)
 
 
-RANK_KEY = "rank"  # which rank wrote the file (not a measurement, so not a Metric)
-
-
-def timing_key(phase: str) -> str:
-    return f"{Metric.TIMING_PREFIX}{phase}"
-
-
-# --- the step's measurements as typed records -----------------------------------------------------
-
-
-def metric(key: str, *, optional: bool = False) -> Any:
-    """A record field written under `key` in rankN.metrics.json; an optional one only when it was
-    measured (not None), the others always, None included (measured as not applicable)."""
-    return field(default=None, metadata={"key": key, "optional": optional})
+def worst(values: Iterable[float | None]) -> float | None:
+    """The largest of the measured values (None: none measured; NaN counts as infinite)."""
+    measured = [math.inf if v != v else v for v in values if v is not None]
+    return max(measured) if measured else None
 
 
 class Record:
-    """A group of measurements one phase takes: `to_json` writes today's metric keys and
-    `from_json` reads them back (None when the file holds none of them: the phase never ran)."""
+    """A group of measurements one phase takes."""
+
+    NAMESPACE: ClassVar[str]
+
+    @classmethod
+    def key(cls, name: str) -> str:
+        """The metric key of field `name` (a KeyError names a field the record lacks)."""
+        meta = {f.name: f.metadata for f in fields(cls)}[name]  # type: ignore[arg-type]
+        return meta["key"] or f"{meta['namespace'] or cls.NAMESPACE}/{name}"
+
+    @classmethod
+    def metric_keys(cls) -> list[str]:
+        return [cls.key(f.name) for f in fields(cls)]  # type: ignore[arg-type]
+
+    def measured(self) -> bool:
+        """Whether the phase ran: any field holds a value."""
+        return any(getattr(self, f.name) is not None for f in fields(self))  # type: ignore[arg-type]
 
     def to_json(self) -> dict[str, Any]:
         out = {}
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if value is not None or not f.metadata["optional"]:
-                out[f.metadata["key"]] = value
+                out[self.key(f.name)] = value
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Any:
-        keys = {f.name: f.metadata["key"] for f in fields(cls)}  # type: ignore[arg-type]
-        if not any(key in data for key in keys.values()):
-            return None
-        return cls(**{name: data.get(key) for name, key in keys.items()})
+        return cls(**{f.name: data.get(cls.key(f.name)) for f in fields(cls)})  # type: ignore[arg-type]
+
+    @classmethod
+    def over_updates(cls, records: Sequence[Any]) -> Any:
+        """One record for a step of several updates, each field taken as it declares."""
+        first, changes = records[0], dict[str, Any]()
+        for f in fields(cls):  # type: ignore[arg-type]
+            how = f.metadata["over_updates"]
+            if how == WORST:
+                changes[f.name] = worst(getattr(r, f.name) for r in records)
+            elif how == EACH and getattr(first, f.name) is not None:
+                merged = dict(getattr(first, f.name))
+                for number, later in enumerate(records[1:], start=2):
+                    entries = getattr(later, f.name) or {}
+                    merged.update({f"{n} (update {number})": v for n, v in entries.items()})
+                changes[f.name] = merged
+        return replace(first, **changes)
 
 
 @dataclass
 class CaseRecord(Record):
     """What the run was, as the rank saw it (so a golden or a reader never needs the spec)."""
 
-    rank: int | None = metric(RANK_KEY)
-    device: str | None = metric(Metric.CASE_DEVICE)
-    dtype: str | None = metric(Metric.CASE_DTYPE)
-    sync_policy: str | None = metric(Metric.CASE_SYNC_POLICY)
-    world_size: int | None = metric(Metric.CASE_WORLD_SIZE)
-    micro_batches: int | None = metric(Metric.CASE_MICRO_BATCHES)
-    reference: bool | None = metric(Metric.CASE_REFERENCE)
-    memory_budget_mb: float | None = metric(Metric.CASE_MEMORY_BUDGET_MB)
-    replicas: int | None = metric(Metric.CASE_REPLICAS)
-    updates: int | None = metric(Metric.CASE_UPDATES)
+    NAMESPACE = "case"
+    rank: int | None = metric(key="rank")
+    device: str | None = metric()
+    dtype: str | None = metric()
+    sync_policy: str | None = metric()
+    world_size: int | None = metric()
+    micro_batches: int | None = metric()
+    reference: bool | None = metric()
+    memory_budget_mb: float | None = metric()
+    replicas: int | None = metric()
+    updates: int | None = metric()  # optimizer updates on the one rollout
 
 
 @dataclass
 class TrainRecord(Record):
-    """The micro-batch loop: collectives per micro-batch and what the sync policy held back."""
+    """The micro-batch loop: collectives per micro-batch, what the sync policy held back, and the
+    loss's gradient on the log-probabilities against its closed form."""
 
-    reduce_scatter_calls_by_micro_batch: list[int] | None = metric(
-        Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH
-    )
-    reduce_scatter_calls: int | None = metric(Metric.COMM_REDUCE_SCATTER_CALLS)
-    all_gather_calls: int | None = metric(Metric.COMM_ALL_GATHER_CALLS)
-    fsdp_units: int | None = metric(Metric.COMM_FSDP_UNITS)
-    shard_group_size: int | None = metric(Metric.COMM_SHARD_GROUP_SIZE)
-    layer_tokens: int | None = metric(Metric.SYNC_LAYER_TOKENS)
-    seq_len: int | None = metric(Metric.SYNC_SEQ_LEN)
-    micro_batch_rows: int | None = metric(Metric.SYNC_MICRO_BATCH_ROWS)
-    data_rows: list[int] | None = metric(Metric.SYNC_DATA_ROWS)
-    grad_sketch: dict[str, list[float]] | None = metric(Metric.SYNC_GRAD_SKETCH, optional=True)
-    sp_size: int | None = metric(Metric.CASE_SP_SIZE)
-    retained_grad_bytes: int | None = metric(Metric.SYNC_RETAINED_GRAD_BYTES)
-    loss_grad_max_rel_err: float | None = metric(Metric.SYNC_LOSS_GRAD_MAX_REL_ERR)
+    NAMESPACE = "sync"
+    reduce_scatter_calls_by_micro_batch: list[int] | None = metric("comm")
+    reduce_scatter_calls: int | None = metric("comm")
+    all_gather_calls: int | None = metric("comm")
+    fsdp_units: int | None = metric("comm")  # trainable units whose forward ran
+    shard_group_size: int | None = metric("comm")
+    layer_tokens: int | None = metric()  # most tokens a decoder layer was handed at once
+    seq_len: int | None = metric()
+    micro_batch_rows: int | None = metric()  # rows of the largest micro-batch
+    data_rows: list[int] | None = metric()  # the global batch rows this rank trained on
+    # per parameter [norm, positional projection] of the whole gradient (no-reference runs, rank 0)
+    grad_sketch: dict[str, list[float]] | None = metric(optional=True, over_updates=EACH)
+    sp_size: int | None = metric("case")
+    retained_grad_bytes: int | None = (
+        metric()
+    )  # unsharded gradient bytes held between micro-batches
+    # relative to its largest entry; worst over updates and micro-batches (inf: never arrived)
+    loss_grad_max_rel_err: float | None = metric(over_updates=WORST)
 
 
 @dataclass
 class ReferenceRecord(Record):
     """Gradients against the single-process reference (reference_checks on)."""
 
-    grad_max_rel_err: float | None = metric(Metric.SYNC_GRAD_MAX_REL_ERR)
-    grad_max_rel_err_param: str | None = metric(Metric.SYNC_GRAD_MAX_REL_ERR_PARAM)
-    reference_grad_norm: float | None = metric(Metric.SYNC_REFERENCE_GRAD_NORM)
-    grad_rel_l2_err: float | None = metric(Metric.SYNC_GRAD_REL_L2_ERR)
+    NAMESPACE = "sync"
+    grad_max_rel_err: float | None = metric()  # worst parameter, relative to its largest entry
+    grad_max_rel_err_param: str | None = metric()
+    reference_grad_norm: float | None = metric()
+    grad_rel_l2_err: float | None = metric(over_updates=WORST)
+
+    @classmethod
+    def over_updates(cls, records: Sequence[Any]) -> Any:
+        """The worst update's parameter error with the parameter it names."""
+        merged = super().over_updates(records)
+        worst_update = max(records, key=lambda r: worst([r.grad_max_rel_err]) or 0.0)
+        return replace(
+            merged,
+            grad_max_rel_err=worst_update.grad_max_rel_err,
+            grad_max_rel_err_param=worst_update.grad_max_rel_err_param,
+        )
 
 
 @dataclass
 class OptimizerRecord(Record):
-    grad_norm: float | None = metric(Metric.ACTOR_GRAD_NORM)  # what the engine reports
-    grad_norm_finite: bool | None = metric(Metric.ACTOR_GRAD_NORM_FINITE)
-    grad_norm_measured: float | None = metric(Metric.SYNC_GRAD_NORM_MEASURED)  # the harness's
-    param_update_max_abs: float | None = metric(Metric.ACTOR_PARAM_UPDATE_MAX_ABS)
-    update_l2: float | None = metric(Metric.ACTOR_UPDATE_L2)
-    local_param_numel: int | None = metric(Metric.ACTOR_LOCAL_PARAM_NUMEL)
-    adamw_step_max_err_lr: float | None = metric(Metric.SYNC_ADAMW_STEP_MAX_ERR_LR)
-    clip_max_rel_err: float | None = metric(Metric.SYNC_CLIP_MAX_REL_ERR)
-    clip_coef: float | None = metric(Metric.SYNC_CLIP_COEF)
+    NAMESPACE = "actor"
+    grad_norm: float | None = metric()  # what the engine reports
+    grad_norm_finite: bool | None = metric()
+    grad_norm_measured: float | None = metric("sync")  # the harness's, from the sharded gradients
+    param_update_max_abs: float | None = metric()  # this rank's own largest parameter change
+    update_l2: float | None = metric()  # L2 norm of the whole model's parameter update
+    local_param_numel: int | None = metric()
+    # against AdamW in closed form, in units of lr; None: no finite norm
+    adamw_step_max_err_lr: float | None = metric("sync", over_updates=WORST)
+    # the gradients the optimizer stepped on against the harness's clip of the raw ones
+    clip_max_rel_err: float | None = metric("sync", over_updates=WORST)
+    clip_coef: float | None = metric("sync")  # min(1, max_norm / (measured norm + 1e-6))
 
 
 @dataclass
 class PostStepRecord(Record):
     """After the step: replicas, the weights handed to and served by the rollout, logprobs."""
 
-    replica_max_abs_diff: float | None = metric(Metric.SYNC_REPLICA_MAX_ABS_DIFF)
-    rollout_logprob_max_abs_diff: float | None = metric(Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF)
-    post_step_logprob_mean: float | None = metric(Metric.ACTOR_POST_STEP_LOGPROB_MEAN)
-    rollout_logprob_mean: float | None = metric(Metric.SYNC_ROLLOUT_LOGPROB_MEAN, optional=True)
-    handoff_weight_max_abs_diff: float | None = metric(
-        Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF, optional=True
-    )
-    handoff_weight_worst: str | None = metric(Metric.SYNC_HANDOFF_WEIGHT_WORST, optional=True)
-    rollout_weight_max_abs_diff: float | None = metric(
-        Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF, optional=True
-    )
-    rollout_weight_worst: str | None = metric(Metric.SYNC_ROLLOUT_WEIGHT_WORST, optional=True)
-    rollout_weights_compared: int | None = metric(
-        Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED, optional=True
-    )
-    step_max_err_lr: float | None = metric(Metric.SYNC_STEP_MAX_ERR_LR, optional=True)
-    step_rel_l2_err: float | None = metric(Metric.SYNC_STEP_REL_L2_ERR, optional=True)
-    twin_post_step_logprob_max_abs_diff: float | None = metric(
-        Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF, optional=True
-    )
+    NAMESPACE = "sync"
+    replica_max_abs_diff: float | None = metric()
+    rollout_logprob_max_abs_diff: float | None = metric()
+    post_step_logprob_mean: float | None = metric("actor")  # token mean, global batch
+    rollout_logprob_mean: float | None = metric(optional=True)  # the rollout's, after the push
+    handoff_weight_max_abs_diff: float | None = metric(optional=True)
+    handoff_weight_worst: str | None = metric(optional=True)
+    rollout_weight_max_abs_diff: float | None = metric(optional=True)
+    rollout_weight_worst: str | None = metric(optional=True)
+    rollout_weights_compared: int | None = metric(optional=True)
+    step_max_err_lr: float | None = metric(optional=True)  # against the reference's steps
+    step_rel_l2_err: float | None = metric(optional=True)
+    # the replay twin's post-step logprobs against the main run's, on the same batch
+    post_step_logprob_max_abs_diff: float | None = metric("twin", optional=True)
+
+
+@dataclass
+class RolloutRecord(Record):
+    """What the rollout and reward handed the trainer, over the global batch."""
+
+    NAMESPACE = "ppo"
+    response_length_mean: float | None = metric(key="response_length/mean")
+    advantages_abs_max: float | None = metric()
+    score_mean: float | None = metric(key="critic/score/mean", optional=True)  # None: replayed
 
 
 @dataclass
 class LossRecord(Record):
     """The PPO loss parts over the global batch, and the first micro-batch's own values."""
 
-    loss: float | None = metric(Metric.ACTOR_LOSS)
-    pg_loss: float | None = metric(Metric.ACTOR_PG_LOSS)
-    pg_clipfrac: float | None = metric(Metric.ACTOR_PG_CLIPFRAC)
-    ppo_kl: float | None = metric(Metric.ACTOR_PPO_KL)
-    kl_loss: float | None = metric(Metric.ACTOR_KL_LOSS)
-    entropy: float | None = metric(Metric.ACTOR_ENTROPY)
-    ppo_kl_first_micro_batch: float | None = metric(Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH)
-    pg_clipfrac_first_micro_batch: float | None = metric(Metric.ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH)
-    ppo_log_ratio_abs_max_first_micro_batch: float | None = metric(
-        Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH
-    )
-    response_length_mean: float | None = metric(Metric.RESPONSE_LENGTH_MEAN)
-    advantages_abs_max: float | None = metric(Metric.PPO_ADVANTAGES_ABS_MAX)
-    score_mean: float | None = metric(Metric.CRITIC_SCORE_MEAN, optional=True)
-    pg_clipfrac_last_update: float | None = metric(
-        Metric.ACTOR_PG_CLIPFRAC_LAST_UPDATE, optional=True
-    )
-    ppo_kl_last_update: float | None = metric(Metric.ACTOR_PPO_KL_LAST_UPDATE, optional=True)
+    NAMESPACE = "actor"
+    loss: float | None = metric()
+    pg_loss: float | None = metric()
+    pg_clipfrac: float | None = metric()
+    ppo_kl: float | None = metric()
+    kl_loss: float | None = metric()
+    entropy: float | None = metric()
+    ppo_kl_first_micro_batch: float | None = metric()
+    pg_clipfrac_first_micro_batch: float | None = metric()
+    # largest |logprob - old logprob| over the first micro-batch's response tokens
+    ppo_log_ratio_abs_max_first_micro_batch: float | None = metric()
+    # the last of several updates on one rollout: how far off-policy it trained
+    pg_clipfrac_last_update: float | None = metric(optional=True)
+    ppo_kl_last_update: float | None = metric(optional=True)
+
+    @classmethod
+    def over_updates(cls, records: Sequence[Any]) -> Any:
+        first, last = records[0], records[-1]
+        if len(records) == 1:
+            return first
+        return replace(
+            first, pg_clipfrac_last_update=last.pg_clipfrac, ppo_kl_last_update=last.ppo_kl
+        )
 
 
 @dataclass
 class PerfRecord(Record):
-    step_time_s: float | None = metric(Metric.PERF_STEP_TIME_S)
-    tokens_per_s: float | None = metric(Metric.PERF_TOKENS_PER_S)
-    peak_memory_bytes: int | None = metric(Metric.PERF_PEAK_MEMORY_BYTES)
+    NAMESPACE = "perf"
+    step_time_s: float | None = metric()  # one update: what cases compare
+    tokens_per_s: float | None = metric()
+    peak_memory_bytes: int | None = metric()
 
 
 @dataclass
 class StepMetrics:
-    """Everything one rank measured, a record per phase filled as the phase ends (None: it has not
-    run, or does not apply); `to_json` is rankN.metrics.json, or after a failure the partial
-    metrics, the records filled so far."""
+    """Everything one rank measured, a record per phase (a record nothing was measured in: the
+    phase has not run, or does not apply). `to_json` is rankN.metrics.json, or after a failure the
+    partial metrics, the records filled so far."""
 
-    case: CaseRecord | None = None
-    train: TrainRecord | None = None
-    reference: ReferenceRecord | None = None  # reference_checks on
-    optimizer: OptimizerRecord | None = None
-    post_step: PostStepRecord | None = None
-    loss: LossRecord | None = None
-    perf: PerfRecord | None = None
-    timings: dict[str, float] = field(default_factory=dict)  # timing_s/<phase>
+    case: CaseRecord = field(default_factory=CaseRecord)
+    rollout: RolloutRecord = field(default_factory=RolloutRecord)
+    train: TrainRecord = field(default_factory=TrainRecord)
+    reference: ReferenceRecord = field(default_factory=ReferenceRecord)  # reference_checks on
+    optimizer: OptimizerRecord = field(default_factory=OptimizerRecord)
+    post_step: PostStepRecord = field(default_factory=PostStepRecord)
+    loss: LossRecord = field(default_factory=LossRecord)
+    perf: PerfRecord = field(default_factory=PerfRecord)
+    timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
 
     RECORDS: ClassVar[dict[str, type[Record]]] = {}  # field name -> record type, set below
+
+    def record(self, kind: type[Record]) -> Any:
+        """This rank's record of type `kind`."""
+        return next(getattr(self, name) for name, k in self.RECORDS.items() if k is kind)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name in self.RECORDS:
             record = getattr(self, name)
-            if record is not None:
+            if record.measured():
                 out.update(record.to_json())
-        out.update(self.timings)
+        out.update({f"{TIMING_PREFIX}{phase}": s for phase, s in self.timings.items()})
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepMetrics:
         records = {name: kind.from_json(data) for name, kind in cls.RECORDS.items()}
-        timings = {k: v for k, v in data.items() if k.startswith(Metric.TIMING_PREFIX)}
+        timings = {
+            k.removeprefix(TIMING_PREFIX): v for k, v in data.items() if k.startswith(TIMING_PREFIX)
+        }
         return cls(**records, timings=timings)
 
 
 StepMetrics.RECORDS.update(
     (name, kind)
-    for name, hint in typing.get_type_hints(StepMetrics).items()
-    for kind in typing.get_args(hint)  # `CaseRecord | None` -> CaseRecord
+    for name, kind in typing.get_type_hints(StepMetrics).items()
     if isinstance(kind, type) and issubclass(kind, Record)
+)
+# Written only by the in-rank single-process reference (reference_checks on): without them the
+# checks judge a run as a run without a reference, whatever else it measured.
+REFERENCE_KEYS = (
+    *ReferenceRecord.metric_keys(),
+    PostStepRecord.key("step_max_err_lr"),
+    PostStepRecord.key("step_rel_l2_err"),
 )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -78,9 +79,11 @@ class RankResult:
         error = RankError.from_json(read_json(folder.error(rank)))
         return cls(rank, exit_code, duration_s, log, metrics, error)
 
-    @property
-    def step(self) -> StepMetrics | None:
-        return StepMetrics.from_json(self.metrics) if self.metrics else None
+    @functools.cached_property
+    def step(self) -> StepMetrics:
+        """The typed view of what the rank wrote (records with nothing measured when it wrote
+        nothing)."""
+        return StepMetrics.from_json(self.metrics or {})
 
     def log_tail(self, lines: int = LOG_TAIL_LINES, without: str = "") -> str:
         """The log's last lines; `without`: a text (the traceback already shown) left out."""
@@ -114,6 +117,7 @@ class RunResult:
     twin: RunResult | None = None  # the replay twin's run, when the case has one
     twin_kind: str = ""  # single | every_micro_batch
     failure: str = ""  # why the group as a whole failed (its launcher died), when it did
+    launched: RankSpec | None = None  # what the ranks were asked to do (read from spec.json)
 
     @classmethod
     def launcher_failed(
@@ -148,10 +152,12 @@ class RunResult:
 
     def spec(self) -> RankSpec | None:
         """What the ranks were launched with (a run that failed before its metrics still has it)."""
-        try:
-            return RankSpec.read(self.folder.spec)
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        if self.launched is None:
+            try:
+                self.launched = RankSpec.read(self.folder.spec)
+            except (OSError, ValueError, KeyError, TypeError):
+                return None
+        return self.launched
 
     def first_failed(self) -> RankResult | None:
         """The rank that failed first (None when no single rank did: a timeout, the group)."""

@@ -1,5 +1,7 @@
 """One PPO step inside one rank, split at its natural seams. Each phase is a function that takes
-what it needs and returns what it measured; `run_ppo_step` alone turns those into metrics.
+what it needs and returns the typed record of what it measured (pytest_fsdp_turbo_contract/
+records.py); the measuring itself is in measurements.py. `run_ppo_step` keeps the records as they
+come, so a failure keeps every record filled before it.
 
 rollout -> reward -> advantages -> logprobs -> micro-batches under the case's gradient-sync policy
 -> (reference gradients) -> optimizer step -> (reference step) -> post-step checks -> metrics.
@@ -10,38 +12,44 @@ Every measurement a check depends on is taken here, never inside an engine metho
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import (
     PARTIAL_METRICS_ATTR,
+    STARTUP,
     CaseRecord,
     LossRecord,
-    Metric,
     OptimizerRecord,
     PerfRecord,
     PostStepRecord,
     ReferenceRecord,
+    RolloutRecord,
     StepMetrics,
     TrainRecord,
-    timing_key,
 )
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, Env, Rollout
 from pytest_fsdp_turbo_engine import fsdp_probe, ppo, weight_handoff
 from pytest_fsdp_turbo_engine.faults import Fault
 from pytest_fsdp_turbo_engine.fsdp_engine import local_tensor
+from pytest_fsdp_turbo_engine.measurements import (
+    AdamMoments,
+    MicroBatchProbe,
+    adamw_closed_form,
+    clip_error,
+    peak_memory_bytes,
+    replica_max_abs_diff,
+    stepped_gradients,
+)
 from pytest_fsdp_turbo_engine.reductions import all_max, all_sum, gather_rows
 from pytest_fsdp_turbo_engine.reference import (
     ReferenceOptimizer,
@@ -58,14 +66,8 @@ from pytest_fsdp_turbo_engine.rollout import HFRollout, RolloutBatch
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
 from pytest_fsdp_turbo_engine.ulysses_lift import library_patches_lifted
 
-SUMMED_PARTS = (
-    Metric.ACTOR_LOSS,
-    Metric.ACTOR_PG_LOSS,
-    Metric.ACTOR_PG_CLIPFRAC,
-    Metric.ACTOR_PPO_KL,
-    Metric.ACTOR_KL_LOSS,
-    Metric.ACTOR_ENTROPY,
-)
+# LossRecord fields summed over micro-batches and ranks (each a token mean over the global batch)
+SUMMED_PARTS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy")
 
 
 @dataclass
@@ -89,17 +91,13 @@ class Phase:
             self.fault.at_phase(self.rank, name)
 
     def timings(self, launched_at: float | None) -> dict[str, float]:
-        """timing_s/<phase> for every phase entered so far; timing_s/startup is the time from
-        launch (interpreter, imports, process group) to loading the model."""
+        """Seconds in every phase entered so far; `startup` is the time from launch (interpreter,
+        imports, process group) to loading the model."""
         names = list(self.started)
         ends = [self.started[n] for n in names[1:]] + [time.time()]
-        out = {
-            timing_key(name): end - self.started[name]
-            for name, end in zip(names, ends)
-            if name != "init"
-        }
+        out = {name: end - self.started[name] for name, end in zip(names, ends) if name != "init"}
         if launched_at is not None and "load" in self.started:
-            out[Metric.TIMING_S_STARTUP] = self.started["load"] - launched_at
+            out[STARTUP] = self.started["load"] - launched_at
         return out
 
 
@@ -113,14 +111,6 @@ def device_for(kind: str, local_rank: int) -> torch.device:
         torch.npu.set_device(local_rank)  # type: ignore[attr-defined]  # torch_npu adds it
         return torch.device("npu", local_rank)
     return torch.device("cpu")
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == DeviceKind.CUDA:
-        return int(torch.cuda.max_memory_allocated(device))
-    if device.type == DeviceKind.NPU:
-        return int(torch.npu.max_memory_allocated(device))  # type: ignore[attr-defined]
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 @dataclass
@@ -258,100 +248,18 @@ def replayed(ctx: Rank) -> Collected:
     return Collected(whole.rows(rows).to(ctx.device), None, rows.tolist())
 
 
-@dataclass
-class Trained:
-    parts: dict[str, float]  # this rank's sums over its micro-batches
-    first_micro_batch: dict[str, float]
-    reduce_scatters_by_micro_batch: list[int]
-    all_gathers: int  # forward and backward, all micro-batches
-    retained_grad_bytes: int  # peak unsharded gradient bytes held between micro-batches
-    fsdp_units: int  # trainable units whose forward ran (a vision tower on text does not)
-    shard_group_size: int
-    layer_tokens: int  # most tokens a decoder layer was handed at once (0: no layer is a unit)
-    loss_grad_max_rel_err: float  # the loss's gradient on the logprobs against the closed form
-
-
-class MicroBatchProbe:
-    """Harness code an engine's micro-batch loop calls as each micro-batch's loss is computed
-    (ours calls it, verl's calls it through the loss function the harness hands it).
-
-    It moves the collective counter on to the next micro-batch, so reduce-scatters are attributed
-    to the micro-batch whose backward issued them; measures the unsharded gradients the previous
-    backward left behind; and computes the PPO loss parts itself from the engine's log-probabilities.
-    """
-
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        tokens: float,
-        cfg: PPOSpec,
-        counter: fsdp_probe.CollectiveCounter,
-        loss_scale: float,
-    ):
-        self.module, self.tokens, self.cfg, self.counter = module, tokens, cfg, counter
-        self.loss_scale = loss_scale  # FSDP averages over data ranks: each backs the sum times this
-        self.count = 0
-        self.retained = 0
-        self.parts: dict[str, float] = {}
-        self.first: dict[str, float] = {}
-        self.loss_gradients_seen = 0
-        self.loss_grad_err = 0.0
-
-    @property
-    def loss_grad_max_rel_err(self) -> float:
-        """Worst over micro-batches; infinite when a micro-batch's loss gradient never reached
-        the log-probabilities the engine reported (they were not what its loss was built on)."""
-        return self.loss_grad_err if self.loss_gradients_seen == self.count else math.inf
-
-    def loss_computed(
-        self, logprobs, entropy, mb: TrainBatch, lm_mean=None, gradient_of=None
-    ) -> None:
-        """`lm_mean`: the model's own causal-LM loss, when the engine computed that term through
-        the model (its gradient reaches the logits, not the log-probabilities). `gradient_of`:
-        (tensor, to_rows) when the loss reads another tensor than `logprobs` (verl's unpadded
-        log-probabilities), to_rows turning that tensor's gradient into `logprobs`' layout."""
-        self._expect_loss_gradient(logprobs, entropy, mb, lm_mean, gradient_of)
-        if self.count:  # the previous micro-batch's backward is done; this one's has not started
-            self.retained = max(self.retained, fsdp_probe.unsharded_grad_bytes(self.module))
-        self.counter.next_micro_batch()
-        with torch.no_grad():
-            ent = entropy.detach() if entropy is not None else None
-            _, values = ppo_loss(logprobs.detach(), ent, mb, self.tokens, self.cfg)
-        for key, value in values.items():
-            self.parts[key] = self.parts.get(key, 0.0) + float(value)
-        if not self.count:
-            self.first = {key: float(value) for key, value in values.items()}
-            log_ratio = (logprobs.detach().float() - mb.old_logprobs).abs()
-            self.first[Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH] = float(
-                torch.where(mb.mask.bool(), log_ratio, 0.0).max()
-            )
-        self.count += 1
-
-    def _expect_loss_gradient(self, logprobs, entropy, mb, lm_mean, gradient_of) -> None:
-        """The PPO loss's gradient on each log-probability in closed form (autograd over the
-        harness's loss on a detached copy), compared with the gradient the engine's backward
-        delivers to it: a hook on the tensor, so nothing the engine can override is asked. On an
-        on-policy update the ratio is 1 and the KL gradient 0; from the second update on, PPO's
-        clip, the KL term and the response mask each shape it."""
-        source, to_rows = gradient_of if gradient_of is not None else (logprobs, None)
-        if not source.requires_grad:
-            return  # counted as never reached
-        with torch.enable_grad():
-            leaf = logprobs.detach().float().requires_grad_()
-            ent = None if entropy is None else entropy.detach().float()
-            lm = None if lm_mean is None else lm_mean.detach()
-            loss, _ = ppo_loss(leaf, ent, mb, self.tokens, self.cfg, lm)
-            (want,) = torch.autograd.grad(loss, leaf)
-        want = want * self.loss_scale
-        scale = max(float(want.abs().max()), 1e-30)
-
-        def arrived(grad: torch.Tensor) -> None:
-            got = (to_rows(grad) if to_rows is not None else grad).float()
-            err = float((got - want).abs().max()) / scale
-            self.loss_grad_err = max(self.loss_grad_err, err if math.isfinite(err) else math.inf)
-            self.loss_gradients_seen += 1
-
-        source.register_hook(arrived)
+def rollout_record(ctx: Rank, collected: Collected, tokens: float) -> RolloutRecord:
+    """What the rollout handed the trainer, over the global batch (SP ranks counted once)."""
+    device, sp, batch = ctx.device, ctx.sp, collected.batch
+    responses = all_sum(float(batch.size), device) / sp
+    score_mean = None
+    if collected.scores is not None:
+        score_mean = all_sum(float(collected.scores.sum()), device) / sp / responses
+    return RolloutRecord(
+        response_length_mean=tokens / responses,
+        advantages_abs_max=all_max(float(batch.advantages.abs().max()), device),
+        score_mean=score_mean,
+    )
 
 
 def harness_micro_batches(ctx: Rank, batch: TrainBatch, tokens: float, probe: MicroBatchProbe):
@@ -375,11 +283,14 @@ def harness_micro_batches(ctx: Rank, batch: TrainBatch, tokens: float, probe: Mi
             (loss * ctx.dp_size).backward()  # FSDP averages over ranks; the loss is a sum
 
 
-def train(ctx: Rank, batch: TrainBatch, tokens: float, update: int = 1) -> Trained:
+def train(
+    ctx: Rank, collected: Collected, tokens: float, update: int = 1
+) -> tuple[TrainRecord, LossRecord]:
     """Forward and backward per micro-batch under the engine's sync policy. Engines that run their
-    own loop (verl's) get the probe through their loss function; the rest run the harness's loop."""
+    own loop (verl's) get the probe through their loss function; the rest run the harness's loop.
+    A run without a reference (or a twin) sketches rank 0's whole gradient for the twin to judge."""
     ctx.phase.enter(phase_name("train", update))
-    engine, module = ctx.engine, ctx.engine.module
+    engine, module, batch = ctx.engine, ctx.engine.module, collected.batch
     with fsdp_probe.CollectiveCounter() as counter, fsdp_probe.UnitsThatRan(module) as ran:
         probe = MicroBatchProbe(module, tokens, ctx.cfg, counter, ctx.dp_size)
         if engine.drives_micro_batches:
@@ -389,32 +300,44 @@ def train(ctx: Rank, batch: TrainBatch, tokens: float, update: int = 1) -> Train
     if ctx.faulty("nan"):
         grad = next(p.grad for p in module.parameters() if p.grad is not None)
         local_tensor(grad).view(-1)[0] = float("nan")
-    return Trained(
-        probe.parts,
-        probe.first,
-        counter.reduce_scatters,
-        counter.all_gathers_total,
-        probe.retained,
-        ran.count,
-        fsdp_probe.shard_group_size(module),
-        ran.layer_tokens,
-        probe.loss_grad_max_rel_err,
+    sketching = not ctx.cfg.reference_checks or ctx.replaying  # the twin judges per parameter
+    trained = TrainRecord(
+        reduce_scatter_calls_by_micro_batch=counter.reduce_scatters,
+        reduce_scatter_calls=sum(counter.reduce_scatters),
+        all_gather_calls=counter.all_gathers_total,
+        fsdp_units=ran.count,
+        shard_group_size=fsdp_probe.shard_group_size(module),
+        layer_tokens=ran.layer_tokens,
+        seq_len=int(batch.input_ids.shape[1]),
+        # rows of the largest micro-batch: both loops split as torch.chunk does
+        micro_batch_rows=-(-batch.size // ctx.cfg.micro_batches),
+        data_rows=collected.rows,
+        grad_sketch=fsdp_probe.gradient_sketch(module) if sketching else None,
+        sp_size=ctx.sp,
+        retained_grad_bytes=probe.retained,
+        loss_grad_max_rel_err=probe.loss_grad_max_rel_err,
+    )
+    if ctx.rank != 0:
+        trained.grad_sketch = None  # every rank sketches (a collective); rank 0 writes it
+    return trained, reduced_loss(ctx, probe)
+
+
+def reduced_loss(ctx: Rank, probe: MicroBatchProbe) -> LossRecord:
+    """The probe's per-rank sums and first-micro-batch values reduced to the whole run
+    (sequence-parallel ranks counted once)."""
+    device, sp, first = ctx.device, ctx.sp, probe.first
+    summed = {name: all_sum(probe.parts.get(name, 0.0), device) / sp for name in SUMMED_PARTS}
+    return LossRecord(
+        **summed,
+        ppo_kl_first_micro_batch=all_max(abs(first["ppo_kl"]), device),
+        pg_clipfrac_first_micro_batch=all_max(abs(first["pg_clipfrac"]), device),
+        ppo_log_ratio_abs_max_first_micro_batch=all_max(probe.first_log_ratio_abs_max, device),
     )
 
 
 def phase_name(phase: str, update: int) -> str:
     """train, train2, ...: each update's phases timed apart."""
     return phase if update == 1 else f"{phase}{update}"
-
-
-@dataclass
-class Referenced:
-    grads: dict[str, torch.Tensor]
-    norm: float
-    grad_max_rel_err: float
-    grad_max_rel_err_param: str
-    grad_rel_l2_err: float
-    fingerprint: dict | None  # rank 0, first update only
 
 
 def single_process_copy(ctx: Rank) -> torch.nn.Module:
@@ -435,6 +358,8 @@ class ReferenceRun:
     copy: torch.nn.Module
     initial: dict[str, torch.Tensor]
     optimizer: ReferenceOptimizer
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # the latest update's
+    fingerprint: dict | None = None  # rank 0: the engine's first-update gradients, for policies
 
     @classmethod
     def of(cls, ctx: Rank) -> ReferenceRun:
@@ -442,50 +367,43 @@ class ReferenceRun:
         initial = {n: p.detach().clone() for n, p in copy.named_parameters()}
         return cls(copy, initial, ReferenceOptimizer(copy, ctx.engine_cfg))
 
-    def step(self, referenced: Referenced, norm_finite: bool) -> None:
+    def step(self, norm_finite: bool) -> None:
         """The engine skips the update on a non-finite norm; so does the reference."""
         if norm_finite:
-            self.optimizer.step(referenced.grads, referenced.norm)
+            self.optimizer.step(self.grads, gradient_norm(self.grads))
 
 
 def reference(
-    ctx: Rank, global_batch: TrainBatch, tokens: float, copy, update: int = 1
-) -> Referenced:
+    ctx: Rank, ref_run: ReferenceRun, global_batch: TrainBatch, tokens: float, update: int = 1
+) -> ReferenceRecord:
+    """The engine's gradients, read by the harness, against the copy's on the global batch."""
     ctx.phase.enter(phase_name("reference", update))
     sharded = fsdp_probe.unsharded_gradients(ctx.engine.module)  # read by the harness
-    grads = reference_gradients(copy, global_batch, tokens, ctx.cfg)
+    ref_run.grads = grads = reference_gradients(ref_run.copy, global_batch, tokens, ctx.cfg)
     err, name = max_abs_error(sharded, grads)
     names = fsdp_probe.parameter_names(ctx.engine.module)
-    if mismatch := name_mismatch(names, [n for n, _ in copy.named_parameters()]):
+    if mismatch := name_mismatch(names, [n for n, _ in ref_run.copy.named_parameters()]):
         err, name = math.inf, mismatch  # check c says which tensors, not a KeyError later
-    return Referenced(
-        grads,
-        gradient_norm(grads),
-        err,
-        name,
-        relative_l2_error(sharded, grads),
-        fingerprint(sharded) if ctx.rank == 0 and update == 1 else None,  # the first update's
+    if ctx.rank == 0 and update == 1:
+        ref_run.fingerprint = fingerprint(sharded)
+    return ReferenceRecord(
+        grad_max_rel_err=err,
+        grad_max_rel_err_param=name,
+        reference_grad_norm=gradient_norm(grads),
+        grad_rel_l2_err=relative_l2_error(sharded, grads),
     )
 
 
 @dataclass
-class Stepped:
-    reported_norm: float  # what the engine says (pre-clip)
-    measured_norm: float  # what the harness computes from the sharded gradients
-    update_max_abs: float  # this rank's own largest parameter change
-    update_l2: float  # the whole model's update, each shard counted once
-    local_numel: int  # parameters this rank holds
-    seconds: float
-    adamw_step_err_lr: float | None  # against AdamW in closed form; None: no finite norm
-    clip_err: float | None  # stepped-on gradients against the harness's clip; None: not observed
-    clip_coef: float | None
-    moments: AdamMoments | None  # the harness's own AdamW moments after this step
+class HarnessAdamW:
+    """The harness's own AdamW state across updates, from the gradients it read."""
+
+    moments: AdamMoments | None = None  # None before the first update
 
 
-def optimizer(ctx: Rank, update: int = 1, moments: AdamMoments | None = None) -> Stepped:
+def optimizer(ctx: Rank, adamw: HarnessAdamW, update: int = 1) -> OptimizerRecord:
     """The engine's optimizer_step, measured around: the harness's own norm, clip and AdamW in
-    closed form from the parameters and gradients it read (`moments`: its own AdamW state from
-    the previous updates, None before the first)."""
+    closed form from the parameters and gradients it read, with its own moments (`adamw`)."""
     ctx.phase.enter(phase_name("optimizer", update))
     module = ctx.engine.module
     measured = fsdp_probe.global_grad_norm(module)
@@ -494,10 +412,8 @@ def optimizer(ctx: Rank, update: int = 1, moments: AdamMoments | None = None) ->
         None if p.grad is None else local_tensor(p.grad.detach()).to("cpu", copy=True)
         for p in module.parameters()
     ]
-    start = time.perf_counter()
     with stepped_gradients(module) as stepped_on:
         reported = float(ctx.engine.optimizer_step())
-    seconds = time.perf_counter() - start
     after = [local_tensor(p.detach()).cpu() for p in module.parameters()]
     moved = max((float((a - b).abs().max()) for a, b in zip(after, before) if b.numel()), default=0)
     squares = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(after, before))
@@ -507,7 +423,7 @@ def optimizer(ctx: Rank, update: int = 1, moments: AdamMoments | None = None) ->
     if math.isfinite(measured):
         clip_coef = clip_coefficient(measured, ctx.engine_cfg.grad_clip)
         clipped = [None if g is None else g.float() * clip_coef for g in grads]
-        expected, moments = adamw_closed_form(before, clipped, ctx.engine_cfg, moments)
+        expected, adamw.moments = adamw_closed_form(before, clipped, ctx.engine_cfg, adamw.moments)
         adamw_err = (
             max(
                 (
@@ -523,114 +439,28 @@ def optimizer(ctx: Rank, update: int = 1, moments: AdamMoments | None = None) ->
         local = clip_error(grads, stepped_on[0], clip_coef) if stepped_on else 0.0
         observed = all_sum(1.0 if stepped_on else 0.0, ctx.device)
         clip_err = all_max(local, ctx.device) if observed else None
-    numel = sum(b.numel() for b in before)
-    return Stepped(
-        reported,
-        measured,
-        moved,
-        update_l2,
-        numel,
-        seconds,
-        adamw_err,
-        clip_err,
-        clip_coef,
-        moments,
+    return OptimizerRecord(
+        grad_norm=reported,
+        grad_norm_finite=math.isfinite(reported),
+        grad_norm_measured=measured,
+        param_update_max_abs=moved,
+        update_l2=update_l2,
+        local_param_numel=sum(b.numel() for b in before),
+        adamw_step_max_err_lr=adamw_err,
+        clip_max_rel_err=clip_err,
+        clip_coef=clip_coef,
     )
 
 
-@contextlib.contextmanager
-def stepped_gradients(module: torch.nn.Module):
-    """The module's local gradients as an optimizer steps on them (after the engine's clip),
-    caught by a process-wide pre-step hook the harness registers for the engine's optimizer_step
-    call: the engine's own objects are not asked. Empty when no torch optimizer stepped."""
-    seen: list[list[torch.Tensor | None]] = []
-
-    def before_step(*_):
-        if not seen:
-            seen.append(
-                [
-                    None if p.grad is None else local_tensor(p.grad.detach()).to("cpu", copy=True)
-                    for p in module.parameters()
-                ]
-            )
-
-    handle = register_optimizer_step_pre_hook(before_step)
-    try:
-        yield seen
-    finally:
-        handle.remove()
-
-
-def clip_error(raw, stepped_on, coef: float) -> float:
-    """Largest distance between the gradients the optimizer stepped on and the raw gradients the
-    harness read scaled by its own clip coefficient (global norm, the case's max_norm), relative
-    to the largest clipped entry on this rank."""
-    pairs = [(r.float() * coef, s.float()) for r, s in zip(raw, stepped_on) if r is not None]
-    pairs = [(want, got) for want, got in pairs if want.numel()]
-    if not pairs:
-        return 0.0
-    scale = max(max(float(want.abs().max()) for want, _ in pairs), 1e-30)
-    return max(float((got - want).abs().max()) for want, got in pairs) / scale
-
-
-@dataclass
-class AdamMoments:
-    """AdamW's state as the harness computes it from its own readings, per local parameter."""
-
-    steps: list[int]  # per parameter: one without a gradient is not stepped
-    exp_avg: list[torch.Tensor | None]
-    exp_avg_sq: list[torch.Tensor | None]
-
-
-def adamw_closed_form(
-    before: list[torch.Tensor],
-    grads: list[torch.Tensor | None],
-    cfg: EngineSpec,
-    moments: AdamMoments | None,
-) -> tuple[list[torch.Tensor], AdamMoments]:
-    """Each parameter after one AdamW step, from the parameters and (clipped) gradients the
-    harness read and its own moments: m <- b1 m + (1 - b1) g, v <- b2 v + (1 - b2) g^2, then
-    p <- p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps). On the first step
-    the betas cancel out (m / (1 - b1) = g); from the second on they do not, so the case's betas
-    are proven there. A parameter without a gradient stays and keeps its moments, as in torch."""
-    if moments is None:
-        moments = AdamMoments([0] * len(before), [None] * len(before), [None] * len(before))
-    b1, b2 = cfg.adam_beta1, cfg.adam_beta2
-    expected, steps, exp_avg, exp_avg_sq = [], [], [], []
-    for p0, g, t, m, v in zip(before, grads, moments.steps, moments.exp_avg, moments.exp_avg_sq):
-        if g is None:
-            expected.append(p0.float())
-            steps.append(t)
-            exp_avg.append(m)
-            exp_avg_sq.append(v)
-            continue
-        t += 1
-        m = (1 - b1) * g if m is None else b1 * m + (1 - b1) * g
-        v = (1 - b2) * g * g if v is None else b2 * v + (1 - b2) * g * g
-        denom = (v / (1 - b2**t)).sqrt() + cfg.adam_eps
-        step = cfg.lr * (m / (1 - b1**t)) / denom
-        expected.append(p0.float() * (1 - cfg.lr * cfg.weight_decay) - step)
-        steps.append(t)
-        exp_avg.append(m)
-        exp_avg_sq.append(v)
-    return expected, AdamMoments(steps, exp_avg, exp_avg_sq)
-
-
-@dataclass
-class PostStep:
-    replica_max_abs_diff: float | None  # None: no replicas
-    rollout_logprob_max_abs_diff: float | None  # None: no rollout (twin)
-    rollout_logprob_sum: float | None  # over this rank's response tokens
-    step_max_err: float | None  # in units of lr; None: no reference step
-    step_rel_l2_err: float | None  # of the update, against the reference update
-    logprobs: torch.Tensor  # post-step logprobs of this rank's batch
-    handoff: weight_handoff.HandOff | None  # handed vs trainer weights; None: no rollout (twin)
-    served: weight_handoff.HandOff | None  # served vs trainer weights; None: no rollout (twin)
-
-
-def post_step(ctx: Rank, batch: TrainBatch, ref_run: ReferenceRun | None) -> PostStep:
+def post_step(
+    ctx: Rank, batch: TrainBatch, tokens: float, ref_run: ReferenceRun | None
+) -> PostStepRecord:
+    """Replicas, the reference's steps, the weights handed to and served by the rollout, and the
+    post-step log-probabilities (a twin's against the main run's, which it saves for the twin).
+    Token means are over the global batch, sequence-parallel ranks counted once."""
     ctx.phase.enter("checks")
-    engine = ctx.engine
+    engine, device = ctx.engine, ctx.device
+    record = PostStepRecord(replica_max_abs_diff=replica_max_abs_diff(engine, device))
     trainer: dict[str, torch.Tensor] = {}
     full: dict[str, torch.Tensor] = {}
     if ref_run is not None or ctx.rollout is not None:  # a replay twin has neither: no gathering
@@ -638,19 +468,20 @@ def post_step(ctx: Rank, batch: TrainBatch, ref_run: ReferenceRun | None) -> Pos
         # one), and one name per tied group
         trainer = fsdp_probe.unsharded_parameters(engine.module, aliases=True)
         full = {n: trainer[n] for n in fsdp_probe.parameter_names(engine.module)}
-    step_err = step_l2 = None
     if ref_run is not None:  # every update stepped the copy as the engine's was stepped
         initial = ref_run.initial
         want = {n: p.detach() for n, p in ref_run.copy.named_parameters()}
-        step_err, _ = max_abs_error(full, want, scale=ctx.engine_cfg.lr)
+        record.step_max_err_lr, _ = max_abs_error(full, want, scale=ctx.engine_cfg.lr)
         shared = [n for n in full if n in initial]  # names that differ fail check c by name
-        step_l2 = relative_l2_error(
+        record.step_rel_l2_err = relative_l2_error(
             {n: full[n].cpu() - initial[n].cpu() for n in shared},
             {n: want[n] - initial[n] for n in want},
         )
     with torch.no_grad():
         logprobs, _ = engine.forward_logprobs(batch.input_ids, batch.prompt_len)
-    rollout_diff = rollout_sum = handoff = served_diff = None
+    record.post_step_logprob_mean = (
+        all_sum(float((logprobs * batch.mask).sum()), device) / ctx.sp / tokens
+    )
     if ctx.rollout is not None:
         handoff_dtype = torch.bfloat16 if ctx.engine_cfg.dtype == Dtype.BF16 else torch.float32
         handed = engine.full_state_dict()  # the engine's hand-off: the thing under test
@@ -661,33 +492,21 @@ def post_step(ctx: Rank, batch: TrainBatch, ref_run: ReferenceRun | None) -> Pos
         with ctx.unsharded():
             rollout_lp = ctx.rollout.logprobs(batch.input_ids, batch.prompt_len)
         diff = float(((logprobs - rollout_lp).abs() * batch.mask).max())
-        rollout_diff = all_max(diff, ctx.device)
-        rollout_sum = float((rollout_lp * batch.mask).sum())
-    return PostStep(
-        replica_max_abs_diff(engine, ctx.device),
-        rollout_diff,
-        rollout_sum,
-        step_err,
-        step_l2,
-        logprobs,
-        handoff,
-        served_diff,
-    )
-
-
-def replica_max_abs_diff(engine, device: torch.device) -> float | None:
-    """Spread of each local shard across the ranks that should hold the same values (HSDP)."""
-    group = engine.replicate_group()
-    if group is None:
-        return None
-    worst = torch.zeros((), dtype=torch.float32, device=device)
-    for param in engine.module.parameters():
-        shard = local_tensor(param.detach()).float()
-        hi, lo = shard.clone(), shard.clone()
-        torch.distributed.all_reduce(hi, op=torch.distributed.ReduceOp.MAX, group=group)
-        torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN, group=group)
-        worst = torch.maximum(worst, (hi - lo).abs().max() if hi.numel() else worst)
-    return all_max(float(worst), device)
+        record.rollout_logprob_max_abs_diff = all_max(diff, device)
+        rollout_sum = all_sum(float((rollout_lp * batch.mask).sum()), device)
+        record.rollout_logprob_mean = rollout_sum / ctx.sp / tokens
+        record.handoff_weight_max_abs_diff = handoff.max_abs_diff
+        record.handoff_weight_worst = handoff.worst
+        record.rollout_weight_max_abs_diff = served_diff.max_abs_diff
+        record.rollout_weight_worst = served_diff.worst
+        record.rollout_weights_compared = served_diff.compared
+    if ctx.replaying:
+        record.post_step_logprob_max_abs_diff = twin_comparison(ctx, batch, logprobs)
+    else:
+        gathered = gather_rows(logprobs, engine.data_parallel_group())
+        if ctx.rank == 0:
+            torch.save({"logprobs": gathered}, RunFolder(ctx.out).post_step)
+    return record
 
 
 def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> float:
@@ -705,112 +524,6 @@ def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> flo
 class StepOutput:
     metrics: StepMetrics
     grads_fingerprint: dict | None = None
-
-
-@dataclass
-class Update:
-    """What one optimizer update on the batch measured."""
-
-    trained: Trained
-    sketch: dict[str, list[float]] | None  # rank 0, runs without a reference
-    referenced: Referenced | None
-    stepped: Stepped
-
-
-def worst(values) -> float | None:
-    """The largest of the measured values (None: not measured; NaN counts as infinite)."""
-    measured = [math.inf if v != v else v for v in values if v is not None]
-    return max(measured) if measured else None
-
-
-def update_records(
-    ctx: Rank, collected: Collected, done: list[Update]
-) -> tuple[TrainRecord, ReferenceRecord | None, OptimizerRecord]:
-    """The train, reference and optimizer records of the updates so far. Counts, norms and the
-    loss are the first update's (on-policy: what checks a, b, f, g and h read); the errors
-    against the closed forms and the reference are the worst of every update; the twin's
-    sketch holds every update's, the later ones named `<parameter> (update N)`."""
-    first, batch = done[0], collected.batch
-    trained = first.trained
-    sketch = None
-    if first.sketch is not None:
-        sketch = dict(first.sketch)
-        for number, later in enumerate(done[1:], start=2):
-            sketch.update({f"{n} (update {number})": v for n, v in (later.sketch or {}).items()})
-    train_record = TrainRecord(
-        reduce_scatter_calls_by_micro_batch=trained.reduce_scatters_by_micro_batch,
-        reduce_scatter_calls=sum(trained.reduce_scatters_by_micro_batch),
-        all_gather_calls=trained.all_gathers,
-        fsdp_units=trained.fsdp_units,
-        shard_group_size=trained.shard_group_size,
-        layer_tokens=trained.layer_tokens,
-        seq_len=int(batch.input_ids.shape[1]),
-        # rows of the largest micro-batch: both loops split as torch.chunk does
-        micro_batch_rows=-(-batch.size // ctx.cfg.micro_batches),
-        data_rows=collected.rows,
-        grad_sketch=sketch,
-        sp_size=ctx.sp,
-        retained_grad_bytes=trained.retained_grad_bytes,
-        loss_grad_max_rel_err=worst(u.trained.loss_grad_max_rel_err for u in done),
-    )
-    reference_record = None
-    referenced = [u.referenced for u in done if u.referenced is not None]
-    if referenced:
-        worst_update = max(referenced, key=lambda r: worst([r.grad_max_rel_err]) or 0.0)
-        reference_record = ReferenceRecord(
-            grad_max_rel_err=worst_update.grad_max_rel_err,
-            grad_max_rel_err_param=worst_update.grad_max_rel_err_param,
-            reference_grad_norm=referenced[0].norm,
-            grad_rel_l2_err=worst(r.grad_rel_l2_err for r in referenced),
-        )
-    stepped = first.stepped
-    optimizer_record = OptimizerRecord(
-        grad_norm=stepped.reported_norm,
-        grad_norm_finite=math.isfinite(stepped.reported_norm),
-        grad_norm_measured=stepped.measured_norm,
-        param_update_max_abs=stepped.update_max_abs,
-        update_l2=stepped.update_l2,
-        local_param_numel=stepped.local_numel,
-        adamw_step_max_err_lr=worst(u.stepped.adamw_step_err_lr for u in done),
-        clip_max_rel_err=worst(u.stepped.clip_err for u in done),
-        clip_coef=stepped.clip_coef,
-    )
-    return train_record, reference_record, optimizer_record
-
-
-def reduced_loss(ctx: Rank, collected: Collected, done: list[Update], tokens: float) -> LossRecord:
-    """Per-rank sums and maxima reduced to the whole run (sequence-parallel ranks counted once):
-    the first update's, and how far off-policy the last one trained."""
-    device, sp, batch = ctx.device, ctx.sp, collected.batch
-    trained = done[0].trained
-    summed = {key: all_sum(trained.parts.get(key, 0.0), device) / sp for key in SUMMED_PARTS}
-    clipfrac_last = kl_last = None
-    if len(done) > 1:
-        last = done[-1].trained.parts
-        clipfrac_last = all_sum(last.get(Metric.ACTOR_PG_CLIPFRAC, 0.0), device) / sp
-        kl_last = all_sum(last.get(Metric.ACTOR_PPO_KL, 0.0), device) / sp
-    first = trained.first_micro_batch
-    responses = all_sum(float(batch.size), device) / sp
-    score_mean = None
-    if collected.scores is not None:
-        score_mean = all_sum(float(collected.scores.sum()), device) / sp / responses
-    key = Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH
-    return LossRecord(
-        loss=summed[Metric.ACTOR_LOSS],
-        pg_loss=summed[Metric.ACTOR_PG_LOSS],
-        pg_clipfrac=summed[Metric.ACTOR_PG_CLIPFRAC],
-        ppo_kl=summed[Metric.ACTOR_PPO_KL],
-        kl_loss=summed[Metric.ACTOR_KL_LOSS],
-        entropy=summed[Metric.ACTOR_ENTROPY],
-        ppo_kl_first_micro_batch=all_max(abs(first[Metric.ACTOR_PPO_KL]), device),
-        pg_clipfrac_first_micro_batch=all_max(abs(first[Metric.ACTOR_PG_CLIPFRAC]), device),
-        ppo_log_ratio_abs_max_first_micro_batch=all_max(first[key], device),
-        response_length_mean=tokens / responses,
-        advantages_abs_max=all_max(float(batch.advantages.abs().max()), device),
-        score_mean=score_mean,
-        pg_clipfrac_last_update=clipfrac_last,
-        ppo_kl_last_update=kl_last,
-    )
 
 
 def run_ppo_step(spec: RankSpec, rank: int, phase: Phase, out: Path) -> StepOutput:
@@ -845,58 +558,39 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
     group = ctx.engine.data_parallel_group()
     # Ranks of one sequence-parallel group share their batch: count it once per data-parallel rank.
     tokens = all_sum(float(batch.mask.sum()), device, group)
+    metrics.rollout = rollout_record(ctx, collected, tokens)
     global_batch = batch.gather(group) if not ctx.replaying else None
     if global_batch is not None and rank == 0:
         global_batch.save(folder.batch)
 
-    sketching = not cfg.reference_checks or ctx.replaying  # the twin judges per parameter
+    # Every update trains the same batch; the step's records combine the updates' own, each field
+    # as its record declares (the first, on-policy update's counts; the worst errors).
     ref_run: ReferenceRun | None = None
-    done: list[Update] = []
+    adamw = HarnessAdamW()
+    trained: list[TrainRecord] = []
+    losses: list[LossRecord] = []
+    referenced: list[ReferenceRecord] = []
+    stepped: list[OptimizerRecord] = []
     for number in range(1, cfg.updates + 1):
-        trained = train(ctx, batch, tokens, number)
-        sketch = fsdp_probe.gradient_sketch(ctx.engine.module) if sketching else None
-        referenced = None
+        train_record, loss_record = train(ctx, collected, tokens, number)
+        trained.append(train_record)
+        losses.append(loss_record)
+        metrics.train = TrainRecord.over_updates(trained)
+        metrics.loss = LossRecord.over_updates(losses)
         if cfg.reference_checks and global_batch is not None:  # not when replaying
             with ctx.unsharded():
                 ref_run = ref_run or ReferenceRun.of(ctx)  # after the first train: its memory
-                referenced = reference(ctx, global_batch, tokens, ref_run.copy, number)
-        stepped = optimizer(ctx, number, done[-1].stepped.moments if done else None)
-        done.append(Update(trained, sketch if rank == 0 else None, referenced, stepped))
-        metrics.train, metrics.reference, metrics.optimizer = update_records(ctx, collected, done)
+                referenced.append(reference(ctx, ref_run, global_batch, tokens, number))
+            metrics.reference = ReferenceRecord.over_updates(referenced)
+        stepped.append(optimizer(ctx, adamw, number))
+        metrics.optimizer = OptimizerRecord.over_updates(stepped)
         if number == 1:
             step_time = time.perf_counter() - step_start  # one update: what cases compare
-        if ref_run is not None and referenced is not None:
-            ref_run.step(referenced, math.isfinite(stepped.reported_norm))
+        if ref_run is not None:
+            ref_run.step(bool(stepped[-1].grad_norm_finite))
 
-    after = post_step(ctx, batch, ref_run)
-    # token means over the global batch (sequence-parallel ranks counted once)
-    post_mean = all_sum(float((after.logprobs * batch.mask).sum()), device) / ctx.sp / tokens
-    record = PostStepRecord(
-        replica_max_abs_diff=after.replica_max_abs_diff,
-        rollout_logprob_max_abs_diff=after.rollout_logprob_max_abs_diff,
-        post_step_logprob_mean=post_mean,
-        step_max_err_lr=after.step_max_err,
-        step_rel_l2_err=after.step_rel_l2_err,
-    )
-    metrics.post_step = record  # filled on below: what a failure there leaves is kept
-    if after.rollout_logprob_sum is not None:
-        rollout_sum = all_sum(after.rollout_logprob_sum, device)
-        record.rollout_logprob_mean = rollout_sum / ctx.sp / tokens
-    if after.handoff is not None and after.served is not None:
-        record.handoff_weight_max_abs_diff = after.handoff.max_abs_diff
-        record.handoff_weight_worst = after.handoff.worst
-        record.rollout_weight_max_abs_diff = after.served.max_abs_diff
-        record.rollout_weight_worst = after.served.worst
-        record.rollout_weights_compared = after.served.compared
-    if ctx.replaying:
-        record.twin_post_step_logprob_max_abs_diff = twin_comparison(ctx, batch, after.logprobs)
-    else:
-        logprobs = gather_rows(after.logprobs, group)
-        if rank == 0:
-            torch.save({"logprobs": logprobs}, folder.post_step)
-
+    metrics.post_step = post_step(ctx, batch, tokens, ref_run)
     phase.enter("metrics")
-    metrics.loss = reduced_loss(ctx, collected, done, tokens)
     global_tokens = all_sum(float(batch.input_ids.numel()), device) / ctx.sp
     metrics.perf = PerfRecord(
         step_time_s=step_time,
@@ -905,5 +599,4 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
     )
     launched = os.environ.get(Env.LAUNCHED_AT)
     metrics.timings = phase.timings(float(launched) if launched else None)
-    first_reference = done[0].referenced
-    return StepOutput(metrics, first_reference.fingerprint if first_reference else None)
+    return StepOutput(metrics, ref_run.fingerprint if ref_run is not None else None)

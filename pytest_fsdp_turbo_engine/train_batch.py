@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 
-from pytest_fsdp_turbo_contract.records import Metric
 from pytest_fsdp_turbo_contract.spec import PPOSpec
 from pytest_fsdp_turbo_engine import ppo
 from pytest_fsdp_turbo_engine.reductions import gather_rows
@@ -64,8 +63,8 @@ def ppo_loss(
     cfg: PPOSpec,
     lm_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-mean over the global batch (`tokens`), so any split into ranks and micro-batches sums
-    to the same loss. With cfg.lm_loss_coef, the causal-LM term: `lm_mean`, the model's own loss
+    """The loss, and its parts under their LossRecord field names. Token-mean over the global batch
+    (`tokens`), so any split into ranks and micro-batches sums to the same loss. With cfg.lm_loss_coef, the causal-LM term: `lm_mean`, the model's own loss
     over this micro-batch's response tokens (a mean), rescaled to the global token mean; without
     it, the same term in closed form from the log-probabilities."""
     pg_loss, clipfrac, ppo_kl = ppo.policy_loss(
@@ -73,21 +72,16 @@ def ppo_loss(
     )
     kl_loss = ppo.token_sum(ppo.low_var_kl(logprobs, mb.ref_logprobs), mb.mask) / tokens
     loss = pg_loss + cfg.kl_coef * kl_loss
-    parts = {
-        Metric.ACTOR_PG_LOSS: pg_loss,
-        Metric.ACTOR_PG_CLIPFRAC: clipfrac,
-        Metric.ACTOR_PPO_KL: ppo_kl,
-        Metric.ACTOR_KL_LOSS: kl_loss,
-    }
+    parts = {"pg_loss": pg_loss, "pg_clipfrac": clipfrac, "ppo_kl": ppo_kl, "kl_loss": kl_loss}
     if entropy is not None:
         ent = ppo.token_sum(entropy, mb.mask) / tokens
         loss = loss - cfg.entropy_coef * ent
-        parts[Metric.ACTOR_ENTROPY] = ent
+        parts["entropy"] = ent
     if cfg.lm_loss_coef:
         if lm_mean is None:
             lm = ppo.token_sum(-logprobs, mb.mask) / tokens
         else:
             lm = lm_mean * mb.mask.sum() / tokens
         loss = loss + cfg.lm_loss_coef * lm
-    parts[Metric.ACTOR_LOSS] = loss
+    parts["loss"] = loss
     return loss, {k: v.detach() for k, v in parts.items()}

@@ -6,43 +6,70 @@ from pathlib import Path
 import pytest
 
 from pytest_fsdp_turbo import checks
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import (
+    CaseRecord,
+    LossRecord,
+    OptimizerRecord,
+    PerfRecord,
+    PostStepRecord,
+    ReferenceRecord,
+    RolloutRecord,
+    StepMetrics,
+    TrainRecord,
+)
 from pytest_fsdp_turbo_contract.results import RankResult, RunResult
+from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
+from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, SyncPolicy
 
 
 def healthy(rank: int, **changes) -> dict:
     metrics = {
-        Metric.CASE_DTYPE: "fp32",
-        Metric.CASE_SYNC_POLICY: "deferred",
-        Metric.CASE_MICRO_BATCHES: 2,
-        Metric.CASE_MEMORY_BUDGET_MB: None,
-        Metric.ACTOR_GRAD_NORM: 0.8,
-        Metric.ACTOR_GRAD_NORM_FINITE: True,
-        Metric.SYNC_GRAD_NORM_MEASURED: 0.8,
-        Metric.PPO_ADVANTAGES_ABS_MAX: 1.5,
-        Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH: 0.0,
-        Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH: 0.0,
-        Metric.ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH: 0.0,
-        Metric.SYNC_REPLICA_MAX_ABS_DIFF: None,
-        Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF: 0.0,
-        Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF: 0.0,
-        Metric.SYNC_ROLLOUT_WEIGHT_WORST: "lm_head.weight",
-        Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED: 7,
-        Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF: 0.0,
-        Metric.SYNC_HANDOFF_WEIGHT_WORST: "lm_head.weight",
-        Metric.SYNC_ADAMW_STEP_MAX_ERR_LR: 1e-5,
-        Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH: [0, 5],
-        Metric.COMM_FSDP_UNITS: 5,
-        Metric.COMM_SHARD_GROUP_SIZE: 2,
-        Metric.SYNC_RETAINED_GRAD_BYTES: 1024,
-        Metric.ACTOR_PARAM_UPDATE_MAX_ABS: 1e-4,
-        Metric.ACTOR_LOCAL_PARAM_NUMEL: 100,
-        Metric.PERF_PEAK_MEMORY_BYTES: 2**28,
-        Metric.SYNC_DATA_ROWS: [4 * rank + i for i in range(4)],
-        Metric.SYNC_CLIP_MAX_REL_ERR: None,
+        CaseRecord.key("dtype"): "fp32",
+        CaseRecord.key("sync_policy"): "deferred",
+        CaseRecord.key("micro_batches"): 2,
+        CaseRecord.key("memory_budget_mb"): None,
+        OptimizerRecord.key("grad_norm"): 0.8,
+        OptimizerRecord.key("grad_norm_finite"): True,
+        OptimizerRecord.key("grad_norm_measured"): 0.8,
+        RolloutRecord.key("advantages_abs_max"): 1.5,
+        LossRecord.key("ppo_kl_first_micro_batch"): 0.0,
+        LossRecord.key("ppo_log_ratio_abs_max_first_micro_batch"): 0.0,
+        LossRecord.key("pg_clipfrac_first_micro_batch"): 0.0,
+        PostStepRecord.key("replica_max_abs_diff"): None,
+        PostStepRecord.key("rollout_logprob_max_abs_diff"): 0.0,
+        PostStepRecord.key("rollout_weight_max_abs_diff"): 0.0,
+        PostStepRecord.key("rollout_weight_worst"): "lm_head.weight",
+        PostStepRecord.key("rollout_weights_compared"): 7,
+        PostStepRecord.key("handoff_weight_max_abs_diff"): 0.0,
+        PostStepRecord.key("handoff_weight_worst"): "lm_head.weight",
+        OptimizerRecord.key("adamw_step_max_err_lr"): 1e-5,
+        TrainRecord.key("reduce_scatter_calls_by_micro_batch"): [0, 5],
+        TrainRecord.key("fsdp_units"): 5,
+        TrainRecord.key("shard_group_size"): 2,
+        TrainRecord.key("retained_grad_bytes"): 1024,
+        OptimizerRecord.key("param_update_max_abs"): 1e-4,
+        OptimizerRecord.key("local_param_numel"): 100,
+        PerfRecord.key("peak_memory_bytes"): 2**28,
+        TrainRecord.key("data_rows"): [4 * rank + i for i in range(4)],
+        OptimizerRecord.key("clip_max_rel_err"): None,
         "rank": rank,
     }
     return {**metrics, **changes}
+
+
+def declared_by(metrics: dict) -> RankSpec:
+    """The spec a run was launched with, as its rank 0 echoed it (case/*): the checks read what
+    was declared from the spec, never from the ranks' metrics."""
+    step = StepMetrics.from_json(metrics)
+    engine = EngineSpec(
+        world_size=2,
+        fsdp_size=2,
+        sp_size=step.train.sp_size or 1,
+        dtype=Dtype(step.case.dtype or "fp32"),
+        sync_policy=SyncPolicy(step.case.sync_policy or "deferred"),
+    )
+    ppo = PPOSpec(micro_batches=step.case.micro_batches or 2, updates=step.case.updates or 1)
+    return RankSpec("case", "model", "qwen3", DeviceKind.CPU, engine, ppo, step.case.memory_budget_mb)
 
 
 def result_of(*ranks: dict, twin: RunResult | None = None) -> RunResult:
@@ -54,6 +81,7 @@ def result_of(*ranks: dict, twin: RunResult | None = None) -> RunResult:
         duration_s=1.0,
         twin=twin,
         twin_kind="single" if twin else "",
+        launched=declared_by(ranks[0]),
     )
 
 
@@ -70,7 +98,13 @@ def test_healthy_run_without_reference_or_twin_says_what_did_not_apply():
 
 def test_every_failed_check_is_listed():
     broken = [
-        healthy(r, **{Metric.SYNC_GRAD_NORM_MEASURED: 1.6, Metric.SYNC_RETAINED_GRAD_BYTES: 0})
+        healthy(
+            r,
+            **{
+                OptimizerRecord.key("grad_norm_measured"): 1.6,
+                TrainRecord.key("retained_grad_bytes"): 0,
+            },
+        )
         for r in (0, 1)
     ]
     with pytest.raises(checks.CheckFailure) as failure:
@@ -81,11 +115,11 @@ def test_every_failed_check_is_listed():
 
 def reference_metrics(dtype: str, per_param: float, l2: float) -> dict:
     return {
-        Metric.CASE_DTYPE: dtype,
-        Metric.SYNC_GRAD_MAX_REL_ERR: per_param,
-        Metric.SYNC_GRAD_MAX_REL_ERR_PARAM: "model.layers.0.linear_attn.A_log",
-        Metric.SYNC_GRAD_REL_L2_ERR: l2,
-        Metric.SYNC_REFERENCE_GRAD_NORM: 0.8,
+        CaseRecord.key("dtype"): dtype,
+        ReferenceRecord.key("grad_max_rel_err"): per_param,
+        ReferenceRecord.key("grad_max_rel_err_param"): "model.layers.0.linear_attn.A_log",
+        ReferenceRecord.key("grad_rel_l2_err"): l2,
+        ReferenceRecord.key("reference_grad_norm"): 0.8,
     }
 
 
@@ -94,17 +128,17 @@ def reference_metrics(dtype: str, per_param: float, l2: float) -> dict:
     [
         (
             {
-                Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF: 1e-3,
-                Metric.SYNC_ROLLOUT_WEIGHT_WORST: "norm.weight",
+                PostStepRecord.key("rollout_weight_max_abs_diff"): 1e-3,
+                PostStepRecord.key("rollout_weight_worst"): "norm.weight",
             },
             "check e: rank 1: the rollout serves 'norm.weight' 0.001 away from the trainer's "
             "parameter after the push (7 tensors compared exactly",
         ),
-        ({Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED: 0}, "(0 tensors compared exactly"),
+        ({PostStepRecord.key("rollout_weights_compared"): 0}, "(0 tensors compared exactly"),
         (
             {
-                Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF: 0.5,
-                Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF: 2.0,
+                PostStepRecord.key("rollout_logprob_max_abs_diff"): 0.5,
+                PostStepRecord.key("rollout_weight_max_abs_diff"): 2.0,
             },
             "check e: rank 1: sync/rollout_logprob_max_abs_diff = 0.5, tolerance 0.0001; "
             "rank 1: the rollout serves",
@@ -148,9 +182,9 @@ def test_single_micro_batch_deferred_must_not_retain_gradients():
     run = healthy(
         0,
         **{
-            Metric.CASE_MICRO_BATCHES: 1,
-            Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH: [5],
-            Metric.SYNC_RETAINED_GRAD_BYTES: 64,
+            CaseRecord.key("micro_batches"): 1,
+            TrainRecord.key("reduce_scatter_calls_by_micro_batch"): [5],
+            TrainRecord.key("retained_grad_bytes"): 64,
         },
     )
     with pytest.raises(checks.CheckFailure, match="expected no unsharded gradients held"):
@@ -158,14 +192,18 @@ def test_single_micro_batch_deferred_must_not_retain_gradients():
 
 
 def test_optimizer_step_after_non_finite_norm_must_leave_parameters_alone():
-    skipped = {Metric.ACTOR_GRAD_NORM_FINITE: False}
+    skipped = {OptimizerRecord.key("grad_norm_finite"): False}
     checks.check_optimizer_step(
-        result_of(healthy(0, **skipped, **{Metric.ACTOR_PARAM_UPDATE_MAX_ABS: 0.0}))
+        result_of(healthy(0, **skipped, **{OptimizerRecord.key("param_update_max_abs"): 0.0}))
     )
     with pytest.raises(checks.CheckFailure, match="expected the step to be skipped"):
         checks.check_optimizer_step(result_of(healthy(0, **skipped)))
     empty_shard = healthy(
-        1, **{Metric.ACTOR_PARAM_UPDATE_MAX_ABS: 0.0, Metric.ACTOR_LOCAL_PARAM_NUMEL: 0}
+        1,
+        **{
+            OptimizerRecord.key("param_update_max_abs"): 0.0,
+            OptimizerRecord.key("local_param_numel"): 0,
+        },
     )
     checks.check_optimizer_step(result_of(healthy(0), empty_shard))  # holds nothing, moves nothing
 
@@ -178,22 +216,25 @@ def test_a_failed_twin_fails_check_c_with_its_failure_text():
 
 def test_on_policy_holds_each_token_in_fp32_where_a_mean_can_cancel():
     """Errors of both signs cancel in ppo_kl; the per-token log-ratio does not (fp32 only)."""
-    cancelled = {Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH: 0.0}
-    off = {**cancelled, Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH: 2e-3}
+    cancelled = {LossRecord.key("ppo_kl_first_micro_batch"): 0.0}
+    off = {**cancelled, LossRecord.key("ppo_log_ratio_abs_max_first_micro_batch"): 2e-3}
     with pytest.raises(checks.CheckFailure, match=r"check b: rank 1: a token's .* is 0.002 "):
         checks.check_on_policy(result_of(healthy(0), healthy(1, **off)))
-    bf16 = {**off, Metric.CASE_DTYPE: "bf16"}
+    bf16 = {**off, CaseRecord.key("dtype"): "bf16"}
     checks.check_on_policy(result_of(healthy(0, **bf16), healthy(1, **bf16)))
 
 
 def test_data_ranks_must_train_on_disjoint_rows():
-    same = [healthy(r, **{Metric.SYNC_DATA_ROWS: [0, 1, 2, 3]}) for r in (0, 1)]
+    same = [healthy(r, **{TrainRecord.key("data_rows"): [0, 1, 2, 3]}) for r in (0, 1)]
     with pytest.raises(checks.CheckFailure, match=r"^check j: ranks \[0, 1\] trained on the same"):
         checks.check_data_rows(result_of(*same))
     # an SP group of 2 shares its rows, and that is right
-    sp = [healthy(r, **{Metric.SYNC_DATA_ROWS: [r // 2], Metric.CASE_SP_SIZE: 2}) for r in range(4)]
+    sp = [
+        healthy(r, **{TrainRecord.key("data_rows"): [r // 2], TrainRecord.key("sp_size"): 2})
+        for r in range(4)
+    ]
     checks.check_data_rows(result_of(*sp))
-    overlap = [healthy(0), healthy(1, **{Metric.SYNC_DATA_ROWS: [3, 4, 5, 6]})]
+    overlap = [healthy(0), healthy(1, **{TrainRecord.key("data_rows"): [3, 4, 5, 6]})]
     with pytest.raises(checks.CheckFailure, match=r"^check j: row 3 was trained by ranks \[0\]"):
         checks.check_data_rows(result_of(*overlap))
     with pytest.raises(checks.NotApplicable, match="one rank"):
@@ -202,11 +243,26 @@ def test_data_ranks_must_train_on_disjoint_rows():
 
 def test_the_clip_is_judged_against_the_measured_global_norm():
     ok = [
-        healthy(r, **{Metric.SYNC_CLIP_MAX_REL_ERR: 1e-7, Metric.SYNC_CLIP_COEF: 0.25})
+        healthy(
+            r,
+            **{
+                OptimizerRecord.key("clip_max_rel_err"): 1e-7,
+                OptimizerRecord.key("clip_coef"): 0.25,
+            },
+        )
         for r in (0, 1)
     ]
     checks.check_clip(result_of(*ok))
-    off = [healthy(0, **{Metric.SYNC_CLIP_MAX_REL_ERR: 2e-3, Metric.SYNC_CLIP_COEF: 0.25}), ok[1]]
+    off = [
+        healthy(
+            0,
+            **{
+                OptimizerRecord.key("clip_max_rel_err"): 2e-3,
+                OptimizerRecord.key("clip_coef"): 0.25,
+            },
+        ),
+        ok[1],
+    ]
     with pytest.raises(
         checks.CheckFailure,
         match=r"^check k: rank 0: the optimizer stepped on gradients 0.002 away",

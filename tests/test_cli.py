@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import CaseRecord, LossRecord, OptimizerRecord
 from tests.helpers import env_with_path, fake_tool, npu_smi_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,12 +101,14 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     metrics = json.loads(done.stdout[: done.stdout.rindex("}") + 1])
-    assert metrics[Metric.ACTOR_GRAD_NORM] > 0 and metrics[Metric.CASE_WORLD_SIZE] == 1
+    assert (
+        metrics[OptimizerRecord.key("grad_norm")] > 0 and metrics[CaseRecord.key("world_size")] == 1
+    )
     assert "case tiny-qwen3-single-rank on cpu: passed" in done.stdout
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     metrics_b = tmp_path / "b" / "tiny-qwen3-single-rank-cpu" / "rank0.metrics.json"
     changed = json.loads(metrics_b.read_text())
-    changed[Metric.ACTOR_PG_LOSS] *= 2
+    changed[LossRecord.key("pg_loss")] *= 2
     metrics_b.write_text(json.dumps(changed))
     pytest.importorskip("matplotlib")
     png = tmp_path / "cmp.png"
@@ -115,8 +117,11 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
     )
     assert cmp.returncode == 1
     lines = cmp.stdout.splitlines()
-    assert any(Metric.ACTOR_GRAD_NORM in line and line.rstrip().endswith("match") for line in lines)
-    assert any(Metric.ACTOR_PG_LOSS in line and "differs (relative)" in line for line in lines)
+    assert any(
+        OptimizerRecord.key("grad_norm") in line and line.rstrip().endswith("match")
+        for line in lines
+    )
+    assert any(LossRecord.key("pg_loss") in line and "differs (relative)" in line for line in lines)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # one case id in two folders of one side: refused, never a silent pick
     shutil.copytree(tmp_path / "b" / "tiny-qwen3-single-rank-cpu", tmp_path / "b" / "again")

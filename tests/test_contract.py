@@ -4,37 +4,90 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import fields
 
 import pytest
 
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
-from pytest_fsdp_turbo_contract.records import Metric, StepMetrics
+from pytest_fsdp_turbo_contract.records import (
+    STARTUP,
+    TIMING_PREFIX,
+    CaseRecord,
+    LossRecord,
+    OptimizerRecord,
+    ReferenceRecord,
+    RolloutRecord,
+    StepMetrics,
+    TrainRecord,
+)
 from pytest_fsdp_turbo_contract.results import RankError
 from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
 
 def metric_keys() -> list[str]:
-    return [v for k, v in vars(Metric).items() if k.isupper() and not k.endswith("_PREFIX")]
+    return [key for kind in StepMetrics.RECORDS.values() for key in kind.metric_keys()]
 
 
-def test_metric_keys_are_unique_and_named_as_the_training_world_names_them():
+def test_metric_keys_are_derived_unique_and_named_as_the_training_world_names_them():
     values = metric_keys()
-    assert len(values) == len(set(values))
-    assert all(re.fullmatch(r"[a-z_]+(/[a-z0-9_]+)+", v) for v in values), values
-    assert json.dumps({Metric.ACTOR_GRAD_NORM: 1.0}) == f'{{"{Metric.ACTOR_GRAD_NORM}": 1.0}}'
+    assert len(values) == len(set(values)), values  # one field writes each key
+    assert all(re.fullmatch(r"rank|[a-z_]+(/[a-z0-9_]+)+", v) for v in values), values
+    # derived from the record's namespace and the field, unless the field names another
+    assert OptimizerRecord.key("grad_norm") == "actor/grad_norm"
+    assert OptimizerRecord.key("grad_norm_measured") == "sync/grad_norm_measured"
+    assert RolloutRecord.key("score_mean") == "critic/score/mean"  # verl's spelling, declared
+    with pytest.raises(KeyError):
+        OptimizerRecord.key("grad_nrom")
 
 
-def test_every_metric_key_has_exactly_one_record_field_that_writes_it():
-    owners = [f.metadata["key"] for kind in StepMetrics.RECORDS.values() for f in fields(kind)]
-    assert len(owners) == len(set(owners)), owners
-    # start-up is a phase timing (timing_s/<phase>), the rest belong to a record
-    assert set(metric_keys()) - set(owners) == {Metric.TIMING_S_STARTUP}
+def test_a_step_of_several_updates_takes_each_field_as_its_record_declares():
+    first = TrainRecord(
+        reduce_scatter_calls=5, loss_grad_max_rel_err=1e-7, grad_sketch={"w": [1.0]}
+    )
+    later = TrainRecord(
+        reduce_scatter_calls=9, loss_grad_max_rel_err=float("nan"), grad_sketch={"w": [2.0]}
+    )
+    merged = TrainRecord.over_updates([first, later])
+    assert merged.reduce_scatter_calls == 5  # the first, on-policy update's
+    assert merged.loss_grad_max_rel_err == float("inf")  # the worst, NaN counted as infinite
+    assert merged.grad_sketch == {"w": [1.0], "w (update 2)": [2.0]}
+    references = [
+        ReferenceRecord(grad_max_rel_err=1e-6, grad_max_rel_err_param="a", grad_rel_l2_err=3e-7),
+        ReferenceRecord(grad_max_rel_err=2e-6, grad_max_rel_err_param="b", grad_rel_l2_err=1e-7),
+    ]
+    worst = ReferenceRecord.over_updates(references)
+    assert (worst.grad_max_rel_err, worst.grad_max_rel_err_param) == (2e-6, "b")
+    assert worst.grad_rel_l2_err == 3e-7
+    losses = [
+        LossRecord(loss=1.0, pg_clipfrac=0.0),
+        LossRecord(loss=2.0, pg_clipfrac=0.5, ppo_kl=0.1),
+    ]
+    last = LossRecord.over_updates(losses)
+    assert (last.loss, last.pg_clipfrac_last_update, last.ppo_kl_last_update) == (1.0, 0.5, 0.1)
+
+
+def test_a_record_nothing_was_measured_in_is_not_written():
+    """Partial metrics hold the phases that ran; a completed record writes its not-applicable
+    fields as null, so a reader tells 'not applicable' from 'never measured'."""
+    step = StepMetrics(case=CaseRecord(rank=0, dtype="fp32"), timings={"load": 1.5})
+    written = step.to_json()
+    assert written["case/dtype"] == "fp32" and written["case/world_size"] is None
+    assert "actor/grad_norm" not in written and written[TIMING_PREFIX + "load"] == 1.5
+    assert StepMetrics.from_json(written) == step
 
 
 @pytest.mark.parametrize(
-    "module", ["vocab", "spec", "records", "results", "artifacts", "warm_protocol", "turbo_config"]
+    "module",
+    [
+        "vocab",
+        "spec",
+        "records",
+        "results",
+        "artifacts",
+        "warm_protocol",
+        "turbo_config",
+        "engines",
+    ],
 )
 def test_the_shared_modules_import_no_torch(module):
     code = f"import sys, pytest_fsdp_turbo_contract.{module}; print('torch' in sys.modules)"
@@ -56,10 +109,11 @@ def test_a_real_runs_files_read_back_into_the_types_unchanged(ppo_run):
     for rank in result.ranks:
         on_disk = json.loads(folder.metrics(rank.rank).read_text())
         step = rank.step  # the typed view of what the rank wrote
-        assert step is not None and step.to_json() == on_disk
-        assert step.case.rank == rank.rank and step.reference is not None
-        assert step.optimizer.grad_norm == on_disk[Metric.ACTOR_GRAD_NORM]
-        assert step.post_step.twin_post_step_logprob_max_abs_diff is None  # not a twin
+        assert step.to_json() == on_disk
+        assert step.case.rank == rank.rank and step.reference.measured()
+        assert step.optimizer.grad_norm == on_disk[OptimizerRecord.key("grad_norm")]
+        assert step.post_step.post_step_logprob_max_abs_diff is None  # not a twin
+        assert STARTUP in step.timings
 
 
 def test_a_rank_error_file_reads_back_or_is_none_when_unreadable(tmp_path):

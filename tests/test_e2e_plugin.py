@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from pytest_fsdp_turbo.cases import FIXTURES_DIR
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import CaseRecord, LossRecord, OptimizerRecord
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,10 +55,10 @@ def test_record_golden_then_check_and_junit_properties(tmp_path):
     assert golden.is_file()
     assert not (FIXTURES_DIR / "goldens" / "one").exists()
     props = {p.get("name"): p.get("value") for p in ET.parse(junit).iter("property")}
-    assert float(props[Metric.ACTOR_GRAD_NORM]) > 0
+    assert float(props[OptimizerRecord.key("grad_norm")]) > 0
     assert props["fsdp_turbo/run"] == "completed"
     assert (
-        Metric.ACTOR_ENTROPY not in props and Metric.CASE_DTYPE not in props
+        LossRecord.key("entropy") not in props and CaseRecord.key("dtype") not in props
     )  # a handful, not all
     assert len([n for n in props if "/" in n]) <= 12
     assert props["fsdp_turbo/golden"].startswith("recorded ")
@@ -67,7 +67,7 @@ def test_record_golden_then_check_and_junit_properties(tmp_path):
     # a matching golden passes in every e2e case of the main suite; here: a tampered one fails
     golden.write_text(
         golden.read_text().replace(
-            f'"{Metric.ACTOR_GRAD_NORM}": ', f'"{Metric.ACTOR_GRAD_NORM}": 1'
+            f'"{OptimizerRecord.key("grad_norm")}": ', f'"{OptimizerRecord.key("grad_norm")}": 1'
         )
     )
     tampered = pytest_run(*common, cwd=tmp_path)

@@ -10,7 +10,7 @@ import pytest
 
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.turbo.checkout import Checkout
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import TrainRecord
 
 STANDIN = Path(__file__).parent / "standin_fsdp_turbo"
 ALLOW_CPU = {"FSDP_TURBO_STANDIN_ALLOW_CPU": "1"}  # the stand-in, like the library, refuses CPU
@@ -45,8 +45,8 @@ def test_fsdp_turbo_backend_passes_every_check_on_the_standin(ppo_run, layout):
     assert plan["hook_modules"] == ["model.language_model.layers.{*}"]
     # the units that ran on a text batch: 4 decoder layers, embeddings, LM head and the root
     # (norm); the vision tower's units never run forward, so they reduce-scatter nothing
-    assert result.metrics[Metric.COMM_FSDP_UNITS] == 7
-    assert result.metrics[Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH] == [0, 7]
+    assert result.metrics[TrainRecord.key("fsdp_units")] == 7
+    assert result.metrics[TrainRecord.key("reduce_scatter_calls_by_micro_batch")] == [0, 7]
 
 
 @pytest.mark.devices(2)
@@ -64,9 +64,9 @@ def test_verl_fsdp_turbo_engine_on_the_standin_keeps_deferred_sync(ppo_run):
         dtype="bf16",
     )
     checks.check_all(result)  # h included: deferred, [0, units], unsharded gradients retained
-    units = result.metrics[Metric.COMM_FSDP_UNITS]
-    assert result.metrics[Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH] == [0, units]
-    assert result.metrics[Metric.SYNC_RETAINED_GRAD_BYTES] > 0
+    units = result.metrics[TrainRecord.key("fsdp_units")]
+    assert result.metrics[TrainRecord.key("reduce_scatter_calls_by_micro_batch")] == [0, units]
+    assert result.metrics[TrainRecord.key("retained_grad_bytes")] > 0
 
 
 def test_standin_follows_the_librarys_matching_patching_and_loading_rules():

@@ -4,9 +4,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from pytest_fsdp_turbo.checks import CheckFailure, goldens
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import LossRecord, OptimizerRecord, RolloutRecord
 
-METRICS = {Metric.ACTOR_GRAD_NORM: 0.5, Metric.ACTOR_PG_LOSS: -0.1, Metric.CRITIC_SCORE_MEAN: 0.7}
+METRICS = {
+    OptimizerRecord.key("grad_norm"): 0.5,
+    LossRecord.key("pg_loss"): -0.1,
+    RolloutRecord.key("score_mean"): 0.7,
+}
 
 
 def test_record_then_check(tmp_path):
@@ -14,12 +18,12 @@ def test_record_then_check(tmp_path):
     goldens.record_golden(path, METRICS)
     assert path == tmp_path / "c" / "cpu-fp32-ws2.json"
     assert goldens.compare_golden(path, METRICS, "exact") == []
-    nudged = {**METRICS, Metric.ACTOR_GRAD_NORM: 0.5 * (1 + 1e-4)}
+    nudged = {**METRICS, OptimizerRecord.key("grad_norm"): 0.5 * (1 + 1e-4)}
     assert goldens.compare_golden(path, nudged, "relative") == []
     problems = goldens.compare_golden(path, nudged, "exact")
     assert problems and problems[0].startswith("check g: metric actor/grad_norm = 0.50005")
-    far = {**METRICS, Metric.ACTOR_PG_LOSS: -0.2}
-    assert Metric.ACTOR_PG_LOSS in goldens.compare_golden(path, far, "relative")[0]
+    far = {**METRICS, LossRecord.key("pg_loss"): -0.2}
+    assert LossRecord.key("pg_loss") in goldens.compare_golden(path, far, "relative")[0]
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, None])
@@ -27,12 +31,14 @@ def test_nan_never_passes(tmp_path, bad):
     path = goldens.golden_path("c", "cpu", "fp32", 1, tmp_path)
     goldens.record_golden(path, METRICS)
     for tier in ("exact", "relative"):
-        assert goldens.compare_golden(path, {**METRICS, Metric.ACTOR_GRAD_NORM: bad}, tier)
+        assert goldens.compare_golden(
+            path, {**METRICS, OptimizerRecord.key("grad_norm"): bad}, tier
+        )
 
 
 def test_refuses_to_record_nan(tmp_path):
     with pytest.raises(CheckFailure, match="refusing to record"):
-        goldens.record_golden(tmp_path / "g.json", {Metric.ACTOR_GRAD_NORM: math.nan})
+        goldens.record_golden(tmp_path / "g.json", {OptimizerRecord.key("grad_norm"): math.nan})
 
 
 @dataclass
@@ -53,7 +59,10 @@ class Case:
 def test_a_golden_older_than_a_measured_metric_fails_until_re_recorded(tmp_path):
     path = goldens.golden_path("c", "cpu", "fp32", 2, tmp_path)
     goldens.record_golden(path, METRICS)
-    later = {**METRICS, Metric.ACTOR_UPDATE_L2: 0.01}  # a post-step metric the old golden lacks
+    later = {
+        **METRICS,
+        OptimizerRecord.key("update_l2"): 0.01,
+    }  # a post-step metric the old golden lacks
     (problem,) = goldens.compare_golden(path, later, "relative")
     assert f"golden {path} has no actor/update_l2" in problem
     assert "--fsdp-turbo-record-golden" in problem
@@ -92,11 +101,11 @@ def test_check_or_record_says_what_happened_as_a_status(tmp_path):
 def test_bf16_goldens_allow_bf16_rounding_and_no_more(tmp_path):
     path = tmp_path / "g.json"
     goldens.record_golden(path, METRICS)
-    nudged = {**METRICS, Metric.ACTOR_PG_LOSS: METRICS[Metric.ACTOR_PG_LOSS] * (1 + 5e-3)}
+    nudged = {**METRICS, LossRecord.key("pg_loss"): METRICS[LossRecord.key("pg_loss")] * (1 + 5e-3)}
     bf16 = goldens.relative_tolerance("bf16")
     assert goldens.compare_golden(path, nudged, "relative") != []  # fp32's 1e-3
     assert goldens.compare_golden(path, nudged, "relative", bf16) == []
-    far = {**METRICS, Metric.ACTOR_PG_LOSS: METRICS[Metric.ACTOR_PG_LOSS] * (1 + 2e-2)}
+    far = {**METRICS, LossRecord.key("pg_loss"): METRICS[LossRecord.key("pg_loss")] * (1 + 2e-2)}
     (problem,) = goldens.compare_golden(path, far, "relative", bf16)
     assert "relative 0.01" in problem
 

@@ -111,7 +111,7 @@ def test_adamw_in_closed_form_is_torchs_adamw_over_three_steps():
 
     from pytest_fsdp_turbo_contract.spec import EngineSpec
     from pytest_fsdp_turbo_engine.fsdp_engine import adamw
-    from pytest_fsdp_turbo_engine.step import adamw_closed_form
+    from pytest_fsdp_turbo_engine.measurements import adamw_closed_form
 
     cfg = replace(
         EngineSpec(world_size=1, fsdp_size=1),
@@ -146,7 +146,7 @@ def test_the_probe_compares_the_loss_gradient_an_engine_delivers_with_the_closed
     twice moves it; a detached tensor never receives one (infinite)."""
     from pytest_fsdp_turbo_contract.spec import PPOSpec
     from pytest_fsdp_turbo_engine.fsdp_probe import CollectiveCounter
-    from pytest_fsdp_turbo_engine.step import MicroBatchProbe
+    from pytest_fsdp_turbo_engine.measurements import MicroBatchProbe
     from pytest_fsdp_turbo_engine.train_batch import TrainBatch, ppo_loss
 
     torch.manual_seed(0)

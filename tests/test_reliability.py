@@ -20,7 +20,7 @@ from pytest_fsdp_turbo.cases import Case
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.launching.request import RunRequest, run_case
 from pytest_fsdp_turbo.leases import LeaseBook
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import OptimizerRecord, ReferenceRecord
 
 REPO = Path(__file__).resolve().parent.parent
 FAULT = "PYTEST_FSDP_TURBO_FAULT"
@@ -45,9 +45,9 @@ def test_nan_in_one_rank_skips_the_update_everywhere(ppo_run):
     result = ppo_run("tiny-qwen3_5-fsdp2-deferred", extra_env={FAULT: "nan:1"})
     checks.check_completed(result)  # the run itself completes and reports
     for rank in result.ranks:
-        assert rank.metrics[Metric.ACTOR_GRAD_NORM_FINITE] is False
+        assert rank.metrics[OptimizerRecord.key("grad_norm_finite")] is False
         assert (
-            rank.metrics[Metric.ACTOR_PARAM_UPDATE_MAX_ABS] == 0.0
+            rank.metrics[OptimizerRecord.key("param_update_max_abs")] == 0.0
         )  # bit-identical to before the step
     with pytest.raises(
         checks.CheckFailure,
@@ -340,7 +340,10 @@ def test_failed_case_keeps_every_log_traceback_and_metric(ppo_run):
     assert json.loads((result.artifacts_dir / "rank0.error.json").read_text())["phase"] == "checks"
     assert "phase checks" in result.ranks[1].log_path.read_text()
     partial = json.loads((result.artifacts_dir / "rank0.partial-metrics.json").read_text())
-    assert partial[Metric.ACTOR_GRAD_NORM] > 0 and Metric.SYNC_GRAD_MAX_REL_ERR in partial
+    assert (
+        partial[OptimizerRecord.key("grad_norm")] > 0
+        and ReferenceRecord.key("grad_max_rel_err") in partial
+    )
 
 
 FLAKY_ENGINE = """

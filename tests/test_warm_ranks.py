@@ -11,7 +11,12 @@ import psutil
 import pytest
 
 from pytest_fsdp_turbo import checks
-from pytest_fsdp_turbo_contract.records import Metric
+from pytest_fsdp_turbo_contract.records import (
+    LossRecord,
+    OptimizerRecord,
+    RolloutRecord,
+    TrainRecord,
+)
 
 FAULT = "PYTEST_FSDP_TURBO_FAULT"
 PROBES = str(Path(__file__).parent / "warm_probes")
@@ -29,9 +34,9 @@ def test_forked_and_spawned_ranks_give_identical_results(ppo_run):
         checks.check_all(result)
     assert warm.notes == []  # forked: no fallback note
     for key in (
-        Metric.ACTOR_GRAD_NORM,
-        Metric.ACTOR_PG_LOSS,
-        Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH,
+        OptimizerRecord.key("grad_norm"),
+        LossRecord.key("pg_loss"),
+        TrainRecord.key("reduce_scatter_calls_by_micro_batch"),
     ):
         assert warm.metrics[key] == cold.metrics[key], key
     # how much start-up forking saves is benchmarks/warm_ranks.py's figure, not a test's
@@ -63,7 +68,11 @@ def test_a_case_after_a_failed_polluting_case_is_unaffected(ppo_run):
     assert not failed.ok and "injected crash" in failed.failure_text()
     after = ppo_run(CASE, engine_modules=["leak_probe"], pythonpath=[PROBES])
     checks.check_all(after)  # leak_probe raises in the rank if env, modules or registry leaked
-    for key in (Metric.ACTOR_GRAD_NORM, Metric.ACTOR_PG_LOSS, Metric.CRITIC_SCORE_MEAN):
+    for key in (
+        OptimizerRecord.key("grad_norm"),
+        LossRecord.key("pg_loss"),
+        RolloutRecord.key("score_mean"),
+    ):
         assert after.metrics[key] == before.metrics[key], key  # RNG and weights untouched
     # the name passes as a plain backend (engine modules are given), but nothing registers it now
     orphan = ppo_run(

@@ -18,7 +18,8 @@ that applies and says which could not apply and why.
      from the second update on, where the clip, the KL term and the response mask shape it)
 
 Each failure message names the check letter, the rank, the metric or parameter, the value and the
-tolerance. Every value checked here was measured by the harness inside the ranks.
+tolerance. The checks read each rank's typed records (`RankResult.step`) for what was measured, all
+of it measured by the harness inside the ranks, and the run's `RankSpec` for what was declared.
 """
 
 from __future__ import annotations
@@ -29,8 +30,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_fsdp_turbo_contract.records import NAMES_DIFFER, Metric
+from pytest_fsdp_turbo_contract.records import (
+    NAMES_DIFFER,
+    LossRecord,
+    OptimizerRecord,
+    PerfRecord,
+    PostStepRecord,
+    Record,
+    ReferenceRecord,
+    RolloutRecord,
+    StepMetrics,
+    TrainRecord,
+)
 from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.vocab import SyncPolicy
 
 # Tolerances by compute dtype; measured margins: benchmarks/check_margins.py (README). fp32 gradient
@@ -106,26 +119,58 @@ class Verdict:
         return [o.describe() for o in self.with_status(NOT_APPLICABLE)]
 
 
+def declared(result: RunResult) -> RankSpec:
+    """What the ranks were asked to do: the declared values every check reads."""
+    spec = result.spec()
+    if spec is None:
+        raise CheckFailure(
+            f"case {result.case_id}: no readable spec.json in {result.artifacts_dir}, which "
+            "says what the ranks were asked to do"
+        )
+    return spec
+
+
 def _dtype(result: RunResult) -> str:
-    return str(result.metrics.get(Metric.CASE_DTYPE, "fp32"))
+    return str(declared(result).engine.dtype)
 
 
-def _per_rank(result: RunResult, key: str) -> Iterator[tuple[int, Any]]:
-    for rank in result.ranks:
-        yield rank.rank, _on_rank(result, rank.rank, key)
+def _rank0(result: RunResult) -> StepMetrics:
+    return result.ranks[0].step
 
 
-def _on_rank(result: RunResult, rank: int, key: str) -> Any:
-    metrics = result.ranks[rank].metrics
-    if metrics is None or key not in metrics:
+def _per_rank(result: RunResult, record: type[Record], name: str) -> Iterator[tuple[int, Any]]:
+    """(rank, its `record`'s field `name`) for every rank; a rank whose record holds nothing
+    fails, naming the metric and the rank's log."""
+    for ranked in result.ranks:
+        got = ranked.step.record(record)
+        if not got.measured():
+            key = record.key(name)
+            raise CheckFailure(
+                f"rank {ranked.rank}: metric {key!r} missing (log {ranked.log_path})"
+            )
+        yield ranked.rank, getattr(got, name)
+
+
+def _measured(result: RunResult, record: type[Record], name: str) -> Iterator[tuple[int, Any]]:
+    """As _per_rank, and a rank whose field holds nothing fails the same way."""
+    for rank, _ in _per_rank(result, record, name):
+        yield rank, _value(result, rank, record, name)
+
+
+def _value(result: RunResult, rank: int, record: type[Record], name: str) -> Any:
+    """One rank's measurement; one that holds nothing fails, naming the metric and the log."""
+    value = getattr(result.ranks[rank].step.record(record), name)
+    if value is None:
         log = result.ranks[rank].log_path
-        raise CheckFailure(f"rank {rank}: metric {key!r} missing (log {log})")
-    return metrics[key]
+        raise CheckFailure(f"rank {rank}: metric {record.key(name)!r} missing (log {log})")
+    return value
 
 
-def _first_above(result: RunResult, key: str, tolerance: float) -> tuple[int, float] | None:
-    """The first rank whose `key` is above `tolerance` (NaN counts as above), or None."""
-    for rank, value in _per_rank(result, key):
+def _first_above(
+    result: RunResult, record: type[Record], name: str, tolerance: float
+) -> tuple[int, float] | None:
+    """The first rank whose measurement is above `tolerance` (NaN counts as above), or None."""
+    for rank, value in _per_rank(result, record, name):
         if not value <= tolerance:
             return rank, value
     return None
@@ -143,41 +188,41 @@ def check_completed(result: RunResult) -> None:
 def check_grad_norm(result: RunResult) -> None:
     """a. Finite, the same on every rank, and true: the global L2 norm of the sharded gradients."""
     dtype = _dtype(result)
-    norms = list(_per_rank(result, Metric.ACTOR_GRAD_NORM))
+    key = OptimizerRecord.key("grad_norm")
+    norms = list(_per_rank(result, OptimizerRecord, "grad_norm"))
     for rank, value in norms:
         if value is None or not math.isfinite(value):
-            raise CheckFailure(
-                f"check a: rank {rank}: {Metric.ACTOR_GRAD_NORM} = {value}, expected a finite value"
-            )
+            raise CheckFailure(f"check a: rank {rank}: {key} = {value}, expected a finite value")
     base_rank, base = norms[0]
     for rank, value in norms[1:]:
         if abs(value - base) > NORM_AGREEMENT_REL * max(abs(base), 1e-12):
             raise CheckFailure(
-                f"check a: rank {rank}: {Metric.ACTOR_GRAD_NORM} = {value!r} differs from rank {base_rank}'s "
+                f"check a: rank {rank}: {key} = {value!r} differs from rank {base_rank}'s "
                 f"{base!r} beyond relative tolerance {NORM_AGREEMENT_REL:g}"
             )
     tol = GRAD_NORM_TRUE_REL[dtype]
     for (rank, reported), (_, measured) in zip(
-        norms, _per_rank(result, Metric.SYNC_GRAD_NORM_MEASURED)
+        norms, _per_rank(result, OptimizerRecord, "grad_norm_measured")
     ):
         if not _rel(reported, measured) <= tol:
             raise CheckFailure(
-                f"check a: rank {rank}: {Metric.ACTOR_GRAD_NORM} = {reported:.6g} but the global L2 norm of "
+                f"check a: rank {rank}: {key} = {reported:.6g} but the global L2 norm of "
                 f"the sharded gradients is {measured:.6g} (relative difference "
                 f"{_rel(reported, measured):.3g}, tolerance {tol:g})"
             )
-    advantages = result.metrics.get(Metric.PPO_ADVANTAGES_ABS_MAX, 0.0)
+    advantages = _rank0(result).rollout.advantages_abs_max or 0.0
     if base == 0 and advantages > 0:
         raise CheckFailure(
-            f"check a: rank {base_rank}: {Metric.ACTOR_GRAD_NORM} = 0 on a step whose advantages are not "
-            f"all zero ({Metric.PPO_ADVANTAGES_ABS_MAX} = {advantages:.3g}): no gradient reached the shards"
+            f"check a: rank {base_rank}: {key} = 0 on a step whose advantages are not all zero "
+            f"({RolloutRecord.key('advantages_abs_max')} = {advantages:.3g}): no gradient reached "
+            "the shards"
         )
-    reference = result.metrics.get(Metric.SYNC_REFERENCE_GRAD_NORM)
+    reference = _rank0(result).reference.reference_grad_norm
     if reference is not None:
         tol = GRAD_NORM_REFERENCE_REL[dtype]
         if not _rel(base, reference) <= tol:
             raise CheckFailure(
-                f"check a: rank {base_rank}: {Metric.ACTOR_GRAD_NORM} = {base:.6g}, the single-process "
+                f"check a: rank {base_rank}: {key} = {base:.6g}, the single-process "
                 f"reference gradients' norm is {reference:.6g} (relative difference "
                 f"{_rel(base, reference):.3g}, tolerance {tol:g})"
             )
@@ -188,52 +233,54 @@ def check_on_policy(result: RunResult) -> None:
     token's log-ratio ~ 0, which a mean can hide when errors of both signs cancel."""
     dtype = _dtype(result)
     tol = ON_POLICY_LOG_RATIO_TOL.get(dtype)
-    key = Metric.ACTOR_PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH
-    if tol is not None and (over := _first_above(result, key, tol)):
+    name = "ppo_log_ratio_abs_max_first_micro_batch"
+    key = LossRecord.key(name)
+    if tol is not None and (over := _first_above(result, LossRecord, name, tol)):
         raise CheckFailure(
             f"check b: rank {over[0]}: a token's |logprob - old logprob| on the first micro-batch "
             f"is {over[1]:.3g} ({key}), expected <= {tol:g} (old logprobs must come from the "
             "same weights)"
         )
     tol = ON_POLICY_KL_TOL[dtype]
-    for rank, value in _per_rank(result, Metric.ACTOR_PPO_KL_FIRST_MICRO_BATCH):
+    for rank, value in _per_rank(result, LossRecord, "ppo_kl_first_micro_batch"):
         if not abs(value) <= tol:
             raise CheckFailure(
-                f"check b: rank {rank}: {Metric.ACTOR_PPO_KL} on the first micro-batch = {value:.3g}, "
+                f"check b: rank {rank}: {LossRecord.key('ppo_kl')} on the first micro-batch = {value:.3g}, "
                 f"expected |value| <= {tol:g} (old logprobs must come from the same weights)"
             )
-    for rank, value in _per_rank(result, Metric.ACTOR_PG_CLIPFRAC_FIRST_MICRO_BATCH):
+    for rank, value in _per_rank(result, LossRecord, "pg_clipfrac_first_micro_batch"):
         if value != 0:
             raise CheckFailure(
-                f"check b: rank {rank}: {Metric.ACTOR_PG_CLIPFRAC} on the first micro-batch = {value:.3g}, expected 0"
+                f"check b: rank {rank}: {LossRecord.key('pg_clipfrac')} on the first micro-batch = {value:.3g}, expected 0"
             )
 
 
 def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> None:
     """c. Sharded gradients after accumulation equal a single-process reference over the batch."""
-    if Metric.SYNC_GRAD_MAX_REL_ERR not in result.metrics:
+    if not _rank0(result).reference.measured():
         raise NotApplicable("no reference")
     dtype = _dtype(result)
     tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
-    policy = result.metrics.get(Metric.CASE_SYNC_POLICY)
+    policy = declared(result).engine.sync_policy
     # fp32: per parameter first, so the message names the parameter
     for ranked in result.ranks:  # name sets first, whatever the dtype: nothing else compares
-        names = (ranked.metrics or {}).get(Metric.SYNC_GRAD_MAX_REL_ERR_PARAM) or ""
+        names = ranked.step.reference.grad_max_rel_err_param or ""
         if names.startswith(NAMES_DIFFER):
             raise CheckFailure(f"check c: rank {ranked.rank}: the engine's {names}")
-    if tol is not None and (over := _first_above(result, Metric.SYNC_GRAD_MAX_REL_ERR, tol)):
+    if tol is not None and (over := _first_above(result, ReferenceRecord, "grad_max_rel_err", tol)):
         rank, err = over
-        param = _on_rank(result, rank, Metric.SYNC_GRAD_MAX_REL_ERR_PARAM)
+        param = result.ranks[rank].step.reference.grad_max_rel_err_param
         raise CheckFailure(
             f"check c: rank {rank}: parameter {param}: gradient differs from the single-process "
             f"reference by {err:.3g} (relative to its largest entry), tolerance {tol:g} "
             f"[sync policy {policy}]"
         )
     tol = GRAD_PARITY_L2_TOL[dtype]
-    if over := _first_above(result, Metric.SYNC_GRAD_REL_L2_ERR, tol):
+    if over := _first_above(result, ReferenceRecord, "grad_rel_l2_err", tol):
         raise CheckFailure(
             f"check c: rank {over[0]}: gradients differ from the single-process reference by "
-            f"relative L2 error {over[1]:.3g} ({Metric.SYNC_GRAD_REL_L2_ERR}), tolerance {tol:g} "
+            f"relative L2 error {over[1]:.3g} ({ReferenceRecord.key('grad_rel_l2_err')}), "
+            f"tolerance {tol:g} "
             f"[sync policy {policy}]"
         )
 
@@ -247,35 +294,36 @@ def check_twin(result: RunResult) -> None:
     if not twin.ok:
         raise CheckFailure(f"{label}: the twin run failed\n{twin.failure_text()}")
     dtype = _dtype(result)
-    mine, theirs = result.metrics, twin.metrics
+    mine, theirs = _rank0(result), _rank0(twin)
     atol, rtol = TWIN_LOSS_TOL[dtype]
-    diff = abs(mine[Metric.ACTOR_LOSS] - theirs[Metric.ACTOR_LOSS])
-    if not diff <= atol + rtol * abs(theirs[Metric.ACTOR_LOSS]):
+    a, b = _value(result, 0, LossRecord, "loss"), _value(twin, 0, LossRecord, "loss")
+    diff = abs(a - b)
+    if not diff <= atol + rtol * abs(b):
         raise CheckFailure(
-            f"{label}: {Metric.ACTOR_LOSS} = {mine[Metric.ACTOR_LOSS]:.6g}, twin {theirs[Metric.ACTOR_LOSS]:.6g} "
+            f"{label}: {LossRecord.key('loss')} = {a:.6g}, twin {b:.6g} "
             f"(difference {diff:.3g}, tolerance atol {atol:g} + rtol {rtol:g})"
         )
     tol = TWIN_GRAD_NORM_REL[dtype]
-    a, b = mine[Metric.ACTOR_GRAD_NORM], theirs[Metric.ACTOR_GRAD_NORM]
+    a = _value(result, 0, OptimizerRecord, "grad_norm")
+    b = _value(twin, 0, OptimizerRecord, "grad_norm")
     if not (math.isfinite(a) and _rel(a, b) <= tol):
         raise CheckFailure(
-            f"{label}: {Metric.ACTOR_GRAD_NORM} = {a:.6g}, twin {b:.6g} (relative difference "
-            f"{_rel(a, b):.3g}, tolerance {tol:g})"
+            f"{label}: {OptimizerRecord.key('grad_norm')} = {a:.6g}, twin {b:.6g} (relative "
+            f"difference {_rel(a, b):.3g}, tolerance {tol:g})"
         )
-    _twin_sketches_agree(label, mine.get(Metric.SYNC_GRAD_SKETCH), theirs, dtype)
+    _twin_sketches_agree(label, mine.train.grad_sketch, theirs.train.grad_sketch, dtype)
     tol = TWIN_LOGPROB_TOL[dtype]
-    lp = theirs[Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF]
+    lp = _value(twin, 0, PostStepRecord, "post_step_logprob_max_abs_diff")
     if not lp <= tol:
         raise CheckFailure(
             f"{label}: post-step logprobs on the batch differ from the twin's by up to {lp:.3g} "
-            f"({Metric.TWIN_POST_STEP_LOGPROB_MAX_ABS_DIFF}), tolerance {tol:g}"
+            f"({PostStepRecord.key('post_step_logprob_max_abs_diff')}), tolerance {tol:g}"
         )
 
 
-def _twin_sketches_agree(label: str, mine: dict | None, theirs: dict, dtype: str) -> None:
+def _twin_sketches_agree(label: str, mine: dict | None, twin: dict | None, dtype: str) -> None:
     """Per parameter, the run's gradient sketch against the twin's: a per-tensor measure that a
     total (the global norm) hides, e.g. head gradients sent to the wrong rank."""
-    twin = theirs.get(Metric.SYNC_GRAD_SKETCH)
     if mine is None or twin is None:
         return  # a run with a reference sketches nothing: the reference compares per parameter
     if missing := sorted(set(mine) ^ set(twin)):
@@ -293,7 +341,7 @@ def _twin_sketches_agree(label: str, mine: dict | None, theirs: dict, dtype: str
     if not worst <= tol:
         raise CheckFailure(
             f"{label}: parameter {worst_name}: gradient sketch differs from the twin's by "
-            f"{worst:.3g} of its norm ({Metric.SYNC_GRAD_SKETCH}), tolerance {tol:g}"
+            f"{worst:.3g} of its norm ({TrainRecord.key('grad_sketch')}), tolerance {tol:g}"
         )
 
 
@@ -328,18 +376,15 @@ def check_policies_agree(
     return worst
 
 
-def _each_at_most(result: RunResult, check: str, key: str, tolerance: float) -> None:
-    if over := _first_above(result, key, tolerance):
-        raise CheckFailure(
-            f"check {check}: rank {over[0]}: {key} = {over[1]:.3g}, tolerance {tolerance:g}"
-        )
-
-
 def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
     """d. Every replica holds identical parameters after the step."""
-    if result.metrics.get(Metric.SYNC_REPLICA_MAX_ABS_DIFF) is None:
+    if _rank0(result).post_step.replica_max_abs_diff is None:
         raise NotApplicable("no replicas")
-    _each_at_most(result, "d", Metric.SYNC_REPLICA_MAX_ABS_DIFF, tolerance)
+    if over := _first_above(result, PostStepRecord, "replica_max_abs_diff", tolerance):
+        raise CheckFailure(
+            f"check d: rank {over[0]}: {PostStepRecord.key('replica_max_abs_diff')} = "
+            f"{over[1]:.3g}, tolerance {tolerance:g}"
+        )
 
 
 def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None:
@@ -347,31 +392,31 @@ def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None
     every tensor the rollout serves readably equals the trainer's own parameter exactly (in the
     served dtype; the harness gathers the parameters from the engine's module, not from the state
     dict the engine handed over)."""
-    if result.metrics.get(Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF) is None:
+    if _rank0(result).post_step.rollout_logprob_max_abs_diff is None:
         raise NotApplicable("no rollout")
     tol = WEIGHT_SYNC_TOL[_dtype(result)] if tolerance is None else tolerance
     problems = []
-    if over := _first_above(result, Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF, tol):
+    if over := _first_above(result, PostStepRecord, "rollout_logprob_max_abs_diff", tol):
         problems.append(
-            f"rank {over[0]}: {Metric.SYNC_ROLLOUT_LOGPROB_MAX_ABS_DIFF} = {over[1]:.3g}, "
-            f"tolerance {tol:g}"
+            f"rank {over[0]}: {PostStepRecord.key('rollout_logprob_max_abs_diff')} = "
+            f"{over[1]:.3g}, tolerance {tol:g}"
         )
-    for rank, diff in _per_rank(result, Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF):
+    for rank, diff in _measured(result, PostStepRecord, "handoff_weight_max_abs_diff"):
         if diff != 0:
-            worst = _on_rank(result, rank, Metric.SYNC_HANDOFF_WEIGHT_WORST)
+            worst = result.ranks[rank].step.post_step.handoff_weight_worst
             problems.append(
                 f"rank {rank}: the engine hands the rollout {worst!r} {diff:.3g} away from its "
-                f"own parameter ({Metric.SYNC_HANDOFF_WEIGHT_MAX_ABS_DIFF})"
+                f"own parameter ({PostStepRecord.key('handoff_weight_max_abs_diff')})"
             )
             break
-    for rank, diff in _per_rank(result, Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF):
-        metrics = result.ranks[rank].metrics or {}
-        compared = metrics[Metric.SYNC_ROLLOUT_WEIGHTS_COMPARED]
+    for rank, diff in _measured(result, PostStepRecord, "rollout_weight_max_abs_diff"):
+        after = result.ranks[rank].step.post_step
+        compared = after.rollout_weights_compared
         if diff != 0 or compared == 0:
             problems.append(
-                f"rank {rank}: the rollout serves {metrics[Metric.SYNC_ROLLOUT_WEIGHT_WORST]!r} "
+                f"rank {rank}: the rollout serves {after.rollout_weight_worst!r} "
                 f"{diff:.3g} away from the trainer's parameter after the push ({compared} "
-                f"tensors compared exactly; {Metric.SYNC_ROLLOUT_WEIGHT_MAX_ABS_DIFF})"
+                f"tensors compared exactly; {PostStepRecord.key('rollout_weight_max_abs_diff')})"
             )
             break
     if problems:
@@ -382,10 +427,10 @@ def check_memory(result: RunResult, budget_mb: float | None) -> None:
     """f. Peak memory within budget."""
     if budget_mb is None:
         raise NotApplicable("no memory budget")
-    for rank, value in _per_rank(result, Metric.PERF_PEAK_MEMORY_BYTES):
+    for rank, value in _per_rank(result, PerfRecord, "peak_memory_bytes"):
         if value > budget_mb * 2**20:
             raise CheckFailure(
-                f"check f: rank {rank}: {Metric.PERF_PEAK_MEMORY_BYTES} = {value / 2**20:.1f} MiB, "
+                f"check f: rank {rank}: {PerfRecord.key('peak_memory_bytes')} = {value / 2**20:.1f} MiB, "
                 f"budget {budget_mb:g} MiB"
             )
 
@@ -404,47 +449,49 @@ def expected_reduce_scatters(
 def check_sync_contract(result: RunResult) -> None:
     """h. What the declared gradient-sync policy promises is what the ranks measured; with
     sequence parallelism, each rank's decoder layers saw only its chunk of the sequence."""
-    m = result.metrics
-    policy = _on_rank(result, 0, Metric.CASE_SYNC_POLICY)
-    micro_batches = _on_rank(result, 0, Metric.CASE_MICRO_BATCHES)
+    spec = declared(result)
+    policy, micro_batches = str(spec.engine.sync_policy), spec.ppo.micro_batches
     head = (
         f"check h: case {result.case_id}: declared gradient_sync {policy!r} with "
         f"{micro_batches} micro-batches"
     )
-    for rank, calls in _per_rank(result, Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH):
-        units = _on_rank(result, rank, Metric.COMM_FSDP_UNITS)
-        shards = _on_rank(result, rank, Metric.COMM_SHARD_GROUP_SIZE)
+    for rank, calls in _per_rank(result, TrainRecord, "reduce_scatter_calls_by_micro_batch"):
+        units = _value(result, rank, TrainRecord, "fsdp_units")
+        shards = _value(result, rank, TrainRecord, "shard_group_size")
         want = expected_reduce_scatters(policy, micro_batches, units, shards)
         if calls != want:
             raise CheckFailure(
                 f"{head} over {units} FSDP units that ran, sharded {shards} ways: expected reduce-scatters "
                 f"per micro-batch {want}, "
-                f"measured {calls} on rank {rank} ({Metric.COMM_REDUCE_SCATTER_CALLS_BY_MICRO_BATCH})"
+                f"measured {calls} on rank {rank} "
+                f"({TrainRecord.key('reduce_scatter_calls_by_micro_batch')})"
             )
-    sp = m.get(Metric.CASE_SP_SIZE) or 1
+    sp = spec.engine.sp_size
     if sp > 1:  # sequence parallelism: each rank's decoder layers see only its chunk
-        rows, seq = m[Metric.SYNC_MICRO_BATCH_ROWS], m[Metric.SYNC_SEQ_LEN]
+        rows = _value(result, 0, TrainRecord, "micro_batch_rows")
+        seq = _value(result, 0, TrainRecord, "seq_len")
         tokens = rows * seq
         # 1/sp of the micro-batch's tokens, each row (or the one packed row) padded to split evenly
         low, high = -(-tokens // sp), (tokens + rows * (sp - 1)) // sp
-        for rank, seen in _per_rank(result, Metric.SYNC_LAYER_TOKENS):
+        for rank, seen in _per_rank(result, TrainRecord, "layer_tokens"):
             if not low <= seen <= high:
                 raise CheckFailure(
                     f"{head}: declared sp_size {sp} over micro-batches of {rows} x {seq} tokens: "
                     f"expected each rank's decoder layers to be handed {low}..{high} tokens at "
-                    f"once, measured {seen} on rank {rank} ({Metric.SYNC_LAYER_TOKENS})"
+                    f"once, measured {seen} on rank {rank} ({TrainRecord.key('layer_tokens')})"
                 )
-    for rank, retained in _per_rank(result, Metric.SYNC_RETAINED_GRAD_BYTES):
+    retained_key = TrainRecord.key("retained_grad_bytes")
+    for rank, retained in _per_rank(result, TrainRecord, "retained_grad_bytes"):
         holds = policy == SyncPolicy.DEFERRED and micro_batches > 1
         if holds and not retained > 0:
             raise CheckFailure(
                 f"{head}: expected unsharded gradients held between micro-batches, measured "
-                f"{Metric.SYNC_RETAINED_GRAD_BYTES} = {retained} on rank {rank}"
+                f"{retained_key} = {retained} on rank {rank}"
             )
         if not holds and retained != 0:
             raise CheckFailure(
                 f"{head}: expected no unsharded gradients held between micro-batches, measured "
-                f"{Metric.SYNC_RETAINED_GRAD_BYTES} = {retained} on rank {rank}"
+                f"{retained_key} = {retained} on rank {rank}"
             )
 
 
@@ -455,42 +502,48 @@ def check_optimizer_step(result: RunResult) -> None:
     lr, betas, eps and weight decay (the betas cancel out of the first step: a case with
     `updates = 2` proves them); with a reference, the post-step parameters also equal the
     reference's steps."""
-    finite = result.metrics.get(Metric.ACTOR_GRAD_NORM_FINITE, True)
-    numel = dict(_per_rank(result, Metric.ACTOR_LOCAL_PARAM_NUMEL))
-    for rank, moved in _per_rank(result, Metric.ACTOR_PARAM_UPDATE_MAX_ABS):
+    finite = _rank0(result).optimizer.grad_norm_finite is not False
+    moved_key = OptimizerRecord.key("param_update_max_abs")
+    numel = dict(_per_rank(result, OptimizerRecord, "local_param_numel"))
+    for rank, moved in _per_rank(result, OptimizerRecord, "param_update_max_abs"):
         if finite and numel[rank] and not moved > 0:
             raise CheckFailure(
-                f"check i: rank {rank}: {Metric.ACTOR_PARAM_UPDATE_MAX_ABS} = {moved}, expected this rank's "
+                f"check i: rank {rank}: {moved_key} = {moved}, expected this rank's "
                 f"{numel[rank]} parameters to change in the optimizer step"
             )
         if not finite and moved != 0:
             raise CheckFailure(
-                f"check i: rank {rank}: {Metric.ACTOR_PARAM_UPDATE_MAX_ABS} = {moved} after a non-finite "
+                f"check i: rank {rank}: {moved_key} = {moved} after a non-finite "
                 "gradient norm, expected the step to be skipped (parameters bit-identical)"
             )
     tol = ADAMW_STEP_TOL_LR[_dtype(result)]
-    if finite and (over := _first_above(result, Metric.SYNC_ADAMW_STEP_MAX_ERR_LR, tol)):
+    over = _first_above(result, OptimizerRecord, "adamw_step_max_err_lr", tol) if finite else None
+    if over:
         raise CheckFailure(
             f"check i: rank {over[0]}: post-step parameters differ from AdamW in closed form "
             f"(from the gradients and parameters the harness read, its own moments over "
-            f"{result.metrics.get(Metric.CASE_UPDATES) or 1} update(s), and the case's lr, betas, "
-            f"eps and weight decay) by {over[1]:.3g} x lr ({Metric.SYNC_ADAMW_STEP_MAX_ERR_LR}), "
+            f"{declared(result).ppo.updates} update(s), and the case's lr, betas, eps and weight "
+            f"decay) by {over[1]:.3g} x lr ({OptimizerRecord.key('adamw_step_max_err_lr')}), "
             f"tolerance {tol:g}"
         )
-    if Metric.SYNC_STEP_MAX_ERR_LR not in result.metrics:
-        return
+    if _rank0(result).post_step.step_max_err_lr is None:
+        return  # no reference step
     dtype = _dtype(result)
     tol = STEP_L2_TOL[dtype]
-    if over := _first_above(result, Metric.SYNC_STEP_REL_L2_ERR, tol):
+    if over := _first_above(result, PostStepRecord, "step_rel_l2_err", tol):
         raise CheckFailure(
             f"check i: rank {over[0]}: the update differs from the single-process reference "
-            f"step's by relative L2 error {over[1]:.3g} ({Metric.SYNC_STEP_REL_L2_ERR}), tolerance {tol:g}"
+            f"step's by relative L2 error {over[1]:.3g} ({PostStepRecord.key('step_rel_l2_err')}), "
+            f"tolerance {tol:g}"
         )
     tol_lr = STEP_TOL_LR.get(dtype)
-    if tol_lr is not None and (over := _first_above(result, Metric.SYNC_STEP_MAX_ERR_LR, tol_lr)):
+    if tol_lr is not None and (
+        over := _first_above(result, PostStepRecord, "step_max_err_lr", tol_lr)
+    ):
         raise CheckFailure(
             f"check i: rank {over[0]}: post-step parameters differ from the single-process "
-            f"reference step by {over[1]:.3g} x lr ({Metric.SYNC_STEP_MAX_ERR_LR}), tolerance {tol_lr:g}"
+            f"reference step by {over[1]:.3g} x lr ({PostStepRecord.key('step_max_err_lr')}), "
+            f"tolerance {tol_lr:g}"
         )
 
 
@@ -503,16 +556,16 @@ def check_clip(result: RunResult) -> None:
     the raw gradients times min(1, max_norm / (norm + 1e-6)). Adam's first step barely sees a
     gradient's scale, so only this reading shows a clip that ignores max_norm or uses each
     shard's own norm."""
-    errors = [r.metrics.get(Metric.SYNC_CLIP_MAX_REL_ERR) for r in result.ranks if r.metrics]
-    if not errors or all(e is None for e in errors):
+    if all(r.step.optimizer.clip_max_rel_err is None for r in result.ranks):
         raise NotApplicable("no optimizer step observed")
-    coef = result.metrics.get(Metric.SYNC_CLIP_COEF)
+    coef = _rank0(result).optimizer.clip_coef
     tol = CLIP_TOL[_dtype(result)]
-    if over := _first_above(result, Metric.SYNC_CLIP_MAX_REL_ERR, tol):
+    if over := _first_above(result, OptimizerRecord, "clip_max_rel_err", tol):
         raise CheckFailure(
             f"check k: rank {over[0]}: the optimizer stepped on gradients {over[1]:.3g} away "
-            f"(relative, {Metric.SYNC_CLIP_MAX_REL_ERR}) from the raw ones clipped by the global "
-            f"norm and max_norm (coefficient {coef:.4g}, {Metric.SYNC_CLIP_COEF}), tolerance {tol:g}"
+            f"(relative, {OptimizerRecord.key('clip_max_rel_err')}) from the raw ones clipped by "
+            f"the global norm and max_norm (coefficient {coef:.4g}, "
+            f"{OptimizerRecord.key('clip_coef')}), tolerance {tol:g}"
         )
 
 
@@ -522,13 +575,14 @@ def check_data_rows(result: RunResult) -> None:
     rows the harness handed each rank, so an engine whose data rank is wrong (an HSDP engine that
     takes it from the shard dimension) cannot hide behind a reference or twin that replays the
     same duplicated batch."""
-    recorded = {r.rank: r.metrics.get(Metric.SYNC_DATA_ROWS) for r in result.ranks if r.metrics}
+    recorded = {r.rank: r.step.train.data_rows for r in result.ranks if r.metrics}
     if len(recorded) < 2:
         raise NotApplicable("one rank")
     rows: dict[int, list[int]] = {k: v for k, v in recorded.items() if v is not None}
     if len(rows) < len(recorded):
         raise NotApplicable("no data rows recorded")
-    sp = int(result.metrics.get(Metric.CASE_SP_SIZE) or 1)
+    sp = declared(result).engine.sp_size
+    key = TrainRecord.key("data_rows")
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank, listed in sorted(rows.items()):
         groups.setdefault(tuple(sorted(listed)), []).append(rank)
@@ -536,7 +590,7 @@ def check_data_rows(result: RunResult) -> None:
         if len(ranks) != sp:
             raise CheckFailure(
                 f"check j: ranks {ranks} trained on the same rows {list(shared)[:8]}"
-                f"{'...' if len(shared) > 8 else ''} ({Metric.SYNC_DATA_ROWS}); with sp_size {sp} "
+                f"{'...' if len(shared) > 8 else ''} ({key}); with sp_size {sp} "
                 f"each row belongs to one data-parallel rank of {sp} rank(s)"
             )
     seen: dict[int, list[int]] = {}
@@ -545,7 +599,7 @@ def check_data_rows(result: RunResult) -> None:
             if row in seen:
                 raise CheckFailure(
                     f"check j: row {row} was trained by ranks {seen[row]} and by ranks {ranks} "
-                    f"({Metric.SYNC_DATA_ROWS}): data-parallel ranks must hold disjoint rows"
+                    f"({key}): data-parallel ranks must hold disjoint rows"
                 )
             seen[row] = ranks
 
@@ -564,11 +618,11 @@ def check_loss_gradient(result: RunResult) -> None:
     caught by a hook of the harness's on that tensor. On one on-policy update the ratio is 1 and
     the KL gradient 0, so only a case with `updates = 2` shows a loss that drops the clip range,
     counts the KL twice or ignores the response mask."""
-    if not any(Metric.SYNC_LOSS_GRAD_MAX_REL_ERR in (r.metrics or {}) for r in result.ranks):
+    if all(r.step.train.loss_grad_max_rel_err is None for r in result.ranks):
         raise NotApplicable("no loss gradient measured")
     tol = LOSS_GRAD_TOL[_dtype(result)]
-    if over := _first_above(result, Metric.SYNC_LOSS_GRAD_MAX_REL_ERR, tol):
-        updates = result.metrics.get(Metric.CASE_UPDATES) or 1
+    if over := _first_above(result, TrainRecord, "loss_grad_max_rel_err", tol):
+        updates = declared(result).ppo.updates
         what = (
             "never reached the log-probabilities the engine reported"
             if over[1] == math.inf
@@ -577,7 +631,7 @@ def check_loss_gradient(result: RunResult) -> None:
         raise CheckFailure(
             f"check l: rank {over[0]}: the loss's gradient on the log-probabilities {what} from "
             f"the PPO loss's in closed form over {updates} update(s) "
-            f"({Metric.SYNC_LOSS_GRAD_MAX_REL_ERR}), tolerance {tol:g}"
+            f"({TrainRecord.key('loss_grad_max_rel_err')}), tolerance {tol:g}"
         )
 
 
@@ -610,8 +664,8 @@ def _parity(result: RunResult) -> None:
 
 def evaluate(result: RunResult, budget_mb: float | None = None) -> Verdict:
     """Every check that applies, without raising: what passed, what failed, what could not apply."""
-    if budget_mb is None:
-        budget_mb = result.metrics.get(Metric.CASE_MEMORY_BUDGET_MB)
+    if budget_mb is None and (spec := result.spec()) is not None:
+        budget_mb = spec.memory_budget_mb
     outcomes = []
     for letter, check in CHECKS:
         try:
