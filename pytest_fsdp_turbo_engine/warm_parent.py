@@ -8,10 +8,11 @@ begins from the same clean state: no process group, no model, no RNG draws, no m
 case imported. At start it runs one CPU step of each tiny model family (no process group, RNG
 state put back) so first-call set-up is paid once, here.
 
-Protocol, one JSON object per line: the launcher writes {"rank", "env", "spec", "log", "cwd"} on
-stdin and reads {"pid"} back; the parent reports {"exit": pid, "code": c} when a rank ends (as
-subprocess does: negative for a signal). The first line it writes is {"ready", "fork_safe",
-"reason", "import_s", "socket"}. It dies with the process that started it, and its ranks die with it.
+Protocol (pytest_fsdp_turbo_contract/warm_protocol.py): typed messages, one JSON line each. The
+launcher writes Fork on stdin and reads Forked back; the parent reports Exited when a process it
+started ends (as subprocess does: negative for a signal). Its first line is Ready. It dies with
+the process that started it, and its ranks die with it. A zygote (a fork that imported one more
+stack) serves the parent with the same server loop and the same messages.
 
 With --listen PATH it also serves the same conversation on a unix socket, so the launcher's
 descendants (an inner pytest session, a `pytest-fsdp-turbo run`) fork from it instead of paying the
@@ -32,12 +33,20 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent
 from pytest_fsdp_turbo_contract.warm_protocol import (
     IMPORT_TIME_ENV,
-    decode,
-    decode_line,
+    Exited,
+    Fork,
+    Forked,
+    Message,
+    MessageBuffer,
+    Ready,
+    ZygoteStarted,
     encode,
     interpreter,
 )
@@ -108,7 +117,7 @@ def fork_unsafe_reason() -> str | None:
     return None
 
 
-def _child(request: dict, inherited: list[int]) -> None:
+def _child(request: Fork, inherited: list[int]) -> None:
     """In the forked rank: its own session, log, environment, folder and thread count, then the
     worker. The parent's sockets are closed first, so a client sees EOF when the parent dies."""
     for fd in inherited:
@@ -116,17 +125,17 @@ def _child(request: dict, inherited: list[int]) -> None:
             os.close(fd)
     os.setsid()
     die_with_parent()
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    out = request.get("stdout")
+    log = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    out = request.stdout
     os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if out else log, 1)
     os.dup2(log, 2)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    env = request["env"]
+    env = request.env
     os.environ.clear()
     os.environ.update(env)
-    if request.get("cwd"):
-        os.chdir(request["cwd"])
+    if request.cwd:
+        os.chdir(request.cwd)
     for entry in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
@@ -137,14 +146,14 @@ def _child(request: dict, inherited: list[int]) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1)
     code = 1
     try:
-        if "module" in request:
-            code = _run_module(request["module"], request["argv"])
+        if request.module is not None:
+            code = _run_module(request.module, request.argv)
         else:
             from pytest_fsdp_turbo_engine import worker
 
             preloaded = sorted({name.partition(".")[0] for name in sys.modules} & set(PRELOADS))
             print(f"[warm fork] stacks already imported: {', '.join(preloaded) or 'none'}")
-            code = worker.main([request["spec"]])
+            code = worker.main([str(request.spec)])
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -177,8 +186,8 @@ PRELOAD_KINDS = ("cpu",)
 
 
 def _zygote_main(conn: socket.socket, preload: str) -> None:
-    """In the zygote: import the stack, say whether forking stays safe, then fork ranks on request
-    and report their exits, exactly like the parent does."""
+    """In the zygote: import the stack, say whether forking stays safe, then serve the parent as
+    the parent serves its launcher (the same loop: fork on request, report exits)."""
     die_with_parent()
     os.dup2(2, 1)  # stdout is the launcher's conversation: what an import prints goes to the log
     name, kind = preload.split(":")
@@ -189,25 +198,12 @@ def _zygote_main(conn: socket.socket, preload: str) -> None:
         reason = fork_unsafe_reason()
     except BaseException as exc:  # noqa: BLE001 - any failure means: fork from the parent instead
         reason = f"{type(exc).__name__}: {exc}"
-    conn.sendall(encode({"ready": reason is None, "reason": reason}))
+    ready = Ready(fork_safe=reason is None, reason=reason)
+    conn.sendall(encode(ready))
     if reason is not None:
         os._exit(1)
-    pending = b""
-    while True:
-        ready, _, _ = select.select([conn], [], [], 0.05)
-        for pid, code in _reaped():
-            conn.sendall(encode({"exit": pid, "code": code}))
-        if not ready:
-            continue
-        chunk = conn.recv(1 << 16)
-        if not chunk:  # the parent went away (its ranks go with it: parent-death signal)
-            os._exit(0)
-        requests, pending = decode(pending + chunk)
-        for request in requests:
-            pid = os.fork()
-            if pid == 0:
-                _child(request, [conn.fileno()])
-            conn.sendall(encode({"pid": pid}))
+    Server(ready, Channel(conn.fileno(), conn.sendall, socket=True), makes_zygotes=False).serve()
+    os._exit(0)  # the parent went away (its ranks go with it: parent-death signal)
 
 
 def _reaped() -> list[tuple[int, int]]:
@@ -222,8 +218,16 @@ def _reaped() -> list[tuple[int, int]]:
         ended.append((pid, os.waitstatus_to_exitcode(status)))
 
 
+class Channel:
+    """The conversation a server answers first: the launcher's stdin and stdout for the parent,
+    the socket pair to the parent for a zygote. EOF on it ends the server."""
+
+    def __init__(self, read_fd: int, write: Callable[[bytes], Any], socket: bool = False):
+        self.read_fd, self.write, self.socket = read_fd, write, socket
+
+
 class Zygote:
-    """The parent's side of one zygote: a socket pair and a line buffer."""
+    """The parent's side of one zygote: its socket and what it said."""
 
     def __init__(self, preload: str, inherited: list[int]):
         ours, theirs = socket.socketpair()
@@ -234,67 +238,101 @@ class Zygote:
                     os.close(fd)
             _zygote_main(theirs, preload)
         theirs.close()
-        self.conn, self.pending = ours, b""
+        self.conn, self.buffer = ours, MessageBuffer()
+        self.heard: list[Message] = []
         ready = self.next_message()
-        self.reason = None if ready and ready.get("ready") else (ready or {}).get("reason", "died")
-        self.exits: list[dict] = []  # read while waiting for a reply; the server routes them
+        self.reason = (
+            None
+            if isinstance(ready, Ready) and ready.fork_safe
+            else getattr(ready, "reason", None) or "died"
+        )
+        self.exits: list[Exited] = []  # read while waiting for a reply; the server routes them
 
-    def next_message(self) -> dict | None:
-        while b"\n" not in self.pending:
+    def next_message(self) -> Message | None:
+        while not self.heard:
             chunk = self.conn.recv(1 << 16)
             if not chunk:
                 return None
-            self.pending += chunk
-        line, self.pending = self.pending.split(b"\n", 1)
-        return decode_line(line)
+            self.heard += self.buffer.feed(chunk)
+        return self.heard.pop(0)
 
-    def fork(self, request: dict) -> int | None:
+    def fork(self, request: Fork) -> int | None:
         self.conn.sendall(encode(request))
         while (message := self.next_message()) is not None:
-            if "exit" in message:
+            if isinstance(message, Exited):
                 self.exits.append(message)
-            else:
-                return message["pid"]
+            elif isinstance(message, Forked):
+                return message.pid
         return None
 
 
 class Server:
-    """The conversations: the launcher on stdin/stdout (key None) and socket clients (their fd)."""
+    """Forks what its conversations ask for and tells each the exits of its own processes: the
+    home channel (key None) and socket clients (their fd); the parent also runs a zygote per
+    preloaded stack and forwards those ranks' requests and exits."""
 
-    def __init__(self, ready: dict, listener: socket.socket | None):
-        self.ready, self.listener = ready, listener
+    def __init__(
+        self,
+        ready: Ready,
+        home: Channel,
+        listener: socket.socket | None = None,
+        makes_zygotes: bool = True,
+    ):
+        self.ready, self.home, self.listener = ready, home, listener
+        self.makes_zygotes = makes_zygotes
         self.clients: dict[int, socket.socket] = {}
-        self.pending: dict[int | None, bytes] = {None: b""}
-        self.owner: dict[int, int | None] = {}  # rank pid -> who asked for it
+        self.buffers: dict[int | None, MessageBuffer] = {None: MessageBuffer()}
+        self.owner: dict[int, int | None] = {}  # pid -> who asked for it
         self.zygotes: dict[str, Zygote | None] = {}  # None: that preload failed, fork here
         self.via: dict[int, Zygote] = {}  # rank pid -> the zygote that forked it
 
-    def send(self, to: int | None, message: dict) -> None:
+    def send(self, to: int | None, message: Message) -> None:
         if to is None:
-            os.write(sys.stdout.fileno(), encode(message))
+            self.home.write(encode(message))
         elif to in self.clients:
             try:
                 self.clients[to].sendall(encode(message))
             except OSError:
                 self.drop(to)
 
+    def serve(self) -> None:
+        """Until the home channel ends. Exits are reaped at least every 50 ms."""
+        while True:
+            zygotes = {z.conn.fileno(): z for z in self.zygotes.values() if z is not None}
+            watched: list[Any] = [self.home.read_fd, *self.clients, *zygotes]
+            watched += [self.listener] if self.listener else []
+            ready, _, _ = select.select(watched, [], [], 0.05)
+            self.reap()
+            for item in ready:
+                if item is self.listener:
+                    self.accept()
+                elif item in zygotes:
+                    self.hear_zygote(zygotes[item])
+                elif item == self.home.read_fd:
+                    chunk = _read(item)
+                    if not chunk:
+                        return
+                    self.receive(None, chunk)
+                elif chunk := _read(item):
+                    self.receive(item, chunk)
+                else:
+                    self.drop(item)
+
     def accept(self) -> None:
         conn, _ = self.listener.accept()
         conn.setblocking(True)
         self.clients[conn.fileno()] = conn
-        self.pending[conn.fileno()] = b""
-        hello = {
-            **self.ready,
-            "pid": os.getpid(),
-            "interpreter": interpreter(),
-            "import_env": {k: os.environ.get(k) for k in IMPORT_TIME_ENV},
-        }
+        self.buffers[conn.fileno()] = MessageBuffer()
+        import_env = {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
+        hello = replace(
+            self.ready, pid=os.getpid(), interpreter=interpreter(), import_env=import_env
+        )
         self.send(conn.fileno(), hello)
 
     def drop(self, fd: int) -> None:
         """A client went away: its ranks go with it, as they would with their own parent."""
         conn = self.clients.pop(fd, None)
-        self.pending.pop(fd, None)
+        self.buffers.pop(fd, None)
         if conn is not None:
             conn.close()
         for pid, owner in list(self.owner.items()):
@@ -306,30 +344,32 @@ class Server:
     def reap(self) -> None:
         for pid, code in _reaped():  # a zygote's own exit is no one's: not in owner
             if pid in self.owner:
-                self.send(self.owner.pop(pid), {"exit": pid, "code": code})
+                self.send(self.owner.pop(pid), Exited(pid, code))
 
     def receive(self, source: int | None, chunk: bytes) -> None:
-        requests, self.pending[source] = decode(self.pending[source] + chunk)
-        for request in requests:
+        for request in self.buffers[source].feed(chunk):
             if source is not None and source not in self.clients:
                 return  # dropped while answering an earlier request: nothing more for it
+            if not isinstance(request, Fork):
+                continue  # only forks are asked of a server
             pid = self.fork_in_zygote(request)
             if pid is None:
                 pid = os.fork()
                 if pid == 0:
                     _child(request, self.inherited())
             self.owner[pid] = source
-            self.send(source, {"pid": pid, "rank": request.get("rank")})
+            self.send(source, Forked(pid, request.rank))
 
     def inherited(self) -> list[int]:
         """Descriptors a forked process must close: every conversation's but its own."""
         fds = [c.fileno() for c in self.clients.values()]
         fds += [z.conn.fileno() for z in self.zygotes.values() if z is not None]
+        fds += [self.home.read_fd] if self.home.socket else []
         return fds + ([self.listener.fileno()] if self.listener is not None else [])
 
-    def fork_in_zygote(self, request: dict) -> int | None:
-        preload = request.get("preload")
-        if not preload or preload.split(":")[-1] not in PRELOAD_KINDS:
+    def fork_in_zygote(self, request: Fork) -> int | None:
+        preload = request.preload
+        if not self.makes_zygotes or not preload or preload.split(":")[-1] not in PRELOAD_KINDS:
             return None
         if preload not in self.zygotes:
             zygote = Zygote(preload, self.inherited())
@@ -339,7 +379,7 @@ class Server:
                 zygote = None
             self.zygotes[preload] = zygote
             if zygote is not None:  # a process of the session: the launcher registers it
-                self.send(None, {"zygote": zygote.pid, "preload": preload})
+                self.send(None, ZygoteStarted(zygote.pid, preload))
         zygote = self.zygotes[preload]
         pid = zygote.fork(request) if zygote is not None else None
         if zygote is not None:
@@ -352,39 +392,13 @@ class Server:
 
     def route_exits(self, zygote: Zygote) -> None:
         for message in zygote.exits:
-            self.via.pop(message["exit"], None)
-            if message["exit"] in self.owner:
-                self.send(self.owner.pop(message["exit"]), message)
+            self.via.pop(message.pid, None)
+            if message.pid in self.owner:
+                self.send(self.owner.pop(message.pid), message)
         zygote.exits.clear()
 
-    def serve(self) -> int:
-        stdin = sys.stdin.fileno()
-        while True:
-            zygotes = {z.conn.fileno(): z for z in self.zygotes.values() if z is not None}
-            watched = [stdin, *self.clients, *zygotes]
-            watched += [self.listener] if self.listener else []
-            ready, _, _ = select.select(watched, [], [], 0.05)
-            self.reap()
-            for item in ready:
-                if item is self.listener:
-                    self.accept()
-                    continue
-                if item in zygotes:
-                    self.hear_zygote(zygotes[item])
-                    continue
-                fd = item
-                chunk = os.read(fd, 1 << 16) if fd == stdin else self._recv(fd)
-                if not chunk:
-                    if fd == stdin:  # the launcher went away
-                        return 0
-                    self.drop(fd)
-                    continue
-                self.receive(None if fd == stdin else fd, chunk)
-
     def hear_zygote(self, zygote: Zygote) -> None:
-        chunk = b""
-        with contextlib.suppress(OSError):
-            chunk = zygote.conn.recv(1 << 16)
+        chunk = _read(zygote.conn.fileno())
         if not chunk:  # it died; its ranks died with it and their clients see them gone
             for key, known in list(self.zygotes.items()):
                 if known is zygote:
@@ -395,17 +409,19 @@ class Server:
                 with contextlib.suppress(OSError):
                     os.killpg(pid, signal.SIGKILL)  # their parent-death signal, made sure of
                 if pid in self.owner:
-                    self.send(self.owner.pop(pid), {"exit": pid, "code": -signal.SIGKILL})
+                    self.send(self.owner.pop(pid), Exited(pid, -signal.SIGKILL))
             return
-        messages, zygote.pending = decode(zygote.pending + chunk)
-        zygote.exits += messages  # only exits come unasked
+        # only exits come unasked
+        zygote.exits += [m for m in zygote.buffer.feed(chunk) if isinstance(m, Exited)]
         self.route_exits(zygote)
 
-    def _recv(self, fd: int) -> bytes:
-        try:
-            return self.clients[fd].recv(1 << 16)
-        except OSError:
-            return b""
+
+def _read(fd: int) -> bytes:
+    """What arrived on a conversation; b"" when it ended (or broke)."""
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return b""
 
 
 def _listen(path: str) -> socket.socket | None:
@@ -431,16 +447,18 @@ def main(argv: list[str] | None = None) -> int:
     _exercise()
     reason = fork_unsafe_reason()
     listener = _listen(argv[1]) if argv[:1] == ["--listen"] and reason is None else None
-    ready = {
-        "ready": True,
-        "fork_safe": reason is None,
-        "reason": reason,
-        "import_s": time.monotonic() - start,
-    }
-    server = Server(ready, listener)
-    server.send(None, {**ready, "socket": argv[1] if listener else None})
+    ready = Ready(
+        fork_safe=reason is None,
+        reason=reason,
+        import_s=time.monotonic() - start,
+        socket=argv[1] if listener else None,
+    )
+    launcher = Channel(sys.stdin.fileno(), lambda data: os.write(sys.stdout.fileno(), data))
+    server = Server(ready, launcher, listener)
+    server.send(None, ready)
     try:
-        return server.serve()
+        server.serve()  # until the launcher goes away
+        return 0
     finally:
         if listener is not None:
             with contextlib.suppress(OSError):

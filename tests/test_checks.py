@@ -69,7 +69,9 @@ def declared_by(metrics: dict) -> RankSpec:
         sync_policy=SyncPolicy(step.case.sync_policy or "deferred"),
     )
     ppo = PPOSpec(micro_batches=step.case.micro_batches or 2, updates=step.case.updates or 1)
-    return RankSpec("case", "model", "qwen3", DeviceKind.CPU, engine, ppo, step.case.memory_budget_mb)
+    return RankSpec(
+        "case", "model", "qwen3", DeviceKind.CPU, engine, ppo, step.case.memory_budget_mb
+    )
 
 
 def result_of(*ranks: dict, twin: RunResult | None = None) -> RunResult:

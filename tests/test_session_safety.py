@@ -221,6 +221,31 @@ def test_the_session_owned_registry_keeps_only_what_the_owner_says() -> None:
         child.wait()
 
 
+def test_one_owner_closes_the_ray_driver_then_the_warm_parent_and_a_fork_closes_neither() -> None:
+    from pytest_fsdp_turbo.launching.session_processes import SessionProcesses
+
+    closed: list[str] = []
+
+    class Helper:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def close(self) -> None:
+            closed.append(self.name)
+
+    processes = SessionProcesses(warm=Helper("warm parent"), ray=Helper("ray driver"))
+    child = os.fork()
+    if child == 0:  # a forked child holds a copy: the helpers are its parent's, not its own
+        processes.close()
+        os._exit(len(closed))
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    processes.close()
+    assert closed == ["ray driver", "warm parent"]
+    processes.close()  # at exit again: nothing left to close
+    assert closed == ["ray driver", "warm parent"]
+
+
 def test_a_ray_address_where_nothing_answers_is_one_line_within_the_bound(tmp_path: Path) -> None:
     if importlib.util.find_spec("ray") is None:
         pytest.skip("needs ray: pip install 'pytest-fsdp-turbo[ray]'")

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -137,15 +138,34 @@ def test_verl_ranks_fork_from_a_zygote_that_imported_verl_once(ppo_run):
 
 
 def test_a_stack_that_fails_to_preload_leaves_forking_to_the_parent():
-    from pytest_fsdp_turbo_engine.warm_parent import Server, Zygote
+    from pytest_fsdp_turbo_contract.warm_protocol import Fork, Ready
+    from pytest_fsdp_turbo_engine.warm_parent import Channel, Server, Zygote
 
     broken = Zygote("no-such-stack:cpu", [])
     assert broken.reason.startswith("KeyError"), broken.reason
-    server = Server({}, None)
-    assert server.fork_in_zygote({"rank": 0, "preload": "no-such-stack:cpu"}) is None
+    server = Server(Ready(fork_safe=True), Channel(-1, lambda data: None))
+    request = Fork({}, "log", rank=0, preload="no-such-stack:cpu")
+    assert server.fork_in_zygote(request) is None
     assert server.zygotes == {"no-such-stack:cpu": None}  # not tried again
-    assert server.fork_in_zygote({"rank": 0, "preload": "verl:cuda"}) is None  # cpu only
+    assert server.fork_in_zygote(replace(request, preload="verl:cuda")) is None  # cpu only
     assert "verl:cuda" not in server.zygotes
+
+
+def test_every_warm_message_round_trips_through_its_one_encoding():
+    from pytest_fsdp_turbo_contract import warm_protocol as wp
+
+    messages = [
+        wp.Ready(fork_safe=False, reason="a CUDA context exists", import_s=4.5, socket="/s"),
+        wp.Fork({"RANK": "0"}, "/l", "/cwd", rank=0, spec="/spec.json", preload="verl:cpu"),
+        wp.Fork({}, "/err", module="helper", argv=["a"], stdout="/out"),
+        wp.Forked(123, rank=1),
+        wp.Exited(123, -9),
+        wp.ZygoteStarted(77, "verl:cpu"),
+    ]
+    wire = b"".join(wp.encode(m) for m in messages)
+    buffer = wp.MessageBuffer()
+    heard = buffer.feed(wire[:50]) + buffer.feed(wire[50:])  # split mid-line, as sockets do
+    assert heard == messages and buffer.pending == b""
 
 
 def test_helpers_run_as_forks_of_the_warm_parent_with_their_output_and_exit_code(tmp_path):

@@ -11,7 +11,6 @@ leaves them alone and still fails a test whose actors or ranks outlive it.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -25,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_fsdp_turbo.launching.session_processes import disown, own
+from pytest_fsdp_turbo.launching.session_processes import disown, own, session_processes
 from pytest_fsdp_turbo.launching.supervisor import WATCH_EVERY_S, collect_result, kill_pid_tree
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.errors import ConfigError
@@ -264,23 +263,16 @@ class RayDriver:
         self._log.close()
 
 
-_drivers: dict[int, RayDriver] = {}  # by pid: an xdist worker starts its own
-
-
 def ray_driver(address: str | None, connect_timeout_s: float, log_dir: Path) -> RayDriver:
     """This process's Ray driver (started on first use; a dead one is reported by its launches,
     not replaced, so every affected case says what happened)."""
-    me = os.getpid()
-    driver = _drivers.get(me)
-    if driver is None:
+    processes = session_processes()
+    if processes.ray is None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        driver = RayDriver(address, connect_timeout_s, log_dir / f"ray-driver-{me}.log")
-        _drivers[me] = driver
-        atexit.register(driver.close)
-    return driver
+        log = log_dir / f"ray-driver-{os.getpid()}.log"
+        processes.ray = RayDriver(address, connect_timeout_s, log)
+    return processes.ray
 
 
 def stop_ray_driver() -> None:
-    driver = _drivers.pop(os.getpid(), None)
-    if driver is not None:
-        driver.close()
+    session_processes().stop_ray()

@@ -141,9 +141,7 @@ class ForkedRank:
     def kill(self) -> None:
         if self.poll() is None:
             kill_pid_tree(self.pid)
-        deadline = time.monotonic() + 5.0
-        while self.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+            self.parent.wait_exit(self.pid, 5.0)  # its exit, reported by the parent
 
 
 def supervise(

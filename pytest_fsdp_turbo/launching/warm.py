@@ -11,7 +11,6 @@ interpreters instead, and the run's notes and the session header say why.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib.util
 import os
@@ -21,16 +20,21 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pytest_fsdp_turbo.launching.session_processes import disown, own
+from pytest_fsdp_turbo.launching.session_processes import disown, own, session_processes
 from pytest_fsdp_turbo.launching.supervisor import kill_pid_tree
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent
 from pytest_fsdp_turbo_contract.vocab import Env
 from pytest_fsdp_turbo_contract.warm_protocol import (
     IMPORT_TIME_ENV,
+    Exited,
+    Fork,
+    Forked,
+    Message,
+    Ready,
+    ZygoteStarted,
     decode_line,
     encode,
     interpreter,
@@ -61,37 +65,46 @@ def fork_unavailable_reason() -> str | None:
 
 
 class _Conversation:
-    """JSON lines with a warm parent: fork requests out; replies and rank exits in."""
+    """Typed messages with a warm parent (pytest_fsdp_turbo_contract/warm_protocol.py): Fork out;
+    Ready and Forked replies, Exited and ZygoteStarted news in, read by one thread."""
 
     pid: int
     log_path: Path
 
-    def _start_reading(self, lines, first: str) -> dict:
+    def _start_reading(self, lines, first: str) -> Ready:
         self.exits: dict[int, int] = {}
         self.zygotes: list[int] = []
         self._replies: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
+        self._exited = threading.Condition()
         self._ended = threading.Event()
         threading.Thread(
             target=self._read, args=(lines,), daemon=True, name="fsdp-turbo-warm-parent"
         ).start()
-        return self._reply(READY_TIMEOUT_S, first)
+        ready = self._reply(READY_TIMEOUT_S, first)
+        if not isinstance(ready, Ready):
+            raise RuntimeError(f"warm parent said {ready} before it was ready; see {self.log_path}")
+        return ready
 
     def _read(self, lines) -> None:
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
             for line in lines:
                 message = decode_line(line)
-                if "exit" in message:
-                    self.exits[message["exit"]] = message["code"]
-                elif "zygote" in message:  # lives as long as the parent, like the parent
-                    self.zygotes.append(message["zygote"])
-                    own(message["zygote"], f"warm parent's zygote for {message['preload']}")
+                if isinstance(message, Exited):
+                    with self._exited:
+                        self.exits[message.pid] = message.code
+                        self._exited.notify_all()
+                elif isinstance(message, ZygoteStarted):  # lives as long as the parent
+                    self.zygotes.append(message.pid)
+                    own(message.pid, f"warm parent's zygote for {message.preload}")
                 else:
                     self._replies.put(message)
         self._ended.set()
+        with self._exited:
+            self._exited.notify_all()
         self._replies.put(None)  # the parent ended, or the connection to it did
 
-    def _reply(self, timeout_s: float, what: str) -> dict:
+    def _reply(self, timeout_s: float, what: str) -> Message:
         try:
             message = self._replies.get(timeout=timeout_s)
         except queue.Empty:
@@ -100,6 +113,15 @@ class _Conversation:
             raise RuntimeError(f"warm parent did not answer ({what}); see {self.log_path}")
         return message
 
+    def wait_exit(self, pid: int, timeout_s: float) -> int | None:
+        """The exit code of `pid`, once the parent reports it; None at the timeout or when the
+        parent is gone first."""
+        with self._exited:
+            self._exited.wait_for(
+                lambda: pid in self.exits or self._ended.is_set(), timeout=timeout_s
+            )
+            return self.exits.get(pid)
+
     def _write(self, data: bytes) -> None:
         raise NotImplementedError
 
@@ -107,14 +129,16 @@ class _Conversation:
         self, rank: int, env: Mapping[str, str], spec: Path, log: Path, preload: str | None = None
     ) -> int:
         """A rank's pid; `preload` ("verl:cpu") forks it from a zygote that imported that stack."""
-        request = {"rank": rank, "env": dict(env), "spec": str(spec), "log": str(log)}
-        return self._request(request, preload, f"fork rank {rank}")
+        request = Fork(dict(env), str(log), os.getcwd(), rank=rank, spec=str(spec), preload=preload)
+        return self._request(request, f"fork rank {rank}")
 
-    def _request(self, request: dict, preload: str | None, what: str) -> int:
-        request.update(cwd=os.getcwd(), preload=preload)
+    def _request(self, request: Fork, what: str) -> int:
         with self._lock:
             self._write(encode(request))
-            return self._reply(FORK_TIMEOUT_S, what)["pid"]
+            reply = self._reply(FORK_TIMEOUT_S, what)
+        if not isinstance(reply, Forked):
+            raise RuntimeError(f"warm parent answered {reply} to {what}; see {self.log_path}")
+        return reply.pid
 
     def run_module(
         self, module: str, argv: Sequence[str], env: Mapping[str, str], timeout_s: float
@@ -122,17 +146,16 @@ class _Conversation:
         """`python -m module argv...` forked from this parent: its imports are already paid."""
         with tempfile.TemporaryDirectory(prefix="fsdp-turbo-run-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"module": module, "argv": list(argv), "env": dict(env)}
-            request.update(stdout=str(out), log=str(err))
-            pid = self._request(request, None, f"run {module}")
-            deadline = time.monotonic() + timeout_s
-            while (code := self.exits.get(pid)) is None:
-                if not self.alive:
-                    raise RuntimeError(f"warm parent died while running {module}")
-                if time.monotonic() > deadline:
-                    kill_pid_tree(pid)
-                    raise subprocess.TimeoutExpired([module, *argv], timeout_s)
-                time.sleep(0.01)
+            request = Fork(
+                dict(env), str(err), os.getcwd(), module=module, argv=list(argv), stdout=str(out)
+            )
+            pid = self._request(request, f"run {module}")
+            code = self.wait_exit(pid, timeout_s)
+            if code is None and not self.alive:
+                raise RuntimeError(f"warm parent died while running {module}")
+            if code is None:
+                kill_pid_tree(pid)
+                raise subprocess.TimeoutExpired([module, *argv], timeout_s)
             return subprocess.CompletedProcess(
                 [module, *argv],
                 code,
@@ -167,8 +190,8 @@ class WarmParent(_Conversation):
         )
         self.pid = self.proc.pid
         ready = self._start_reading(self.proc.stdout, "start")
-        self.fork_safe, self.reason = ready["fork_safe"], ready["reason"]
-        self.import_s, self.socket = ready["import_s"], ready.get("socket")
+        self.fork_safe, self.reason = ready.fork_safe, ready.reason
+        self.import_s, self.socket = ready.import_s, ready.socket
 
     def _write(self, data: bytes) -> None:
         self.proc.stdin.write(data)
@@ -207,9 +230,9 @@ class SharedWarmParent(_Conversation):
             raise
         self._sock.settimeout(None)
         hello = self._start_reading(self._sock.makefile("rb"), "connect")
-        self.pid, self.fork_safe, self.reason = hello["pid"], hello["fork_safe"], hello["reason"]
+        self.pid, self.fork_safe, self.reason = hello.pid or 0, hello.fork_safe, hello.reason
         self.import_s = 0.0
-        self.fits = hello["interpreter"] == interpreter() and hello["import_env"] == import_env()
+        self.fits = hello.interpreter == interpreter() and hello.import_env == import_env()
 
     def _write(self, data: bytes) -> None:
         self._sock.sendall(data)
@@ -239,14 +262,8 @@ def _adopt_shared_parent() -> SharedWarmParent | None:
     """The ancestor's warm parent, kept as this process's own from now on, if there is one."""
     shared = _shared_parent() if fork_unavailable_reason() is None else None
     if shared is not None:
-        _parents[os.getpid()] = shared
-        atexit.register(shared.close)
+        session_processes().warm = shared
     return shared
-
-
-_parents: dict[int, _Conversation] = {}  # by pid: a forked or xdist-spawned process has its own
-_refusals: dict[int, str] = {}
-_log_dirs: dict[int, Path] = {}  # where this process's parent keeps its log, for a replacement
 
 
 def run_module(
@@ -256,9 +273,10 @@ def run_module(
     forked from the warm parent this process already has, its own or an ancestor's, so torch and
     transformers are not imported again; in a fresh interpreter when there is none."""
     env = {**os.environ, **(env or {})}
-    parent = _parents.get(os.getpid())
-    if parent is not None and not parent.alive and os.getpid() in _log_dirs:
-        parent, _ = warm_parent(_log_dirs[os.getpid()])  # it died (a fault test): a new one
+    processes = session_processes()
+    parent = processes.warm
+    if parent is not None and not parent.alive and processes.warm_log_dir is not None:
+        parent, _ = warm_parent(processes.warm_log_dir)  # it died (a fault test): a new one
     if parent is None:
         parent = _adopt_shared_parent()
     if parent is not None and parent.alive:
@@ -276,15 +294,16 @@ def run_module(
 def warm_parent(log_dir: Path) -> tuple[_Conversation | None, str | None]:
     """This process's warm parent (an ancestor's, or one started on first use), or (None, why ranks
     must be spawned). One this process starts is advertised to its descendants."""
-    me = os.getpid()
-    _log_dirs[me] = log_dir
-    if me in _refusals:
-        return None, _refusals[me]
-    parent = _parents.get(me)
+    me, processes = os.getpid(), session_processes()
+    processes.warm_log_dir = log_dir
+    if processes.warm_refusal is not None:
+        return None, processes.warm_refusal
+    parent = processes.warm
     if parent is not None:
         if parent.alive:
             return parent, None
         parent.close()  # died (a case reported it); a new one takes its place
+        processes.warm = None
     shared = _adopt_shared_parent()
     if shared is not None:
         return shared, None
@@ -299,13 +318,12 @@ def warm_parent(log_dir: Path) -> tuple[_Conversation | None, str | None]:
             reason = f"warm parent failed to start: {exc}"
         else:
             if parent.fork_safe:
-                _parents[me] = parent
+                processes.warm = parent
                 own(parent.proc.pid, "warm parent")  # its forked ranks stay the test's
-                atexit.register(parent.close)
                 if parent.socket:
                     os.environ[SOCKET_VAR] = parent.socket
                 return parent, None
             reason = f"fork is unsafe in the warm parent: {parent.reason}"
             parent.close()
-    _refusals[me] = reason
+    processes.warm_refusal = reason
     return None, reason
