@@ -136,7 +136,7 @@ class Case:
             backend=self.backend,
             sp_size=self.sp_size,
             dtype=self.dtype_on(kind),
-            sync_policy=self.gradient_sync,
+            gradient_sync=self.gradient_sync,
             lr=self.lr,
             grad_clip=self.grad_clip,
             adam_beta1=self.adam_beta1,

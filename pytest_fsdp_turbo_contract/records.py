@@ -102,7 +102,7 @@ class CaseRecord(Record):
     rank: int | None = metric(key="rank")
     device: str | None = metric()
     dtype: str | None = metric()
-    sync_policy: str | None = metric()
+    gradient_sync: str | None = metric()
     world_size: int | None = metric()
     micro_batches: int | None = metric()
     reference: bool | None = metric()

@@ -20,7 +20,7 @@ class EngineSpec:
     backend: str = "fsdp"
     sp_size: int = 1
     dtype: Dtype = Dtype.FP32  # bf16: bf16 params, fp32 gradient reduction
-    sync_policy: SyncPolicy = SyncPolicy.DEFERRED
+    gradient_sync: SyncPolicy = SyncPolicy.DEFERRED
     lr: float = 1e-4
     grad_clip: float = 1.0
     weight_decay: float = 0.0  # AdamW; the reference step and the closed form use the same
@@ -83,7 +83,7 @@ class RankSpec:
                     **{
                         **engine,
                         "dtype": Dtype(engine["dtype"]),
-                        "sync_policy": SyncPolicy(engine["sync_policy"]),
+                        "gradient_sync": SyncPolicy(engine["gradient_sync"]),
                     }
                 ),
                 "ppo": PPOSpec(**{**ppo, "rollout": Rollout(ppo["rollout"])}),

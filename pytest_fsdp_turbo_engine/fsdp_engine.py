@@ -18,8 +18,6 @@ from pytest_fsdp_turbo_contract.vocab import Dtype, SyncPolicy
 from pytest_fsdp_turbo_engine.ppo import entropy_from_logits, response_logprobs
 from pytest_fsdp_turbo_engine.registry import register
 
-SYNC_POLICIES = tuple(SyncPolicy)
-
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
@@ -71,10 +69,6 @@ class FSDPEngineWithLMHead:
     drives_micro_batches: ClassVar[bool] = False
 
     def __init__(self, config: EngineSpec, device: torch.device):
-        if config.sync_policy not in SYNC_POLICIES:
-            raise ValueError(
-                f"sync_policy: expected one of {SYNC_POLICIES}; got {config.sync_policy!r}"
-            )
         self.config = config
         self.device = device
         self.module: torch.nn.Module | None = None
@@ -192,7 +186,7 @@ class FSDPEngineWithLMHead:
         Sync is switched back on when the body ends, even when the backward raised, so a failed
         micro-batch never leaves the module silently accumulating unsynchronised gradients.
         """
-        sync = is_last_micro_batch or self.config.sync_policy == SyncPolicy.EVERY_MICRO_BATCH
+        sync = is_last_micro_batch or self.config.gradient_sync == SyncPolicy.EVERY_MICRO_BATCH
         self._set_gradient_sync(sync)
         try:
             yield

@@ -544,7 +544,7 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
         rank=rank,
         device=spec.device_kind,
         dtype=ctx.engine_cfg.dtype,
-        sync_policy=ctx.engine_cfg.sync_policy,
+        gradient_sync=ctx.engine_cfg.gradient_sync,
         world_size=ctx.engine_cfg.world_size,
         micro_batches=cfg.micro_batches,
         reference=cfg.reference_checks and not ctx.replaying,

@@ -86,7 +86,7 @@ class VerlEngineAdapter:
                 mixed_precision=FP32_MIXED_PRECISION if fp32 else None,
                 use_torch_compile=False,
                 use_dynamic_bsz=False,
-                use_no_sync_for_gradient_accumulation=cfg.sync_policy == SyncPolicy.DEFERRED,
+                use_no_sync_for_gradient_accumulation=cfg.gradient_sync == SyncPolicy.DEFERRED,
                 turbo_config=dict(cfg.turbo_config),
             ),
             "optimizer_config": FSDPOptimizerConfig(

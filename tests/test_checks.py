@@ -25,7 +25,7 @@ from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, SyncPolicy
 def healthy(rank: int, **changes) -> dict:
     metrics = {
         CaseRecord.key("dtype"): "fp32",
-        CaseRecord.key("sync_policy"): "deferred",
+        CaseRecord.key("gradient_sync"): "deferred",
         CaseRecord.key("micro_batches"): 2,
         CaseRecord.key("memory_budget_mb"): None,
         OptimizerRecord.key("grad_norm"): 0.8,
@@ -66,7 +66,7 @@ def declared_by(metrics: dict) -> RankSpec:
         fsdp_size=2,
         sp_size=step.train.sp_size or 1,
         dtype=Dtype(step.case.dtype or "fp32"),
-        sync_policy=SyncPolicy(step.case.sync_policy or "deferred"),
+        gradient_sync=SyncPolicy(step.case.gradient_sync or "deferred"),
     )
     ppo = PPOSpec(micro_batches=step.case.micro_batches or 2, updates=step.case.updates or 1)
     return RankSpec(

@@ -41,7 +41,7 @@ def make_engine(policy):
     from torch.distributed.fsdp import fully_shard
 
     engine = Recorder(
-        EngineSpec(world_size=1, fsdp_size=1, sync_policy=policy), torch.device("cpu")
+        EngineSpec(world_size=1, fsdp_size=1, gradient_sync=policy), torch.device("cpu")
     )
     engine.toggles = []
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))

@@ -261,7 +261,7 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
         raise NotApplicable("no reference")
     dtype = _dtype(result)
     tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
-    policy = declared(result).engine.sync_policy
+    policy = declared(result).engine.gradient_sync
     # fp32: per parameter first, so the message names the parameter
     for ranked in result.ranks:  # name sets first, whatever the dtype: nothing else compares
         names = ranked.step.reference.grad_max_rel_err_param or ""
@@ -450,7 +450,7 @@ def check_sync_contract(result: RunResult) -> None:
     """h. What the declared gradient-sync policy promises is what the ranks measured; with
     sequence parallelism, each rank's decoder layers saw only its chunk of the sequence."""
     spec = declared(result)
-    policy, micro_batches = str(spec.engine.sync_policy), spec.ppo.micro_batches
+    policy, micro_batches = str(spec.engine.gradient_sync), spec.ppo.micro_batches
     head = (
         f"check h: case {result.case_id}: declared gradient_sync {policy!r} with "
         f"{micro_batches} micro-batches"
