@@ -9,7 +9,7 @@ import dataclasses
 import math
 import re
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -124,12 +124,9 @@ class Case:
         *,
         model_path: str,
         model_type: str,
-        engine_modules: Sequence[str] = (),
-        turbo_config: dict | None = None,
-        replay: str = "",
-        collective_timeout_s: float | None = None,
     ) -> RankSpec:
-        """What every rank of this case is asked to do on `kind` (spec.json)."""
+        """What every rank of this case is asked to do on `kind` (spec.json); a run adds its own
+        part (launching.request.rank_spec)."""
         engine = EngineSpec(
             world_size=self.world_size,
             fsdp_size=self.shard_size,
@@ -142,7 +139,6 @@ class Case:
             adam_beta1=self.adam_beta1,
             adam_beta2=self.adam_beta2,
             adam_eps=self.adam_eps,
-            turbo_config=turbo_config or {},
             packed=self.packed,
         )
         ppo = PPOSpec(
@@ -155,7 +151,6 @@ class Case:
             clip_ratio=self.clip_ratio,
             rollout=self.rollout,
             reference_checks=self.with_reference_checks(),
-            replay=replay,
         )
         return RankSpec(
             case_id=self.id,
@@ -165,8 +160,7 @@ class Case:
             engine=engine,
             ppo=ppo,
             memory_budget_mb=self.memory_budget_mb,
-            engine_modules=tuple(engine_modules),
-            collective_timeout_s=collective_timeout_s or self.collective_timeout,
+            collective_timeout_s=self.collective_timeout,
         )
 
 

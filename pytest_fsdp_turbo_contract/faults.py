@@ -11,13 +11,13 @@ it was forked from; the local launcher only).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.vocab import Env
 
 FAULT_VAR = Env.FAULT
-STALL_SECONDS_VAR = Env.FAULT_STALL_S  # pytest_fsdp_turbo_engine/faults.py reads it in the rank
+STALL_SECONDS_VAR = Env.FAULT_STALL_S  # read here; the ranks get it in their spec
 KINDS = ("crash", "hang", "nan", "stall", "exit", "kill_parent")
 # every phase a rank enters, in order (pytest_fsdp_turbo_engine/worker.py and pytest_fsdp_turbo_engine/step.py)
 PHASES = (
@@ -42,24 +42,28 @@ class FaultSpec:
     kind: str
     rank: int
     phase: str = PHASES[0]
+    stall_s: float = 5.0  # how long a stall sleeps
 
 
-def parse_fault(value: str, world_size: int | None = None) -> FaultSpec | None:
-    """None when unset; ConfigError naming the variable and the accepted forms otherwise."""
+def parse_fault(
+    value: str, world_size: int | None = None, stall: str | None = None
+) -> FaultSpec | None:
+    """None when unset; ConfigError naming the variable and the accepted forms otherwise.
+    `stall`: the stall variable's value (default: this process's)."""
     value = value.strip()
     if not value:
         return None
     parts = value.split(":")
     if len(parts) not in (2, 3) or parts[0] not in KINDS or not parts[1].isdigit():
         raise ConfigError(f"{FAULT_VAR}: expected {FORMS}; got {value!r}")
-    spec = FaultSpec(parts[0], int(parts[1]), *parts[2:])
+    spec = FaultSpec(parts[0], int(parts[1]), parts[2] if len(parts) == 3 else PHASES[0])
     if spec.phase not in PHASES:
         raise ConfigError(f"{FAULT_VAR}: unknown phase {spec.phase!r}; expected {FORMS}")
-    stall_s = os.environ.get(STALL_SECONDS_VAR, "")
-    if spec.kind == "stall" and stall_s:  # the rank sleeps it: checked before any rank starts
+    stall = os.environ.get(STALL_SECONDS_VAR, "") if stall is None else stall
+    if spec.kind == "stall" and stall:  # the rank sleeps it: checked before any rank starts
         from pytest_fsdp_turbo_contract.bounds import DAY_S, number_in
 
-        number_in(stall_s, STALL_SECONDS_VAR, 0.0, DAY_S)
+        spec = replace(spec, stall_s=number_in(stall, STALL_SECONDS_VAR, 0.0, DAY_S))
     if world_size is not None and spec.rank >= world_size:
         raise ConfigError(
             f"{FAULT_VAR}: rank {spec.rank} is outside the case's {world_size} ranks "

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pytest_fsdp_turbo_contract.faults import FaultSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, Rollout, SyncPolicy
 
 
@@ -28,6 +29,7 @@ class EngineSpec:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     turbo_config: dict = field(default_factory=dict)
+    turbo_checkout: str = ""  # where the fsdp_turbo library was found (for the ranks' messages)
     packed: bool = False  # one packed row per micro-batch, with position_ids and cu_seqlens
 
 
@@ -49,6 +51,7 @@ class PPOSpec:
     # from the one that sampled it, so PPO's clip, the KL term and the response mask shape the loss
     updates: int = 1
     rollout: Rollout = Rollout.HF
+    vllm_memory_share: float = 0.3  # of the device's memory, for a vLLM rollout
     seed: int = 7
     reference_checks: bool = True  # single-process reference gradients, fingerprint (tiny models)
     replay: str = ""  # twin runs: the main run's artifact folder, whose saved batch is replayed
@@ -68,6 +71,7 @@ class RankSpec:
     engine_modules: tuple[str, ...] = ()
     # seconds a collective may wait before it fails and names its rank (below the case timeout)
     collective_timeout_s: float = 120.0
+    fault: FaultSpec | None = None  # the harness's own reliability tests inject one
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +92,7 @@ class RankSpec:
                 ),
                 "ppo": PPOSpec(**{**ppo, "rollout": Rollout(ppo["rollout"])}),
                 "engine_modules": tuple(data.get("engine_modules", ())),
+                "fault": FaultSpec(**data["fault"]) if data.get("fault") else None,
             }
         )
 

@@ -1,7 +1,7 @@
-"""Fault injection for the harness's own reliability tests; inert unless the variable is set.
+"""Fault injection for the harness's own reliability tests; inert unless the spec names one.
 
-The spec (kinds, phases, validation) is pytest_fsdp_turbo_contract.faults, checked in the pytest process
-before launch; this module acts on it inside the rank.
+The spec (kinds, phases, validation) is pytest_fsdp_turbo_contract.faults, resolved in the pytest
+process before launch and handed to the ranks in spec.json; this module acts on it inside the rank.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from pytest_fsdp_turbo_contract.faults import FAULT_VAR, STALL_SECONDS_VAR, FaultSpec, parse_fault
+from pytest_fsdp_turbo_contract.faults import FaultSpec
 
 WARM_PARENT_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
 
@@ -22,9 +22,8 @@ class InjectedFault(RuntimeError):
 
 class Fault(FaultSpec):
     @classmethod
-    def from_env(cls) -> Fault | None:
-        spec = parse_fault(os.environ.get(FAULT_VAR, ""))
-        return None if spec is None else cls(spec.kind, spec.rank, spec.phase)
+    def of(cls, spec: FaultSpec | None) -> Fault | None:
+        return None if spec is None else cls(spec.kind, spec.rank, spec.phase, spec.stall_s)
 
     def at_phase(self, rank: int, phase: str) -> None:
         """Called at the start of every phase; acts only for the named rank and phase."""
@@ -33,7 +32,7 @@ class Fault(FaultSpec):
         if self.kind == "crash":
             raise InjectedFault(f"injected crash in rank {rank} at phase {phase}")
         if self.kind == "stall":  # slow, not stuck: the phase resumes after a while
-            time.sleep(float(os.environ.get(STALL_SECONDS_VAR, "5")))
+            time.sleep(self.stall_s)
         if self.kind == "exit":  # gone without a word: no error file, exit code 0
             sys.stdout.flush()
             os._exit(0)

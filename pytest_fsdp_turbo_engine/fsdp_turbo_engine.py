@@ -21,13 +21,11 @@ from pytest_fsdp_turbo_contract.turbo_config import (
     entry_problems,
     schema_problems,
 )
-from pytest_fsdp_turbo_contract.vocab import Env
 from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
 from pytest_fsdp_turbo_engine.registry import register
 from pytest_fsdp_turbo_engine.turbo_inspect import schema_of
 from pytest_fsdp_turbo_engine.ulysses_lift import library_patches_lifted
 
-CHECKOUT_VAR = Env.CHECKOUT
 # The older layout has no data-parallel getters; its cdp mesh is the same group of ranks.
 DATA_GETTERS = {
     "rank": ("get_data_rank", "get_cdp_rank"),
@@ -40,15 +38,16 @@ class FSDPTurboAPIChanged(RuntimeError):
     pass
 
 
-def import_fsdp_turbo() -> SimpleNamespace:
-    """The library entry points this engine uses; a failed import names where we looked."""
+def import_fsdp_turbo(checkout: str = "") -> SimpleNamespace:
+    """The library entry points this engine uses; a failed import names where we looked
+    (`checkout`: the FSDPTurbo checkout the spec names)."""
     try:
         from fsdp_turbo.distributed import parallel_state
         from fsdp_turbo.fsdp_turbo import FSDPTurbo
         from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig, _dict_to_dataclass
         from fsdp_turbo.training.clip_grads import clip_grad_norm
     except ImportError as exc:
-        checkout = os.environ.get(CHECKOUT_VAR) or "(no FSDPTurbo checkout resolved)"
+        checkout = checkout or "(no FSDPTurbo checkout resolved)"
         raise ImportError(
             f"backend fsdp_turbo needs the fsdp_turbo library: {exc}; tried checkout {checkout} "
             f"and PYTHONPATH={os.environ.get('PYTHONPATH', '')!r}"
@@ -100,7 +99,7 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
     sequence_gather = GatherSequence  # how this rank's logits chunk joins the others (Ulysses)
 
     def _build_mesh(self):
-        self.turbo = import_fsdp_turbo()
+        self.turbo = import_fsdp_turbo(self.config.turbo_checkout)
         world = dist.get_world_size()
         if os.environ.get("WORLD_SIZE") != str(world):
             raise RuntimeError(

@@ -186,8 +186,9 @@ def make_rollout(cfg: PPOSpec, engine_cfg: EngineSpec, model_path: str, device, 
     if cfg.rollout == Rollout.VLLM:
         from pytest_fsdp_turbo_engine.vllm_rollout import VLLMRollout
 
+        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         return VLLMRollout(
-            model_path, tokenizer.eos_token_id, tokenizer.pad_token_id, engine_cfg.dtype, cfg.seed
+            model_path, eos, pad, engine_cfg.dtype, cfg.seed, memory_share=cfg.vllm_memory_share
         )
     return HFRollout(model_path, device, tokenizer.eos_token_id, tokenizer.pad_token_id)
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from pytest_fsdp_turbo_contract.vocab import Dtype, Env
+from pytest_fsdp_turbo_contract.vocab import Dtype
 from pytest_fsdp_turbo_engine.rollout import RolloutBatch, response_mask
 
 WORKER_EXTENSION = "pytest_fsdp_turbo_engine.vllm_rollout.WeightLoaderExtension"
@@ -85,7 +85,15 @@ def _import_vllm():
 
 
 class VLLMRollout:
-    def __init__(self, model_path: str, eos_id: int, pad_id: int, dtype: str, seed: int):
+    def __init__(
+        self,
+        model_path: str,
+        eos_id: int,
+        pad_id: int,
+        dtype: str,
+        seed: int,
+        memory_share: float = 0.3,
+    ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, read on CPU only
         llm_cls, self.sampling = _import_vllm()
@@ -96,7 +104,7 @@ class VLLMRollout:
             **extension,
             dtype="bfloat16" if dtype == Dtype.BF16 else "float32",
             enforce_eager=True,
-            gpu_memory_utilization=float(os.environ.get(Env.VLLM_MEMORY, "0.3")),
+            gpu_memory_utilization=memory_share,
             seed=seed,
         )
         self.eos_id, self.pad_id = eos_id, pad_id

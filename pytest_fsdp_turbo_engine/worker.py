@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     phase = Phase(rank, report=folder.phases(rank))
     try:
-        phase.fault = Fault.from_env()
+        phase.fault = Fault.of(spec.fault)
         phase.enter("init")
         import torch.distributed as dist
 

@@ -11,7 +11,6 @@ pytest.importorskip("torch")
 
 from pytest_fsdp_turbo_engine import registry  # noqa: E402
 from pytest_fsdp_turbo_engine.fsdp_turbo_engine import (  # noqa: E402
-    CHECKOUT_VAR,
     FSDPTurboAPIChanged,
     import_fsdp_turbo,
     reset_parallel_state,
@@ -135,10 +134,9 @@ def test_config_drift_fails_the_case_before_any_rank_starts(pytester, tmp_path):
 
 
 def test_missing_library_error_names_checkout_and_pythonpath(monkeypatch):
-    monkeypatch.setenv(CHECKOUT_VAR, "/cache/FSDPTurbo-abc")
     monkeypatch.setenv("PYTHONPATH", "/cache/FSDPTurbo-abc")
     with pytest.raises(ImportError) as info:
-        import_fsdp_turbo()
+        import_fsdp_turbo("/cache/FSDPTurbo-abc")  # the checkout the rank's spec names
     message = str(info.value)
     assert "backend fsdp_turbo needs the fsdp_turbo library" in message
     assert "tried checkout /cache/FSDPTurbo-abc" in message
@@ -266,6 +264,7 @@ class RecordingLLM:
 
 def test_vllm_weight_push_uses_the_supported_api_the_release_offers():
     import torch
+
     from pytest_fsdp_turbo_engine.vllm_rollout import push_weights
 
     weights = {"lm_head.weight": torch.zeros(2)}

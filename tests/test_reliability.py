@@ -20,6 +20,7 @@ from pytest_fsdp_turbo.cases import Case
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.launching.request import RunRequest, run_case
 from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo_contract.faults import FaultSpec
 from pytest_fsdp_turbo_contract.records import OptimizerRecord, ReferenceRecord
 
 REPO = Path(__file__).resolve().parent.parent
@@ -344,6 +345,8 @@ def test_failed_case_keeps_every_log_traceback_and_metric(ppo_run):
         partial[OptimizerRecord.key("grad_norm")] > 0
         and ReferenceRecord.key("grad_max_rel_err") in partial
     )
+    # the ranks were told of the fault in their spec, as of every other input
+    assert result.spec().fault == FaultSpec("crash", 0, "checks")
 
 
 FLAKY_ENGINE = """

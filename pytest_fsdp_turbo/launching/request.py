@@ -26,9 +26,10 @@ from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
 from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.bounds import number_in
 from pytest_fsdp_turbo_contract.engines import EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
-from pytest_fsdp_turbo_contract.faults import FAULT_VAR, parse_fault
+from pytest_fsdp_turbo_contract.faults import FAULT_VAR, STALL_SECONDS_VAR, FaultSpec, parse_fault
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.vocab import (
@@ -43,7 +44,7 @@ from pytest_fsdp_turbo_contract.vocab import (
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.launching.ray_driver import RayDriver
 
-CHECKOUT_VAR = Env.CHECKOUT
+VLLM_MEMORY_VAR = Env.VLLM_MEMORY  # a vLLM rollout's share of the device memory
 PORT_ATTEMPTS = 3
 PORT_CLASH = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 
@@ -65,17 +66,36 @@ class RunRequest:
 
 
 def rank_spec(request: RunRequest) -> RankSpec:
-    return request.case.rank_spec(
+    """The case's spec plus this run's part: every input a rank reads, validated here (a rank
+    reads no setting from its environment)."""
+    case = request.case
+    spec = case.rank_spec(
         request.accelerator.kind,
         model_path=str(request.model_path),
         model_type=model_type_of(request.model_path),
-        engine_modules=request.engines.for_ranks(),
-        turbo_config=request.turbo_config,
-        replay=str(request.replay) if request.replay else "",
-        collective_timeout_s=collective_timeout_s(
-            Timeouts(request.case.collective_timeout, request.case.timeout)
-        ),
     )
+    env = {**os.environ, **request.extra_env}
+    checkout = str(request.checkout.path) if request.checkout is not None else ""
+    engine = replace(spec.engine, turbo_config=request.turbo_config or {}, turbo_checkout=checkout)
+    share = number_in(env.get(VLLM_MEMORY_VAR, "0.3"), VLLM_MEMORY_VAR, 0.0, 1.0, low_open=True)
+    ppo = replace(
+        spec.ppo, replay=str(request.replay) if request.replay else "", vllm_memory_share=share
+    )
+    return replace(
+        spec,
+        engine=engine,
+        ppo=ppo,
+        engine_modules=request.engines.for_ranks(),
+        collective_timeout_s=collective_timeout_s(Timeouts(case.collective_timeout, case.timeout)),
+        fault=requested_fault(request),
+    )
+
+
+def requested_fault(request: RunRequest) -> FaultSpec | None:
+    """A fault the harness's own tests inject (the variable, or ppo_run's extra_env)."""
+    env = {**os.environ, **request.extra_env}
+    stall = env.get(STALL_SECONDS_VAR, "")
+    return parse_fault(env.get(FAULT_VAR, ""), request.case.world_size, stall)
 
 
 def _port_clash(result: RunResult) -> bool:
@@ -103,7 +123,6 @@ def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[st
     paths = [*request.pythonpath]
     if request.checkout is not None:
         paths.append(request.checkout.pythonpath)
-        env[CHECKOUT_VAR] = str(request.checkout.path)
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
     if paths:
@@ -348,8 +367,7 @@ def with_turbo_config(request: RunRequest) -> RunRequest:
 
 def run_with_twin(request: RunRequest, launch: Callable[[RunRequest], RunResult]) -> RunResult:
     """The case, then (if it declares one and completed) its twin replaying the saved batch."""
-    fault = request.extra_env.get(FAULT_VAR, os.environ.get(FAULT_VAR, ""))
-    parse_fault(fault, request.case.world_size)  # a spec the ranks would ignore is refused here
+    requested_fault(request)  # a fault the ranks could not act on is refused before anything
     request = with_turbo_config(request)
     result = launch(request)
     twin = twin_case(request.case)
