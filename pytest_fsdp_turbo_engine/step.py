@@ -113,24 +113,34 @@ def device_for(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rank:
-    """What every phase of one rank shares: its configs, device, engine and data-parallel place."""
+    """What every phase of one rank shares, built once by `load`: its spec, device, engine, rollout
+    and data-parallel place."""
 
     spec: RankSpec
     rank: int
     phase: Phase
     out: Path
-    engine_cfg: EngineSpec
-    cfg: PPOSpec
     device: torch.device
-    engine: Any = None  # an pytest_fsdp_turbo_engine/protocol.py Engine, once loaded
-    tokenizer: Any = None
-    reference_module: torch.nn.Module | None = None  # frozen initial policy, for ref logprobs
-    rollout: Any = None
-    dp_rank: int = 0
-    dp_size: int = 1
-    sp: int = 1
+    engine: Any  # a pytest_fsdp_turbo_engine/protocol.py Engine, built
+    tokenizer: Any
+    reference_module: torch.nn.Module | None  # frozen initial policy, for ref logprobs (not a twin)
+    rollout: Any  # None for a twin, which replays the main run's batch
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def engine_cfg(self) -> EngineSpec:
+        return self.spec.engine
+
+    @property
+    def cfg(self) -> PPOSpec:
+        return self.spec.ppo
+
+    @property
+    def sp(self) -> int:
+        return max(1, self.spec.engine.sp_size)
 
     @property
     def replaying(self) -> bool:
@@ -159,7 +169,6 @@ def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
     engine_cfg, cfg, kind = spec.engine, spec.ppo, spec.device_kind
     device = device_for(kind, int(os.environ.get("LOCAL_RANK", rank)))
     torch.manual_seed(cfg.seed)
-    ctx = Rank(spec, rank, phase, out, engine_cfg, cfg, device)
 
     phase.enter("load")
     if engine_cfg.backend.startswith(VERL_PREFIX):
@@ -171,15 +180,25 @@ def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
         lookup(spec.model_type, engine_cfg.backend, kind), engine_cfg.backend
     )
     engine = engine_class(engine_cfg, device)
-    ctx.engine = engine
-    ctx.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     engine.build(spec.model_path)
-    if not ctx.replaying:
-        ctx.reference_module = engine.build(spec.model_path, trainable=False)
-        ctx.rollout = make_rollout(cfg, engine_cfg, spec.model_path, device, ctx.tokenizer)
-    ctx.dp_rank, ctx.dp_size = engine.data_parallel_rank(), engine.data_parallel_size()
-    ctx.sp = max(1, engine_cfg.sp_size)
-    return ctx
+    reference_module = rollout = None
+    if not cfg.replay:
+        reference_module = engine.build(spec.model_path, trainable=False)
+        rollout = make_rollout(cfg, engine_cfg, spec.model_path, device, tokenizer)
+    return Rank(
+        spec,
+        rank,
+        phase,
+        out,
+        device,
+        engine,
+        tokenizer,
+        reference_module,
+        rollout,
+        engine.data_parallel_rank(),
+        engine.data_parallel_size(),
+    )
 
 
 def make_rollout(cfg: PPOSpec, engine_cfg: EngineSpec, model_path: str, device, tokenizer):
