@@ -22,6 +22,19 @@ def pytest_configure(config):
     addopts = os.environ.get("PYTEST_ADDOPTS", "")
     if NO_HYDRA not in addopts:
         os.environ["PYTEST_ADDOPTS"] = f"{addopts} {NO_HYDRA}".strip()
+    _one_warm_parent_for_every_worker(config)
+
+
+def _one_warm_parent_for_every_worker(config) -> None:
+    """Under xdist the controller starts one warm parent before it spawns the workers and
+    advertises its socket (PYTEST_FSDP_TURBO_WARM_SOCKET): every worker forks its ranks from it,
+    as an inner session does, instead of paying the imports in a parent of its own."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    from pytest_fsdp_turbo.launching.warm import warm_parent
+    from pytest_fsdp_turbo.leases import LeaseBook
+
+    warm_parent(LeaseBook().state_dir)
 
 
 # The suite's longest tests (see --durations), started first under xdist so the other worker fills
@@ -70,9 +83,10 @@ def _every_test_restores_env_and_cwd(fsdp_turbo_env_guard):
 
 @pytest.fixture(scope="session", autouse=True)
 def _warm_parent_up_front(request):
-    """Under xdist (how the whole suite runs), start each worker's warm parent before its first
-    test, not at its first case: the CLI runs, inner sessions and helpers of earlier tests then
-    fork from it instead of importing torch. A single-file run stays light (no 5 s start)."""
+    """Under xdist (how the whole suite runs), connect each worker to the controller's warm parent
+    (or start its own) before its first test, not at its first case: the CLI runs, inner sessions
+    and helpers of earlier tests then fork from it instead of importing torch. A single-file run
+    stays light (no 5 s start)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     from pytest_fsdp_turbo.launching.warm import warm_parent

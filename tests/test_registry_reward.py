@@ -136,7 +136,8 @@ def test_an_entry_point_names_its_backend_and_a_module_that_does_not_register_it
         "spec engine_modules declares backend 'ep_engine', but importing ep_engines_typo "
         "registered no engine for it; registered backends: "
     )
-    assert "ep_engin," in str(refused.value)
+    registered = str(refused.value).rpartition("registered backends: ")[2].split(", ")
+    assert "ep_engin" in registered  # what the module did register, named
 
 
 def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path, monkeypatch):
