@@ -231,7 +231,7 @@ class SharedWarmParent(_Conversation):
         self._sock.settimeout(None)
         hello = self._start_reading(self._sock.makefile("rb"), "connect")
         self.pid, self.fork_safe, self.reason = hello.pid or 0, hello.fork_safe, hello.reason
-        self.import_s = 0.0
+        self.import_s, self.socket = 0.0, socket_path
         self.fits = hello.interpreter == interpreter() and hello.import_env == import_env()
 
     def _write(self, data: bytes) -> None:
