@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -106,7 +108,7 @@ def _command_line(process: psutil.Process) -> str:
 def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_path, warm):
     """own: the worker starts its warm parent, which dies with it; shared: the worker forks from
     this (outer) process's warm parent, which outlives it, and the worker's ranks still die."""
-    from pytest_fsdp_turbo.launching.warm import warm_parent
+    from pytest_fsdp_turbo.launching.warm import WarmParent
     from pytest_fsdp_turbo_contract.vocab import Env
 
     state = tmp_path / "state"
@@ -119,14 +121,15 @@ def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_pa
         """
         )
     )
-    shared = None
-    if warm == "shared":
-        outer, why = warm_parent(tmp_path / "outer")
-        assert outer is not None and Env.WARM_SOCKET in os.environ, why
-        shared = psutil.Process(outer.pid)
+    shared = outer = None
     env = {**os.environ, "PYTEST_FSDP_TURBO_STATE_DIR": str(state)}
-    if shared is None:
-        env.pop(Env.WARM_SOCKET, None)
+    env.pop(Env.WARM_SOCKET, None)
+    if warm == "shared":  # a parent of this test's own: the suite's serves other tests' ranks too
+        short = Path(tempfile.mkdtemp(prefix="warm-"))  # a unix socket path has 107 bytes
+        outer = WarmParent(short / "parent.log", short / "parent.sock")
+        assert outer.fork_safe and outer.socket, outer.reason
+        env[Env.WARM_SOCKET] = outer.socket
+        shared = psutil.Process(outer.pid)
     before = {p.pid for p in shared.children()} if shared else set()
     inner = subprocess.Popen(
         [
@@ -183,6 +186,9 @@ def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_pa
     finally:
         inner.kill()
         inner.wait(30)
+        if outer is not None:
+            outer.close()
+            shutil.rmtree(outer.log_path.parent, ignore_errors=True)
 
 
 def test_git_never_prompts_and_never_runs_through_a_shell(tmp_path, monkeypatch):
