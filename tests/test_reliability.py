@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -92,8 +91,14 @@ def test_port_taken_between_lease_and_bind_is_retried(tiny_model, tmp_path, no_l
     assert "EADDRINUSE" in (kept / "rank0.error.json").read_text()
 
 
-def _forked_ranks(parent: psutil.Process, before: set[int]) -> list[psutil.Process]:
-    return [p for p in parent.children() if p.pid not in before]
+def _forked_ranks(parent: psutil.Process, before: set[int], cwd: Path) -> list[psutil.Process]:
+    """The parent's new children that run in `cwd`: a shared parent forks other tests' too."""
+    ranks = []
+    for child in parent.children():
+        with contextlib.suppress(psutil.Error):
+            if child.pid not in before and Path(child.cwd()) == cwd:
+                ranks.append(child)
+    return ranks
 
 
 def _command_line(process: psutil.Process) -> str:
@@ -108,7 +113,7 @@ def _command_line(process: psutil.Process) -> str:
 def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_path, warm):
     """own: the worker starts its warm parent, which dies with it; shared: the worker forks from
     this (outer) process's warm parent, which outlives it, and the worker's ranks still die."""
-    from pytest_fsdp_turbo.launching.warm import WarmParent
+    from pytest_fsdp_turbo.launching.warm import warm_parent
     from pytest_fsdp_turbo_contract.vocab import Env
 
     state = tmp_path / "state"
@@ -121,13 +126,12 @@ def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_pa
         """
         )
     )
-    shared = outer = None
+    shared = None
     env = {**os.environ, "PYTEST_FSDP_TURBO_STATE_DIR": str(state)}
     env.pop(Env.WARM_SOCKET, None)
-    if warm == "shared":  # a parent of this test's own: the suite's serves other tests' ranks too
-        short = Path(tempfile.mkdtemp(prefix="warm-"))  # a unix socket path has 107 bytes
-        outer = WarmParent(short / "parent.log", short / "parent.sock")
-        assert outer.fork_safe and outer.socket, outer.reason
+    if warm == "shared":  # this process's warm parent (the suite's, under xdist)
+        outer, why = warm_parent(tmp_path / "outer")
+        assert outer is not None and outer.socket, why
         env[Env.WARM_SOCKET] = outer.socket
         shared = psutil.Process(outer.pid)
     before = {p.pid for p in shared.children()} if shared else set()
@@ -165,7 +169,7 @@ def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_pa
                     ),
                     None,
                 )
-            ranks = _forked_ranks(parent, before) if parent else []
+            ranks = _forked_ranks(parent, before, tmp_path) if parent else []
             time.sleep(0.2)
         assert len(ranks) == 2, "the ranks were never forked from the warm parent"
         worker = next(  # the xdist worker: the inner pytest process's child
@@ -186,9 +190,6 @@ def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_pa
     finally:
         inner.kill()
         inner.wait(30)
-        if outer is not None:
-            outer.close()
-            shutil.rmtree(outer.log_path.parent, ignore_errors=True)
 
 
 def test_git_never_prompts_and_never_runs_through_a_shell(tmp_path, monkeypatch):
