@@ -1,6 +1,7 @@
 """Repository root conftest: the plugin itself arrives through its pytest11 entry point."""
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,15 +27,20 @@ def pytest_configure(config):
 
 
 def _one_warm_parent_for_every_worker(config) -> None:
-    """Under xdist the controller starts one warm parent before it spawns the workers and
-    advertises its socket (PYTEST_FSDP_TURBO_WARM_SOCKET): every worker forks its ranks from it,
-    as an inner session does, instead of paying the imports in a parent of its own."""
+    """Under xdist the controller starts one warm parent and advertises its socket
+    (PYTEST_FSDP_TURBO_WARM_SOCKET) before it spawns the workers: every worker forks its ranks
+    from it, as an inner session does, instead of paying the imports in a parent of its own. It
+    starts in the background: the parent listens at once and greets the workers once ready."""
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return
-    from pytest_fsdp_turbo.launching.warm import warm_parent
+    from pytest_fsdp_turbo.launching.warm import SOCKET_VAR, warm_parent
     from pytest_fsdp_turbo.leases import LeaseBook
 
-    warm_parent(LeaseBook().state_dir)
+    state = LeaseBook().state_dir
+    os.environ[SOCKET_VAR] = str(
+        state / f"warm-parent-{os.getpid()}.sock"
+    )  # as warm_parent names it
+    threading.Thread(target=warm_parent, args=(state,), daemon=True).start()
 
 
 # The suite's longest tests (see --durations), started first under xdist so the other worker fills

@@ -443,10 +443,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     die_with_parent()
     start = time.monotonic()
+    # listening before the imports: a descendant that connects meanwhile waits for the greeting
+    # instead of finding no socket and paying the imports in a parent of its own
+    listener = _listen(argv[1]) if argv[:1] == ["--listen"] else None
     _warm_up()
     _exercise()
     reason = fork_unsafe_reason()
-    listener = _listen(argv[1]) if argv[:1] == ["--listen"] and reason is None else None
+    if reason is not None and listener is not None:  # clients waiting see the socket close
+        listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(argv[1])
+        listener = None
     ready = Ready(
         fork_safe=reason is None,
         reason=reason,
