@@ -1,7 +1,6 @@
 """Repository root conftest: the plugin itself arrives through its pytest11 entry point."""
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -29,18 +28,23 @@ def pytest_configure(config):
 def _one_warm_parent_for_every_worker(config) -> None:
     """Under xdist the controller starts one warm parent and advertises its socket
     (PYTEST_FSDP_TURBO_WARM_SOCKET) before it spawns the workers: every worker forks its ranks
-    from it, as an inner session does, instead of paying the imports in a parent of its own. It
-    starts in the background: the parent listens at once and greets the workers once ready."""
+    from it, as an inner session does, instead of paying the imports in a parent of its own. The
+    parent listens at once and greets each worker once its imports are done; the controller does
+    not wait for them (it runs no case)."""
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return
-    from pytest_fsdp_turbo.launching.warm import SOCKET_VAR, warm_parent
+    from pytest_fsdp_turbo.launching.session_processes import own, session_processes
+    from pytest_fsdp_turbo.launching.warm import SOCKET_VAR, WarmParent, fork_unavailable_reason
     from pytest_fsdp_turbo.leases import LeaseBook
 
-    state = LeaseBook().state_dir
-    os.environ[SOCKET_VAR] = str(
-        state / f"warm-parent-{os.getpid()}.sock"
-    )  # as warm_parent names it
-    threading.Thread(target=warm_parent, args=(state,), daemon=True).start()
+    if fork_unavailable_reason() is not None:
+        return  # each worker finds out and says why, as without this
+    state, me = LeaseBook().state_dir, os.getpid()
+    # started from this (main) thread: its parent-death signal follows the thread that forked it
+    parent = WarmParent(state / f"warm-parent-{me}.log", state / f"warm-parent-{me}.sock", False)
+    session_processes().warm = parent  # closed when the session ends
+    own(parent.pid, "warm parent")
+    os.environ[SOCKET_VAR] = str(parent.socket)
 
 
 # The suite's longest tests (see --durations), started first under xdist so the other worker fills

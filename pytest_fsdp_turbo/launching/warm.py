@@ -71,26 +71,33 @@ class _Conversation:
     pid: int
     log_path: Path
 
-    def _start_reading(self, lines, first: str) -> Ready:
+    def _start_reading(self, lines) -> None:
         self.exits: dict[int, int] = {}
         self.zygotes: list[int] = []
         self._replies: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._exited = threading.Condition()
         self._ended = threading.Event()
+        self._ready: Ready | None = None
+        self._greeted = threading.Event()  # its Ready arrived, or it ended first
         threading.Thread(
             target=self._read, args=(lines,), daemon=True, name="fsdp-turbo-warm-parent"
         ).start()
-        ready = self._reply(READY_TIMEOUT_S, first)
-        if not isinstance(ready, Ready):
-            raise RuntimeError(f"warm parent said {ready} before it was ready; see {self.log_path}")
-        return ready
+
+    def _await_ready(self, what: str) -> Ready:
+        self._greeted.wait(READY_TIMEOUT_S)
+        if self._ready is None:
+            raise RuntimeError(f"warm parent did not answer ({what}); see {self.log_path}")
+        return self._ready
 
     def _read(self, lines) -> None:
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
             for line in lines:
                 message = decode_line(line)
-                if isinstance(message, Exited):
+                if isinstance(message, Ready):
+                    self._ready = message
+                    self._greeted.set()
+                elif isinstance(message, Exited):
                     with self._exited:
                         self.exits[message.pid] = message.code
                         self._exited.notify_all()
@@ -100,6 +107,7 @@ class _Conversation:
                 else:
                     self._replies.put(message)
         self._ended.set()
+        self._greeted.set()
         with self._exited:
             self._exited.notify_all()
         self._replies.put(None)  # the parent ended, or the connection to it did
@@ -173,9 +181,11 @@ class _Conversation:
 
 
 class WarmParent(_Conversation):
-    """A warm parent this process started; it also listens on `socket_path` for descendants."""
+    """A warm parent this process started; it also listens on `socket_path` for descendants.
+    `wait=False` returns at once: the parent imports in the background (it listens already), and
+    its readiness is known once `wait_ready()` is called."""
 
-    def __init__(self, log_path: Path, socket_path: Path | None = None):
+    def __init__(self, log_path: Path, socket_path: Path | None = None, wait: bool = True):
         env = {**os.environ, **import_env()}
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the parent
@@ -189,7 +199,14 @@ class WarmParent(_Conversation):
             preexec_fn=die_with_parent,
         )
         self.pid = self.proc.pid
-        ready = self._start_reading(self.proc.stdout, "start")
+        self.socket = str(socket_path) if socket_path else None
+        self._start_reading(self.proc.stdout)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until its Ready line (RuntimeError when it ends first or takes too long)."""
+        ready = self._await_ready("start")
         self.fork_safe, self.reason = ready.fork_safe, ready.reason
         self.import_s, self.socket = ready.import_s, ready.socket
 
@@ -229,7 +246,8 @@ class SharedWarmParent(_Conversation):
             self._sock.close()
             raise
         self._sock.settimeout(None)
-        hello = self._start_reading(self._sock.makefile("rb"), "connect")
+        self._start_reading(self._sock.makefile("rb"))
+        hello = self._await_ready("connect")
         self.pid, self.fork_safe, self.reason = hello.pid or 0, hello.fork_safe, hello.reason
         self.import_s, self.socket = 0.0, socket_path
         self.fits = hello.interpreter == interpreter() and hello.import_env == import_env()
