@@ -196,3 +196,15 @@ def test_helpers_run_as_forks_of_the_warm_parent_with_their_output_and_exit_code
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=alone
     )
     assert json.loads(fresh.stdout)["torch_loaded"] is False  # no parent: a fresh interpreter
+
+
+@pytest.mark.skipif(not os.environ.get("PYTEST_XDIST_WORKER"), reason="a worker of an xdist run")
+def test_every_xdist_worker_forks_from_the_controllers_one_warm_parent(fsdp_turbo_lease_book):
+    """conftest.py: the controller starts one parent before the workers; a parent it started
+    from a helper thread died with that thread, and every worker quietly started its own."""
+    from pytest_fsdp_turbo.launching.session_processes import session_processes
+    from pytest_fsdp_turbo.launching.warm import SharedWarmParent, warm_parent
+
+    parent, why = warm_parent(fsdp_turbo_lease_book.state_dir)
+    assert parent is session_processes().warm and isinstance(parent, SharedWarmParent), why
+    assert psutil.Process(parent.pid).ppid() == os.getppid()  # the controller's child
