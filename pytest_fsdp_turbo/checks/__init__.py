@@ -138,32 +138,29 @@ def _rank0(result: RunResult) -> StepMetrics:
     return result.ranks[0].step
 
 
-def _per_rank(result: RunResult, record: type[Record], name: str) -> Iterator[tuple[int, Any]]:
-    """(rank, its `record`'s field `name`) for every rank; a rank whose record holds nothing
-    fails, naming the metric and the rank's log."""
+def _read(result: RunResult, rank: int, record: type[Record], name: str, required: bool) -> Any:
+    """One rank's field `name` of its `record`. A rank whose record holds nothing (or, `required`,
+    whose field holds nothing) fails, naming the metric and the rank's log."""
+    ranked = result.ranks[rank]
+    got = ranked.step.record(record)
+    value = getattr(got, name)
+    if not got.measured() or (required and value is None):
+        key = record.key(name)
+        raise CheckFailure(f"rank {rank}: metric {key!r} missing (log {ranked.log_path})")
+    return value
+
+
+def _per_rank(
+    result: RunResult, record: type[Record], name: str, required: bool = False
+) -> Iterator[tuple[int, Any]]:
+    """(rank, its measurement) for every rank, read as _read reads it."""
     for ranked in result.ranks:
-        got = ranked.step.record(record)
-        if not got.measured():
-            key = record.key(name)
-            raise CheckFailure(
-                f"rank {ranked.rank}: metric {key!r} missing (log {ranked.log_path})"
-            )
-        yield ranked.rank, getattr(got, name)
-
-
-def _measured(result: RunResult, record: type[Record], name: str) -> Iterator[tuple[int, Any]]:
-    """As _per_rank, and a rank whose field holds nothing fails the same way."""
-    for rank, _ in _per_rank(result, record, name):
-        yield rank, _value(result, rank, record, name)
+        yield ranked.rank, _read(result, ranked.rank, record, name, required)
 
 
 def _value(result: RunResult, rank: int, record: type[Record], name: str) -> Any:
-    """One rank's measurement; one that holds nothing fails, naming the metric and the log."""
-    value = getattr(result.ranks[rank].step.record(record), name)
-    if value is None:
-        log = result.ranks[rank].log_path
-        raise CheckFailure(f"rank {rank}: metric {record.key(name)!r} missing (log {log})")
-    return value
+    """One rank's measurement, which must hold a value."""
+    return _read(result, rank, record, name, required=True)
 
 
 def _first_above(
@@ -401,7 +398,7 @@ def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None
             f"rank {over[0]}: {PostStepRecord.key('rollout_logprob_max_abs_diff')} = "
             f"{over[1]:.3g}, tolerance {tol:g}"
         )
-    for rank, diff in _measured(result, PostStepRecord, "handoff_weight_max_abs_diff"):
+    for rank, diff in _per_rank(result, PostStepRecord, "handoff_weight_max_abs_diff", True):
         if diff != 0:
             worst = result.ranks[rank].step.post_step.handoff_weight_worst
             problems.append(
@@ -409,7 +406,7 @@ def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None
                 f"own parameter ({PostStepRecord.key('handoff_weight_max_abs_diff')})"
             )
             break
-    for rank, diff in _measured(result, PostStepRecord, "rollout_weight_max_abs_diff"):
+    for rank, diff in _per_rank(result, PostStepRecord, "rollout_weight_max_abs_diff", True):
         after = result.ranks[rank].step.post_step
         compared = after.rollout_weights_compared
         if diff != 0 or compared == 0:
