@@ -46,6 +46,19 @@ def worst(values: Iterable[float | None]) -> float | None:
     return max(measured) if measured else None
 
 
+_KEYS: dict[str, dict[str, str]] = {}  # record type's name -> field name -> metric key
+
+
+def _keys_of(kind: type[Record]) -> dict[str, str]:
+    """Field name -> metric key, derived once per record type."""
+    if kind.__name__ not in _KEYS:
+        _KEYS[kind.__name__] = {
+            f.name: f.metadata["key"] or f"{f.metadata['namespace'] or kind.NAMESPACE}/{f.name}"
+            for f in fields(kind)  # type: ignore[arg-type]
+        }
+    return _KEYS[kind.__name__]
+
+
 class Record:
     """A group of measurements one phase takes."""
 
@@ -54,12 +67,11 @@ class Record:
     @classmethod
     def key(cls, name: str) -> str:
         """The metric key of field `name` (a KeyError names a field the record lacks)."""
-        meta = {f.name: f.metadata for f in fields(cls)}[name]  # type: ignore[arg-type]
-        return meta["key"] or f"{meta['namespace'] or cls.NAMESPACE}/{name}"
+        return _keys_of(cls)[name]
 
     @classmethod
     def metric_keys(cls) -> list[str]:
-        return [cls.key(f.name) for f in fields(cls)]  # type: ignore[arg-type]
+        return list(_keys_of(cls).values())
 
     def measured(self) -> bool:
         """Whether the phase ran: any field holds a value."""
@@ -70,12 +82,12 @@ class Record:
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if value is not None or not f.metadata["optional"]:
-                out[self.key(f.name)] = value
+                out[_keys_of(type(self))[f.name]] = value
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Any:
-        return cls(**{f.name: data.get(cls.key(f.name)) for f in fields(cls)})  # type: ignore[arg-type]
+        return cls(**{name: data.get(key) for name, key in _keys_of(cls).items()})
 
     @classmethod
     def over_updates(cls, records: Sequence[Any]) -> Any:
