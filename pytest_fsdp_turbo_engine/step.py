@@ -321,6 +321,7 @@ def train(
         grad = next(p.grad for p in module.parameters() if p.grad is not None)
         local_tensor(grad).view(-1)[0] = float("nan")
     sketching = not ctx.cfg.reference_checks or ctx.replaying  # the twin judges per parameter
+    sketch = fsdp_probe.gradient_sketch(module) if sketching else None  # every rank: collectives
     trained = TrainRecord(
         reduce_scatter_calls_by_micro_batch=counter.reduce_scatters,
         reduce_scatter_calls=sum(counter.reduce_scatters),
@@ -332,13 +333,11 @@ def train(
         # rows of the largest micro-batch: both loops split as torch.chunk does
         micro_batch_rows=-(-batch.size // ctx.cfg.micro_batches),
         data_rows=collected.rows,
-        grad_sketch=fsdp_probe.gradient_sketch(module) if sketching else None,
+        grad_sketch=sketch if ctx.rank == 0 else None,  # rank 0 writes it
         sp_size=ctx.sp,
         retained_grad_bytes=probe.retained,
         loss_grad_max_rel_err=probe.loss_grad_max_rel_err,
     )
-    if ctx.rank != 0:
-        trained.grad_sketch = None  # every rank sketches (a collective); rank 0 writes it
     return trained, reduced_loss(ctx, probe)
 
 
@@ -379,6 +378,7 @@ class ReferenceRun:
     initial: dict[str, torch.Tensor]
     optimizer: ReferenceOptimizer
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # the latest update's
+    norm: float = 0.0  # their global norm
     fingerprint: dict | None = None  # rank 0: the engine's first-update gradients, for policies
 
     @classmethod
@@ -390,7 +390,7 @@ class ReferenceRun:
     def step(self, norm_finite: bool) -> None:
         """The engine skips the update on a non-finite norm; so does the reference."""
         if norm_finite:
-            self.optimizer.step(self.grads, gradient_norm(self.grads))
+            self.optimizer.step(self.grads, self.norm)
 
 
 def reference(
@@ -400,6 +400,7 @@ def reference(
     ctx.phase.enter(phase_name("reference", update))
     sharded = fsdp_probe.unsharded_gradients(ctx.engine.module)  # read by the harness
     ref_run.grads = grads = reference_gradients(ref_run.copy, global_batch, tokens, ctx.cfg)
+    ref_run.norm = gradient_norm(grads)
     err, name = max_abs_error(sharded, grads)
     names = fsdp_probe.parameter_names(ctx.engine.module)
     if mismatch := name_mismatch(names, [n for n, _ in ref_run.copy.named_parameters()]):
@@ -409,7 +410,7 @@ def reference(
     return ReferenceRecord(
         grad_max_rel_err=err,
         grad_max_rel_err_param=name,
-        reference_grad_norm=gradient_norm(grads),
+        reference_grad_norm=ref_run.norm,
         grad_rel_l2_err=relative_l2_error(sharded, grads),
     )
 
@@ -473,14 +474,19 @@ def optimizer(ctx: Rank, adamw: HarnessAdamW, update: int = 1) -> OptimizerRecor
 
 
 def post_step(
-    ctx: Rank, batch: TrainBatch, tokens: float, ref_run: ReferenceRun | None
-) -> PostStepRecord:
+    ctx: Rank,
+    batch: TrainBatch,
+    tokens: float,
+    ref_run: ReferenceRun | None,
+    record: PostStepRecord,
+) -> None:
     """Replicas, the reference's steps, the weights handed to and served by the rollout, and the
     post-step log-probabilities (a twin's against the main run's, which it saves for the twin).
-    Token means are over the global batch, sequence-parallel ranks counted once."""
+    Token means are over the global batch, sequence-parallel ranks counted once. `record` is the
+    step's own, filled as each measurement is taken: a failure half-way keeps what it measured."""
     ctx.phase.enter("checks")
     engine, device = ctx.engine, ctx.device
-    record = PostStepRecord(replica_max_abs_diff=replica_max_abs_diff(engine, device))
+    record.replica_max_abs_diff = replica_max_abs_diff(engine, device)
     trainer: dict[str, torch.Tensor] = {}
     full: dict[str, torch.Tensor] = {}
     if ref_run is not None or ctx.rollout is not None:  # a replay twin has neither: no gathering
@@ -526,7 +532,6 @@ def post_step(
         gathered = gather_rows(logprobs, engine.data_parallel_group())
         if ctx.rank == 0:
             torch.save({"logprobs": gathered}, RunFolder(ctx.out).post_step)
-    return record
 
 
 def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> float:
@@ -609,7 +614,7 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
         if ref_run is not None:
             ref_run.step(bool(stepped[-1].grad_norm_finite))
 
-    metrics.post_step = post_step(ctx, batch, tokens, ref_run)
+    post_step(ctx, batch, tokens, ref_run, metrics.post_step)
     phase.enter("metrics")
     global_tokens = all_sum(float(batch.input_ids.numel()), device) / ctx.sp
     metrics.perf = PerfRecord(

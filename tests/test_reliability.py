@@ -22,7 +22,7 @@ from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.launching.request import RunRequest, run_case
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo_contract.faults import FaultSpec
-from pytest_fsdp_turbo_contract.records import OptimizerRecord, ReferenceRecord
+from pytest_fsdp_turbo_contract.records import OptimizerRecord, PostStepRecord, ReferenceRecord
 
 REPO = Path(__file__).resolve().parent.parent
 FAULT = "PYTEST_FSDP_TURBO_FAULT"
@@ -442,3 +442,26 @@ def test_an_artifacts_folder_that_cannot_be_made_is_one_line(pytester, tmp_path)
         text = result.stdout.str()
         assert "Traceback" not in text and f"artifacts folder {root}" in text, text[-2000:]
         assert said in text
+
+
+def test_a_hand_off_that_raises_keeps_what_the_post_step_phase_had_measured(ppo_run, tmp_path):
+    """The post-step phase fills the step's record as it measures: an engine whose hand-off
+    raises leaves the post-step log-probabilities (taken before it) in the partial metrics."""
+    (tmp_path / "handoff_engines.py").write_text(
+        "from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead\n"
+        "from pytest_fsdp_turbo_engine.registry import register\n"
+        "@register(backend='handoff_raises', device=['cpu'])\n"
+        "class HandOffRaises(FSDPEngineWithLMHead):\n"
+        "    def full_state_dict(self):\n"
+        "        raise RuntimeError('the hand-off blew up')\n"
+    )
+    result = ppo_run(
+        "tiny-qwen3-single-rank",
+        backend="handoff_raises",
+        engine_modules=["handoff_raises = handoff_engines"],
+        pythonpath=[str(tmp_path)],
+    )
+    assert not result.ok and result.ranks[0].error.phase == "checks"
+    partial = json.loads(result.folder.partial_metrics(0).read_text())
+    assert partial[PostStepRecord.key("post_step_logprob_mean")] < 0  # log-probabilities
+    assert PostStepRecord.key("replica_max_abs_diff") in partial
