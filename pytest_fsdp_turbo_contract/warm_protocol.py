@@ -40,7 +40,6 @@ class Ready:
 
     fork_safe: bool
     reason: str | None = None  # why forking is unsafe here
-    import_s: float = 0.0
     socket: str | None = None  # where descendants may connect
     pid: int | None = None
     interpreter: list[str] | None = None

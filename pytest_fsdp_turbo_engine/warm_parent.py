@@ -32,7 +32,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -442,7 +441,6 @@ def _listen(path: str) -> socket.socket | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     die_with_parent()
-    start = time.monotonic()
     # listening before the imports: a descendant that connects meanwhile waits for the greeting
     # instead of finding no socket and paying the imports in a parent of its own
     listener = _listen(argv[1]) if argv[:1] == ["--listen"] else None
@@ -457,7 +455,6 @@ def main(argv: list[str] | None = None) -> int:
     ready = Ready(
         fork_safe=reason is None,
         reason=reason,
-        import_s=time.monotonic() - start,
         socket=argv[1] if listener else None,
     )
     launcher = Channel(sys.stdin.fileno(), lambda data: os.write(sys.stdout.fileno(), data))

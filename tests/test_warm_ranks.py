@@ -158,7 +158,7 @@ def test_every_warm_message_round_trips_through_its_one_encoding():
     from pytest_fsdp_turbo_contract import warm_protocol as wp
 
     messages = [
-        wp.Ready(fork_safe=False, reason="a CUDA context exists", import_s=4.5, socket="/s"),
+        wp.Ready(fork_safe=False, reason="a CUDA context exists", socket="/s"),
         wp.Fork({"RANK": "0"}, "/l", "/cwd", rank=0, spec="/spec.json", preload="verl:cpu"),
         wp.Fork({}, "/err", module="helper", argv=["a"], stdout="/out"),
         wp.Forked(123, rank=1),

@@ -183,7 +183,7 @@ class _Conversation:
 class WarmParent(_Conversation):
     """A warm parent this process started; it also listens on `socket_path` for descendants.
     `wait=False` returns at once: the parent imports in the background (it listens already), and
-    its readiness is known once `wait_ready()` is called."""
+    what its Ready line says is awaited when first asked for."""
 
     def __init__(self, log_path: Path, socket_path: Path | None = None, wait: bool = True):
         env = {**os.environ, **import_env()}
@@ -199,16 +199,24 @@ class WarmParent(_Conversation):
             preexec_fn=die_with_parent,
         )
         self.pid = self.proc.pid
-        self.socket = str(socket_path) if socket_path else None
+        self._socket_path = str(socket_path) if socket_path else None
         self._start_reading(self.proc.stdout)
         if wait:
-            self.wait_ready()
+            self._await_ready("start")
 
-    def wait_ready(self) -> None:
-        """Until its Ready line (RuntimeError when it ends first or takes too long)."""
-        ready = self._await_ready("start")
-        self.fork_safe, self.reason = ready.fork_safe, ready.reason
-        self.import_s, self.socket = ready.import_s, ready.socket
+    @property
+    def fork_safe(self) -> bool:
+        return self._await_ready("start").fork_safe
+
+    @property
+    def reason(self) -> str | None:
+        return self._await_ready("start").reason
+
+    @property
+    def socket(self) -> str | None:
+        """Where descendants connect: the path asked for until its Ready line says otherwise
+        (none, when forking turned out unsafe)."""
+        return self._ready.socket if self._ready is not None else self._socket_path
 
     def _write(self, data: bytes) -> None:
         self.proc.stdin.write(data)
@@ -249,7 +257,7 @@ class SharedWarmParent(_Conversation):
         self._start_reading(self._sock.makefile("rb"))
         hello = self._await_ready("connect")
         self.pid, self.fork_safe, self.reason = hello.pid or 0, hello.fork_safe, hello.reason
-        self.import_s, self.socket = 0.0, socket_path
+        self.socket = socket_path
         self.fits = hello.interpreter == interpreter() and hello.import_env == import_env()
 
     def _write(self, data: bytes) -> None:
