@@ -108,7 +108,7 @@ def engine_catalog(
     variable = [t for t in env.get(Env.ENGINE_MODULES, "").split(",") if t.strip()]
     for origin, texts in (*announced, (Env.ENGINE_MODULES, variable)):
         entries += [EngineEntry.parse(t, origin) for t in texts if t.strip()]
-    unique = {
-        (e.module, e.backend): e for e in reversed(entries)
-    }  # the first announcement names it
-    return EngineCatalog(tuple(reversed(unique.values())))
+    unique: dict[tuple[str, str | None], EngineEntry] = {}
+    for entry in entries:  # an entry announced twice keeps its first announcement
+        unique.setdefault((entry.module, entry.backend), entry)
+    return EngineCatalog(tuple(unique.values()))

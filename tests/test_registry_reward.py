@@ -163,6 +163,9 @@ def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path
     assert case.backend == "ini_engine" and "ini_engines_mod" not in sys.modules
     variable = {"PYTEST_FSDP_TURBO_ENGINE_MODULES": "ini_engine=ini_engines_mod"}
     assert load_cases(cases, engines=engine_catalog(env=variable))[0].backend == "ini_engine"
+    twice = engine_catalog([(INI, ["ini_engine = ini_engines_mod"])], env=variable)
+    (entry,) = [e for e in twice.entries if e.module == "ini_engines_mod"]  # announced once
+    assert entry.where == INI  # by its first announcement
     bare = engine_catalog([(INI, ["ini_engines_mod"])], env={})
     assert load_cases(cases, engines=bare)[0].backend == "ini_engine"
     with pytest.raises(ConfigError) as unknown:
