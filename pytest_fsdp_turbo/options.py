@@ -130,6 +130,11 @@ INI_DEFAULTS = {
 }
 
 
+def ini_values(config) -> dict[str, object]:
+    """Every ini key the plugin reads, as pytest's getini gives it (`config`: a pytest.Config)."""
+    return {name: config.getini(name) for name in INI_DEFAULTS}
+
+
 def ini_given(ini: Mapping[str, object]) -> bool:
     """Whether any ini key differs from its default: settings are then validated at start-up."""
     return any(ini.get(name, default) != default for name, default in INI_DEFAULTS.items())

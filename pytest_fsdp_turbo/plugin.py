@@ -25,7 +25,6 @@ from pytest_fsdp_turbo.fixtures import (  # noqa: F401
     tiny_model,
 )
 from pytest_fsdp_turbo.options import (
-    INI_DEFAULTS,
     INI_KEYS,
     KIND_BY_MARKER,
     MARKER_BY_KIND,
@@ -33,6 +32,7 @@ from pytest_fsdp_turbo.options import (
     SUMMARY_PROPERTY,
     env_given,
     ini_given,
+    ini_values,
 )
 from pytest_fsdp_turbo.outcomes import fail_line
 from pytest_fsdp_turbo.session import (
@@ -78,7 +78,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     values = {opt.dest: config.getoption(opt.dest) for opt in OPTIONS}
-    ini = {name: config.getini(name) for name in INI_DEFAULTS}
+    ini = ini_values(config)
     if any(values.values()) or env_given() or ini_given(ini):
         # validated now, so bad input fails the session at start-up in one line; with nothing
         # given, settings_of() builds the defaults on first use and a suite that never asks

@@ -141,15 +141,14 @@ def read_ini(start: Path) -> IniConfig:
 
     import pytest
 
-    from pytest_fsdp_turbo.options import INI_DEFAULTS
+    from pytest_fsdp_turbo.options import ini_values
 
     class Reader:
         found: IniConfig | None = None
 
         @pytest.hookimpl(tryfirst=True)
         def pytest_cmdline_main(self, config: pytest.Config) -> int:
-            values = {name: config.getini(name) for name in INI_DEFAULTS}
-            Reader.found = IniConfig(config.rootpath, values)
+            Reader.found = IniConfig(config.rootpath, ini_values(config))
             return 0  # nothing else runs: no configure hooks, no collection
 
     with open(os.devnull, "w") as sink, contextlib.chdir(start), contextlib.redirect_stdout(sink):
