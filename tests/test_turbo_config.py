@@ -277,6 +277,39 @@ def test_spec_carries_the_config_the_run_path_made(book, tmp_path):
     assert engine.sp_size == 2 and engine.fsdp_size == 4
 
 
+def test_every_input_a_rank_reads_is_in_its_spec(book, tmp_path, monkeypatch):
+    """The variables the user sets are read here, validated, and handed over in spec.json."""
+    from pytest_fsdp_turbo.turbo.checkout import Checkout
+    from pytest_fsdp_turbo_contract.errors import ConfigError
+    from pytest_fsdp_turbo_contract.faults import FaultSpec
+
+    case = replace(book.get("tiny-qwen3-single-rank"), world_size=2)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_VLLM_MEMORY", "0.5")
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_COLLECTIVE_TIMEOUT_S", "30")
+    checkout = Checkout(tmp_path / "FSDPTurbo", "abc", "path")
+    request = RunRequest(
+        case,
+        model,
+        tmp_path,
+        Accelerator("cpu", (0, 1)),
+        checkout=checkout,
+        extra_env={
+            "PYTEST_FSDP_TURBO_FAULT": "stall:1:train",
+            "PYTEST_FSDP_TURBO_FAULT_STALL_S": "2",
+        },
+    )
+    spec = rank_spec(request)
+    assert spec.ppo.vllm_memory_share == 0.5 and spec.collective_timeout_s == 30.0
+    assert spec.fault == FaultSpec("stall", 1, "train", 2.0)
+    assert spec.engine.turbo_checkout == str(tmp_path / "FSDPTurbo")
+    monkeypatch.setenv("PYTEST_FSDP_TURBO_VLLM_MEMORY", "2")
+    with pytest.raises(ConfigError, match=r"^PYTEST_FSDP_TURBO_VLLM_MEMORY: expected a number in"):
+        rank_spec(request)
+
+
 def test_contradiction_between_case_and_turbo_config_is_an_error(book):
     case = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
     bad = replace(case, turbo_config={"distributed": {"ulysses_parallel_size": 4}})
