@@ -15,6 +15,14 @@ from pytest_fsdp_turbo_fixtures import DATA_DIR
 
 SPECS_DIR = DATA_DIR / "models"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")
+# A spec with "chat": true gets Qwen's turn markers and chat template: verl's trainer renders
+# chat-style prompts with the tokenizer's template and requires Qwen models' <|im_end|>. Other specs
+# keep the two special tokens (their vocabulary, hence their weights and goldens, stay as they are).
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def load_spec(name: str, directory: Path | None = None) -> dict:
@@ -27,22 +35,27 @@ def load_spec(name: str, directory: Path | None = None) -> dict:
     return json.loads(path.read_text())
 
 
-def build_byte_tokenizer():
-    """A byte-level tokenizer with no merges: every byte is a token, plus EOS and PAD."""
+def build_byte_tokenizer(chat: bool = False):
+    """A byte-level tokenizer with no merges: every byte is a token, plus EOS and PAD (and with
+    `chat`, Qwen's turn markers and a chat template)."""
+    specials = SPECIAL_TOKENS + (CHAT_TOKENS if chat else ())
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for token in SPECIAL_TOKENS:
+    for token in specials:
         vocab[token] = len(vocab)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
+    core.add_special_tokens(list(specials))
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[1]
     )
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def _pin_version_sensitive_init(model) -> None:
@@ -80,7 +93,7 @@ def build_tiny_model(name: str, out_dir: Path, spec_dir: Path | None = None) -> 
     from pytest_fsdp_turbo_engine.hf_model import from_config
 
     spec = load_spec(name, spec_dir)
-    tokenizer = build_byte_tokenizer()
+    tokenizer = build_byte_tokenizer(chat=spec.get("chat", False))
     config = tiny_config(spec, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(spec.get("seed", 0))
     model = from_config(config, dtype=torch.float32)

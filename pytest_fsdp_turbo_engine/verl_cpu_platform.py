@@ -70,7 +70,10 @@ def _install_packed_gated_delta_rule() -> None:
     qwen3_5.chunk_gated_delta_rule = packed_chunk_gated_delta_rule
 
 
-def _register() -> None:
+def _register(ray_resource: str = "CPU") -> None:
+    """`ray_resource`: what verl asks Ray for per rank. The engine cases' own Ray launcher places
+    ranks by CPU; verl's trainer counts only "GPU" or "NPU" resources, so its CPU runs give Ray
+    logical GPUs (pytest_fsdp_turbo_engine.trainer.cpu)."""
     global _registered
     if _registered:
         return
@@ -132,7 +135,12 @@ def _register() -> None:
             pass
 
         def ray_resource_name(self) -> str:
-            return "CPU"
+            return ray_resource
+
+        def ray_resource_options(self, num_gpus: float) -> dict:
+            if ray_resource == "GPU":  # Ray takes its own resources by keyword only
+                return {"num_gpus": num_gpus}
+            return {"resources": {ray_resource: num_gpus}}
 
         def ray_noset_envvars(self) -> list[str]:
             return []
@@ -144,7 +152,8 @@ def _register() -> None:
             return None
 
 
-if (
-    os.environ.get("VERL_PLATFORM") == PLATFORM
-):  # imported by verl through VERL_USE_EXTERNAL_MODULES
+# imported by verl through VERL_USE_EXTERNAL_MODULES (the trainer's observer registers it itself)
+if os.environ.get("VERL_PLATFORM") == PLATFORM and __name__ in os.environ.get(
+    "VERL_USE_EXTERNAL_MODULES", ""
+).split(","):
     _register()

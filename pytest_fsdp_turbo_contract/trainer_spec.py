@@ -1,0 +1,55 @@
+"""What a verl trainer run is asked to do (trainer_spec.json), and where the observer verl loads in
+each of its processes finds it. Torch-free: the plugin writes it, the trainer entry and the
+observer read it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_fsdp_turbo_contract.vocab import DeviceKind
+
+# the run folder, for the observer verl imports in every process of the run (Ray hands the driver's
+# environment to its workers, vLLM to its engine cores)
+RUN_DIR_VARIABLE = "PYTEST_FSDP_TURBO_TRAINER_RUN"
+OBSERVER_MODULE = "pytest_fsdp_turbo_engine.trainer.observer"
+ENTRY_MODULE = "pytest_fsdp_turbo_engine.trainer.main"
+# what a case's overrides may name, filled by the trainer entry
+PLACEHOLDERS = {
+    "{model}": "the case's model directory",
+    "{data}": "the tiny trainer data the harness builds (train.parquet, val.parquet)",
+    "{reward}": "the harness's reward function file (a reward with spread, for tiny models)",
+}
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    case_id: str
+    device_kind: DeviceKind
+    world_size: int
+    model_path: str
+    overrides: tuple[str, ...]  # the case's, as its script writes them
+    cores: int = 2  # CPUs Ray may hand the run's actors (cpu runs)
+    total_training_steps: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainerSpec:
+        return cls(
+            **{
+                **data,
+                "device_kind": DeviceKind(data["device_kind"]),
+                "overrides": tuple(data["overrides"]),
+            }
+        )
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def read(cls, path: Path) -> TrainerSpec:
+        return cls.from_json(json.loads(path.read_text()))

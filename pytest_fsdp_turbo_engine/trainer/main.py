@@ -1,0 +1,72 @@
+"""The trainer entry: `python -m pytest_fsdp_turbo_engine.trainer.main RUN_DIR` runs verl's own
+`main_ppo`, unedited, with the case's overrides and the harness's, in this process (the harness's
+supervisor owns its process group). What it adds: one training step, Hydra's output (the resolved
+config) in the run folder, the observer verl imports in every process, and on CPU the shims of
+cpu.py. The case's placeholders ({model}, {data}, {reward}) are filled here."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from pytest_fsdp_turbo_contract.trainer_spec import (
+    OBSERVER_MODULE,
+    RUN_DIR_VARIABLE,
+    TrainerSpec,
+)
+from pytest_fsdp_turbo_contract.vocab import DeviceKind
+
+SPEC_FILE = "trainer_spec.json"
+HYDRA_DIR = "hydra"  # Hydra writes .hydra/config.yaml (the composed config) here
+
+
+def harness_overrides(spec: TrainerSpec, run_dir: Path) -> list[str]:
+    return [
+        f"trainer.total_training_steps={spec.total_training_steps}",
+        f"hydra.run.dir={run_dir / HYDRA_DIR}",
+        f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+    ]
+
+
+def filled(overrides: tuple[str, ...], run_dir: Path, spec: TrainerSpec) -> list[str]:
+    from pytest_fsdp_turbo_engine.trainer import data, reward
+
+    values = {"{model}": spec.model_path, "{reward}": reward.__file__}
+    if any("{data}" in o for o in overrides):
+        values["{data}"] = str(data.write_parquet(run_dir / "data"))
+    out = []
+    for override in overrides:
+        for placeholder, value in values.items():
+            override = override.replace(placeholder, value)
+        out.append(override)
+    return out
+
+
+def argv(spec: TrainerSpec, run_dir: Path) -> list[str]:
+    args = [*filled(spec.overrides, run_dir, spec), *harness_overrides(spec, run_dir)]
+    if spec.device_kind == DeviceKind.CPU:
+        from pytest_fsdp_turbo_engine.trainer import cpu
+
+        args += cpu.overrides(spec.world_size, spec.cores)
+    return args
+
+
+def main() -> None:
+    run_dir = Path(sys.argv[1]).resolve()
+    spec = TrainerSpec.read(run_dir / SPEC_FILE)
+    os.environ[RUN_DIR_VARIABLE] = str(run_dir)
+    modules = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+    os.environ["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys([OBSERVER_MODULE, *modules]))
+    if spec.device_kind == DeviceKind.CPU:
+        from pytest_fsdp_turbo_engine.trainer import cpu
+
+        os.environ.update(cpu.ENVIRONMENT)
+    sys.argv = ["verl.trainer.main_ppo", *argv(spec, run_dir)]
+    print("main_ppo " + " ".join(sys.argv[1:]), flush=True)
+    runpy.run_module("verl.trainer.main_ppo", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
