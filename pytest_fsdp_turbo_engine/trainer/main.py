@@ -11,6 +11,7 @@ import runpy
 import sys
 from pathlib import Path
 
+from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_spec import (
     OBSERVER_MODULE,
     RUN_DIR_VARIABLE,
@@ -18,24 +19,23 @@ from pytest_fsdp_turbo_contract.trainer_spec import (
 )
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
-SPEC_FILE = "trainer_spec.json"
-HYDRA_DIR = "hydra"  # Hydra writes .hydra/config.yaml (the composed config) here
 
 
-def harness_overrides(spec: TrainerSpec, run_dir: Path) -> list[str]:
+def harness_overrides(spec: TrainerSpec, folder: TrainerFolder) -> list[str]:
     return [
         f"trainer.total_training_steps={spec.total_training_steps}",
-        f"hydra.run.dir={run_dir / HYDRA_DIR}",
-        f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+        f"hydra.run.dir={folder.hydra}",
+        f"trainer.default_local_dir={folder.path / 'checkpoints'}",
     ]
 
 
-def filled(overrides: tuple[str, ...], run_dir: Path, spec: TrainerSpec) -> list[str]:
+def filled(spec: TrainerSpec, folder: TrainerFolder) -> list[str]:
     from pytest_fsdp_turbo_engine.trainer import data, reward
 
+    overrides = spec.overrides
     values = {"{model}": spec.model_path, "{reward}": reward.__file__}
     if any("{data}" in o for o in overrides):
-        values["{data}"] = str(data.write_parquet(run_dir / "data"))
+        values["{data}"] = str(data.write_parquet(folder.data))
     out = []
     for override in overrides:
         for placeholder, value in values.items():
@@ -44,8 +44,8 @@ def filled(overrides: tuple[str, ...], run_dir: Path, spec: TrainerSpec) -> list
     return out
 
 
-def argv(spec: TrainerSpec, run_dir: Path) -> list[str]:
-    args = [*filled(spec.overrides, run_dir, spec), *harness_overrides(spec, run_dir)]
+def argv(spec: TrainerSpec, folder: TrainerFolder) -> list[str]:
+    args = [*filled(spec, folder), *harness_overrides(spec, folder)]
     if spec.device_kind == DeviceKind.CPU:
         from pytest_fsdp_turbo_engine.trainer import cpu
 
@@ -54,16 +54,16 @@ def argv(spec: TrainerSpec, run_dir: Path) -> list[str]:
 
 
 def main() -> None:
-    run_dir = Path(sys.argv[1]).resolve()
-    spec = TrainerSpec.read(run_dir / SPEC_FILE)
-    os.environ[RUN_DIR_VARIABLE] = str(run_dir)
+    folder = TrainerFolder(Path(sys.argv[1]).resolve())
+    spec = TrainerSpec.read(folder.spec)
+    os.environ[RUN_DIR_VARIABLE] = str(folder.path)
     modules = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
     os.environ["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys([OBSERVER_MODULE, *modules]))
     if spec.device_kind == DeviceKind.CPU:
         from pytest_fsdp_turbo_engine.trainer import cpu
 
         os.environ.update(cpu.ENVIRONMENT)
-    sys.argv = ["verl.trainer.main_ppo", *argv(spec, run_dir)]
+    sys.argv = ["verl.trainer.main_ppo", *argv(spec, folder)]
     print("main_ppo " + " ".join(sys.argv[1:]), flush=True)
     runpy.run_module("verl.trainer.main_ppo", run_name="__main__", alter_sys=True)
 

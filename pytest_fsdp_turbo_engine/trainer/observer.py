@@ -1,22 +1,323 @@
-"""The harness's external module for verl's trainer (VERL_USE_EXTERNAL_MODULES): verl imports it in
-every process it starts."""
+"""The harness's external module for verl's trainer: verl imports it (VERL_USE_EXTERNAL_MODULES) in
+every process of a run, and it measures from outside verl. Nothing in verl is edited and nothing
+is read from the engine's own objects (its optimizer, its state-dict copy); the hooks are torch's
+(fully_shard, module forward pre-hooks, FSDP2's root post-backward callback, torch.distributed's
+reduce-scatter, the global optimizer step hooks) and verl's public seams (EngineRegistry.new, the
+vLLM worker extension's weight update, the tracking logger).
+
+What each process writes, under the run folder's observe/ (trainer_files.py names them):
+- a trainer rank: per optimizer step, reduce-scatters per training micro-batch, unsharded gradient
+  bytes held between micro-batches, the FSDP units that ran, the shard group, its raw gradient
+  shard's sum of squares, the norm its engine reported; after the step (rank 0) a digest of every
+  parameter, gathered whole, in each dtype a rollout may be served in;
+- a rollout replica (a vLLM worker): per weight push, the digest of every tensor it received;
+- the trainer (TaskRunner): verl's own step metrics.
+Each file is rewritten whole after each event, so what was measured survives a failure later.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from pytest_fsdp_turbo_contract.trainer_spec import RUN_DIR_VARIABLE, TrainerSpec
+from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
+from pytest_fsdp_turbo_engine.trainer.imports import after_import
+
+DIGEST_DTYPES = ("float32", "bfloat16", "float16")  # what a rollout may serve the weights in
 
 
-def _spec() -> TrainerSpec | None:
+def digest(tensor) -> str:
+    """The exact bytes of a tensor, hashed (its dtype is part of what the caller names)."""
+    import torch
+
+    data = tensor.detach().contiguous().cpu().flatten().view(torch.uint8)
+    return hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def _write(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(data))
+    os.replace(scratch, path)
+
+
+class TrainerRank:
+    """One trainer rank's readings, per optimizer step."""
+
+    def __init__(self, folder: TrainerFolder, rank: int) -> None:
+        self.folder, self.rank = folder, rank
+        self.roots: list = []  # modules fully_shard was applied to, in order
+        self.steps: list[dict[str, Any]] = []
+        self.post_step: dict[str, dict[str, str]] = {}
+        self._pass: dict[str, Any] | None = None  # the training pass since the last step
+        self._micro_batch_open = False
+        self._units = None
+
+    # -- the trained model ---------------------------------------------------------------------
+    def sharded(self, module) -> None:
+        self.roots.append(module)
+        module.register_forward_pre_hook(self._forward)
+
+    def _is_root(self, module) -> bool:
+        return not any(module is not other and _contains(other, module) for other in self.roots)
+
+    def _forward(self, module, args) -> None:
+        import torch
+
+        if not (torch.is_grad_enabled() and module.training and self._is_root(module)):
+            return  # forward-only passes (old and reference log-probs), inner units
+        from pytest_fsdp_turbo_engine import fsdp_probe
+
+        if self._pass is None:
+            self._units = fsdp_probe.UnitsThatRan(module).__enter__()
+            self._pass = {
+                "module": module,
+                "reduce_scatters_by_micro_batch": [],
+                "retained_grad_bytes": [],
+                "shard_group_size": fsdp_probe.shard_group_size(module),
+            }
+        else:  # what the previous micro-batches' backwards left unsharded
+            self._pass["retained_grad_bytes"].append(fsdp_probe.unsharded_grad_bytes(module))
+        self._pass["reduce_scatters_by_micro_batch"].append(0)
+
+    def reduce_scattered(self) -> None:
+        if self._pass is not None:
+            self._pass["reduce_scatters_by_micro_batch"][-1] += 1
+
+    def backward_done(self, modules) -> None:
+        """FSDP2's root post-backward callback ran: the raw gradient shard's sum of squares (the
+        last micro-batch's is what the step clips)."""
+        # the callback is queued by whichever unit's state saw backward first, not the root's
+        if self._pass is None or not any(_contains(self._pass["module"], m) for m in modules):
+            return
+        total = 0.0
+        for param in self._pass["module"].parameters():
+            if param.grad is not None:
+                grad = param.grad
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                total += float(local.detach().double().pow(2).sum())
+        self._pass["shard_grad_sq"] = total
+
+    def before_step(self, optimizer) -> None:
+        if self._pass is None:
+            return
+        done = {k: v for k, v in self._pass.items() if k != "module"}
+        done["fsdp_units"] = self._units.count if self._units is not None else None
+        if self._units is not None:
+            self._units.__exit__(None, None, None)
+        self.steps.append(done)
+        self._write()
+
+    def after_step(self, optimizer) -> None:
+        if self._pass is None:
+            return
+        module, self._pass, self._units = self._pass["module"], None, None
+        self._digest_parameters(module)
+        self._write()
+
+    def reported(self, norm) -> None:
+        value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if self.steps:
+            self.steps[-1]["reported_grad_norm"] = value
+        self._write()
+
+    def _digest_parameters(self, module) -> None:
+        """Every parameter gathered whole, one at a time (a collective: every rank calls it)."""
+        import torch
+
+        from pytest_fsdp_turbo_engine import fsdp_probe
+        from pytest_fsdp_turbo_engine.fsdp_engine import full_tensor
+
+        digests = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            whole = full_tensor(param.detach())
+            if self.rank == 0:
+                digests[fsdp_probe._plain_name(name)] = {
+                    dtype: digest(whole.to(getattr(torch, dtype))) for dtype in DIGEST_DTYPES
+                }
+            del whole
+        self.post_step = digests
+
+    def _write(self) -> None:
+        _write(
+            self.folder.rank(self.rank),
+            {"rank": self.rank, "steps": self.steps, "post_step_parameters": self.post_step},
+        )
+
+
+def _contains(outer, inner) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+class Replica:
+    """One rollout replica (a vLLM worker): what each weight push handed it."""
+
+    def __init__(self, folder: TrainerFolder) -> None:
+        self.folder, self.pushes = folder, []
+
+    def push_started(self) -> None:
+        self.pushes.append({})
+
+    def received(self, weights) -> None:
+        if not self.pushes:
+            self.pushes.append({})
+        for name, tensor in weights:
+            self.pushes[-1][name] = [str(tensor.dtype).removeprefix("torch."), digest(tensor)]
+        _write(self.folder.replica(os.getpid()), {"pushes": self.pushes})
+
+
+def _observe_trainer_rank(folder: TrainerFolder) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    from pytest_fsdp_turbo_engine.fsdp_probe import REDUCE_SCATTER_FUNCTIONS, FSDPInternalsChanged
+
+    rank = TrainerRank(folder, int(os.environ["RANK"]))
+
+    def shard_wrapped(original):
+        def fully_shard(module, *args, **kwargs):
+            out = original(module, *args, **kwargs)
+            for each in module if isinstance(module, list) else [module]:
+                rank.sharded(each)
+            return out
+
+        return fully_shard
+
+    import torch.distributed.fsdp as fsdp
+
+    wrapped = shard_wrapped(fsdp.fully_shard)
+    fsdp.fully_shard = wrapped
+    try:
+        import torch.distributed._composable.fsdp as composable
+
+        composable.fully_shard = wrapped
+    except ImportError:
+        pass
+
+    def verl_fsdp_utils(module) -> None:  # imported it before this module ran
+        if getattr(module, "fully_shard", None) not in (None, wrapped):
+            module.fully_shard = wrapped
+
+    after_import("verl.utils.fsdp_utils", verl_fsdp_utils)
+
+    for name in REDUCE_SCATTER_FUNCTIONS:
+        if hasattr(dist, name):
+            original = getattr(dist, name)
+
+            def counted(*args, _original=original, **kwargs):
+                rank.reduce_scattered()
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    final = getattr(_fsdp_state.FSDPState, "_root_post_backward_final_callback", None)
+    if final is None:
+        raise FSDPInternalsChanged(
+            f"torch {torch.__version__}: FSDPState has no _root_post_backward_final_callback; "
+            "update pytest_fsdp_turbo_engine.trainer.observer"
+        )
+
+    def root_post_backward_final_callback(state) -> None:
+        final(state)
+        rank.backward_done(getattr(state, "_modules", ()))
+
+    _fsdp_state.FSDPState._root_post_backward_final_callback = root_post_backward_final_callback
+    register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: rank.before_step(optimizer))
+    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: rank.after_step(optimizer))
+
+    def engine_registry(base) -> None:
+        """What each engine reports from optimizer_step, from outside it: the instance verl's
+        registry builds gets a wrapper around whatever optimizer_step its class has."""
+        registry = base.EngineRegistry
+        new = registry.new.__func__
+
+        def built(cls, *args, **kwargs):
+            engine = new(cls, *args, **kwargs)
+            step = engine.optimizer_step
+
+            def optimizer_step(*a, **k):
+                norm = step(*a, **k)
+                rank.reported(norm)
+                return norm
+
+            engine.optimizer_step = optimizer_step
+            return engine
+
+        registry.new = classmethod(built)
+
+    after_import("verl.workers.engine.base", engine_registry)
+
+
+def _observe_replica(folder: TrainerFolder) -> None:
+    replica = Replica(folder)
+
+    def extension(module) -> None:
+        cls = module.vLLMColocateWorkerExtension
+        update, push = cls._update_weights, cls.update_weights_from_ipc
+
+        def update_weights_from_ipc(self, *args, **kwargs):
+            replica.push_started()
+            return push(self, *args, **kwargs)
+
+        def _update_weights(self, weights, *args, **kwargs):
+            weights = list(weights)
+            replica.received(weights)
+            return update(self, weights, *args, **kwargs)
+
+        cls.update_weights_from_ipc = update_weights_from_ipc
+        cls._update_weights = _update_weights
+
+    after_import("verl.workers.rollout.vllm_rollout.utils", extension)
+
+
+def _observe_tracking(folder: TrainerFolder) -> None:
+    logged: dict[str, dict[str, Any]] = {}
+
+    def tracking(module) -> None:
+        log = module.Tracking.log
+
+        def tracked(self, data, step, *args, **kwargs):
+            logged[str(step)] = {k: _plain(v) for k, v in dict(data).items()}
+            _write(folder.step_metrics, logged)
+            return log(self, data, step, *args, **kwargs)
+
+        module.Tracking.log = tracked
+
+    after_import("verl.utils.tracking", tracking)
+
+
+def _plain(value: Any) -> Any:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def install() -> None:
     run = os.environ.get(RUN_DIR_VARIABLE)
-    return TrainerSpec.read(Path(run) / "trainer_spec.json") if run else None
+    if not run:
+        return  # verl imported outside a harness run
+    folder = TrainerFolder(Path(run))
+    spec = TrainerSpec.read(folder.spec)
+    if spec.device_kind == DeviceKind.CPU:
+        from pytest_fsdp_turbo_engine.trainer import cpu
+
+        cpu.install()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # verl's trainer workers set both
+        _observe_trainer_rank(folder)
+    _observe_replica(folder)
+    _observe_tracking(folder)
 
 
-SPEC = _spec()
-if SPEC is not None and SPEC.device_kind == DeviceKind.CPU:
-    from pytest_fsdp_turbo_engine.trainer import cpu
-
-    cpu.install()
+install()

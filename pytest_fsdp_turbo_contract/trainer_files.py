@@ -1,0 +1,63 @@
+"""A verl trainer run's folder: `TrainerFolder` is the one owner of its file names (the plugin writes
+the spec and reads the rest; the trainer entry and the observer write them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TrainerFolder:
+    path: Path
+
+    @property
+    def spec(self) -> Path:  # the TrainerSpec
+        return self.path / "trainer_spec.json"
+
+    @property
+    def log(self) -> Path:  # main_ppo's own output: the driver, and Ray's echo of every actor
+        return self.path / "trainer.log"
+
+    @property
+    def actor_logs(self) -> Path:  # each Ray worker's own stdout and stderr, copied after the run
+        return self.path / "actors"
+
+    @property
+    def hydra(self) -> Path:  # Hydra's output folder (hydra.run.dir)
+        return self.path / "hydra"
+
+    @property
+    def resolved_config(self) -> Path:  # the config verl composed, as Hydra saved it
+        return self.hydra / ".hydra" / "config.yaml"
+
+    @property
+    def data(self) -> Path:  # the tiny cases' parquet files
+        return self.path / "data"
+
+    @property
+    def observe(self) -> Path:
+        return self.path / "observe"
+
+    @property
+    def rank(self) -> Callable[[int], Path]:
+        return lambda rank: self.observe / f"rank{rank}.json"
+
+    @property
+    def replica(self) -> Callable[[int], Path]:
+        return lambda pid: self.observe / f"replica-{pid}.json"
+
+    @property
+    def step_metrics(self) -> Path:  # verl's own step metrics, as its tracking logger got them
+        return self.observe / "step-metrics.json"
+
+    @property
+    def metrics(self) -> Path:  # the harness's reading of the run, for goldens and compare
+        return self.path / "metrics.json"
+
+    def ranks(self) -> list[Path]:
+        return sorted(self.observe.glob("rank*.json"))
+
+    def replicas(self) -> list[Path]:
+        return sorted(self.observe.glob("replica-*.json"))
