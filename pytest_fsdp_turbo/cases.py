@@ -437,9 +437,9 @@ def load_cases(
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    rows = data.get("case")
-    if not isinstance(rows, list) or not rows:
-        raise ConfigError(f"{path}: expected one or more [[case]] tables")
+    rows = data.get("case", [])
+    if not isinstance(rows, list) or not (rows or data.get("trainer_case")):
+        raise ConfigError(f"{path}: expected one or more [[case]] or [[trainer_case]] tables")
     defaults = data.get("defaults", {})
     if not isinstance(defaults, dict):
         raise ConfigError(f"{path}: [defaults] must be a table")
@@ -472,16 +472,52 @@ class CaseParam:
 
 
 class CaseBook:
-    """The loaded case file, looked up by id."""
+    """The loaded case file, looked up by id: engine cases and verl trainer cases."""
 
-    def __init__(self, path: Path, cases: list[Case]):
+    def __init__(self, path: Path, cases: list[Case], trainer_cases: list | None = None):
         self.path, self.cases = path, cases
+        self.trainer_cases = trainer_cases or []
 
     def get(self, case_id: str) -> Case:
         return find_case(self.cases, case_id, self.path)
 
+    def get_trainer(self, case_id: str):
+        for case in self.trainer_cases:
+            if case.id == case_id:
+                return case
+        known = ", ".join(c.id for c in self.trainer_cases) or "none"
+        raise ConfigError(f"{self.path}: no trainer case {case_id!r}; known: {known}")
+
     def params(self) -> list[CaseParam]:
         return [CaseParam(case, kind) for case in self.cases for kind in case.devices]
+
+    def trainer_params(self) -> list:
+        from pytest_fsdp_turbo.trainer.cases import TrainerParam
+
+        return [TrainerParam(case, kind) for case in self.trainer_cases for kind in case.devices]
+
+
+def load_book(
+    path: Path,
+    fixtures_dir: Path = FIXTURES_DIR,
+    engines: EngineCatalog | None = None,
+    tiny_models: Path | None = None,
+) -> CaseBook:
+    """The case file's engine cases and trainer cases; an id names one case across both."""
+    import tomllib
+
+    from pytest_fsdp_turbo.trainer.cases import trainer_cases
+
+    cases = load_cases(path, fixtures_dir, engines, tiny_models)
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    trainers = trainer_cases(data, path, tiny_specs(tiny_models, fixtures_dir))
+    clash = {c.id for c in cases} & {c.id for c in trainers}
+    if clash:
+        raise ConfigError(
+            f"{path}: trainer case {sorted(clash)[0]!r}: field 'id': expected an id no [[case]] "
+            "uses; got a duplicate"
+        )
+    return CaseBook(path, cases, trainers)
 
 
 def find_case(cases: list[Case], case_id: str, path: Path) -> Case:

@@ -65,12 +65,13 @@ def cases_path(config: pytest.Config) -> Path:
 def cases_of(config: pytest.Config) -> CaseBook:
     """The case file, loaded and validated once per session (ConfigError on bad input)."""
     if CASES_KEY not in config.stash:
-        from pytest_fsdp_turbo.cases import CaseBook, load_cases
+        from pytest_fsdp_turbo.cases import load_book
 
         path = cases_path(config)
         settings = settings_of(config)
-        cases = load_cases(path, engines=settings.engines(), tiny_models=settings.tiny_models)
-        config.stash[CASES_KEY] = CaseBook(path, cases)
+        config.stash[CASES_KEY] = load_book(
+            path, engines=settings.engines(), tiny_models=settings.tiny_models
+        )
     return config.stash[CASES_KEY]
 
 

@@ -5,7 +5,7 @@ observer read it."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,10 @@ class TrainerSpec:
     overrides: tuple[str, ...]  # the case's, as its script writes them
     cores: int = 2  # CPUs Ray may hand the run's actors (cpu runs)
     total_training_steps: int = 1
+    # the collective environment of the lease (NCCL / HCCL / gloo settings, HCCL port ranges),
+    # handed to every Ray worker over verl's own runtime env (which sets HCCL ranges to "auto")
+    worker_env: dict[str, str] = field(default_factory=dict)
+    ray_temp_dir: str = ""  # Ray's session folder for this run (its logs are copied into actors/)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -17,7 +17,7 @@ from pytest_fsdp_turbo.cases import (
     CaseBook,
     CaseParam,
     engine_module_source,
-    load_cases,
+    load_book,
     with_overrides,
 )
 from pytest_fsdp_turbo.devices import Accelerator
@@ -170,12 +170,11 @@ def case_file(settings: Settings) -> Path:
 
 def standalone_cases(settings: Settings) -> CaseBook:
     """The case book `pytest-fsdp-turbo` verbs read, found as pytest would find it."""
-    path = case_file(settings)
-    return CaseBook(path, _load(path, settings))
+    return _load(case_file(settings), settings)
 
 
-def _load(path: Path, settings: Settings) -> list[Case]:
-    return load_cases(path, engines=settings.engines(), tiny_models=settings.tiny_models)
+def _load(path: Path, settings: Settings) -> CaseBook:
+    return load_book(path, engines=settings.engines(), tiny_models=settings.tiny_models)
 
 
 def standalone_runner(settings: Settings, accelerator: Accelerator) -> CaseRunner:
@@ -190,7 +189,7 @@ def standalone_runner(settings: Settings, accelerator: Accelerator) -> CaseRunne
         settings=settings,
         accelerator=accelerator,
         book=LeaseBook(),
-        cases=lambda: CaseBook(path, _load(path, settings)),
+        cases=lambda: _load(path, settings),
         artifacts_root=artifacts,
         checkout=lambda: resolve_checkout(settings.checkout),
         start_ray=lambda: _start_ray(settings, artifacts),

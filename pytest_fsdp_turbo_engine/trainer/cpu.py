@@ -23,8 +23,10 @@ each vLLM server and engine core), because the observer verl imports there calls
    the layer an empty weight, so the weights verl pushes after a step never reach the served
    model (the push fails, then the run hangs): linear layers compute from their live weight.
 7. vLLM has no sleep mode on CPU (`enable_sleep_mode=False`, `free_cache_engine=False`); sdpa
-   attention instead of flash-attention 2; one agent-loop and one reward worker (the default eight
-   each import verl inside the step: 71 s instead of 21 s on 2 cores).
+   attention instead of flash-attention 2. Speed only, on 2 cores: one agent-loop and one reward
+   worker (the default eight each import verl inside the step: 71 s instead of 21 s), one
+   TransferQueue storage unit instead of eight actors, and the data loaded in the trainer's own
+   process (eight loader processes per run otherwise).
 8. Qwen3.5's packed gated delta rule (verl_cpu_platform, shim 4).
 """
 
@@ -50,6 +52,8 @@ OVERRIDES = (
     "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     "actor_rollout_ref.rollout.agent.num_workers=1",
     "reward.num_workers=1",
+    "data.dataloader_num_workers=0",
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
 )
 _installed = False
 

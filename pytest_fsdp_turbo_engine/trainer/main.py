@@ -20,12 +20,16 @@ from pytest_fsdp_turbo_contract.trainer_spec import (
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
 
-
 def harness_overrides(spec: TrainerSpec, folder: TrainerFolder) -> list[str]:
+    """One step; Hydra's output and verl's checkpoints in the run folder; Ray's session where the
+    harness keeps its logs; the lease's collective environment on every Ray worker."""
+    env = "+ray_kwargs.ray_init.runtime_env.env_vars"
     return [
         f"trainer.total_training_steps={spec.total_training_steps}",
         f"hydra.run.dir={folder.hydra}",
         f"trainer.default_local_dir={folder.path / 'checkpoints'}",
+        *([f"+ray_kwargs.ray_init._temp_dir={spec.ray_temp_dir}"] if spec.ray_temp_dir else []),
+        *(f"{env}.{name}='{value}'" for name, value in sorted(spec.worker_env.items())),
     ]
 
 

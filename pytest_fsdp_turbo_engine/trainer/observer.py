@@ -23,8 +23,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pytest_fsdp_turbo_contract.trainer_spec import RUN_DIR_VARIABLE, TrainerSpec
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+from pytest_fsdp_turbo_contract.trainer_spec import RUN_DIR_VARIABLE, TrainerSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
 from pytest_fsdp_turbo_engine.trainer.imports import after_import
 
@@ -146,7 +146,12 @@ class TrainerRank:
     def _write(self) -> None:
         _write(
             self.folder.rank(self.rank),
-            {"rank": self.rank, "steps": self.steps, "post_step_parameters": self.post_step},
+            {
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "steps": self.steps,
+                "post_step_parameters": self.post_step,
+            },
         )
 
 

