@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the heavier modules load on first use, so installing the pl
     from pytest_fsdp_turbo.launching.ppo_run import PPORun
     from pytest_fsdp_turbo.launching.ray_driver import RayDriver
     from pytest_fsdp_turbo.leases import DeviceLease, LeaseBook
+    from pytest_fsdp_turbo.trainer.fixture import TrainerRun
     from pytest_fsdp_turbo.turbo.checkout import Checkout
 
 
@@ -245,6 +246,33 @@ def ppo_run(
         progress=terminal_progress(config),
     )
     return PPORun(request, runner)
+
+
+@pytest.fixture
+def verl_trainer_run(
+    request: pytest.FixtureRequest,
+    accelerator: Accelerator,
+    fsdp_turbo_lease_book: LeaseBook,
+    fsdp_turbo_env_guard: None,
+) -> TrainerRun:
+    """Factory: a trainer case (the `fsdp_turbo_trainer_case` parameter, a TrainerCase or an id)
+    -> the run of verl's own `main_ppo` for one step, observed by the harness. It does not assert:
+    `pytest_fsdp_turbo.checks.check_all(result)` judges it. Skips (fails under strict) where verl,
+    vLLM or the model cannot be had, naming what was looked for."""
+    from pytest_fsdp_turbo.trainer.fixture import TrainerRun
+    from pytest_fsdp_turbo.trainer.run import TrainerRunner
+
+    config = request.config
+    settings = settings_of(config)
+    runner = TrainerRunner(
+        accelerator=accelerator,
+        book=fsdp_turbo_lease_book,
+        artifacts_root=artifacts_root(config),
+        models=settings.models,
+        tiny_models=settings.tiny_models,
+        pythonpath=(str(config.rootpath),),
+    )
+    return TrainerRun(request, runner, lambda: cases_of(config), settings.strict)
 
 
 @pytest.fixture

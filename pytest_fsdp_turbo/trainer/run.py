@@ -43,7 +43,9 @@ KILL_GRACE_S = 10.0
 
 
 def missing_needs() -> list[str]:
-    return [f"{name} ({hint})" for name, hint in NEEDS.items() if importlib.util.find_spec(name) is None]
+    return [
+        f"{name} ({hint})" for name, hint in NEEDS.items() if importlib.util.find_spec(name) is None
+    ]
 
 
 @dataclass
@@ -86,7 +88,10 @@ class TrainerRunner:
                 port_ranges=ranges,
                 timeouts=Timeouts(min(600.0, case.timeout / 2), case.timeout),
             )
-            worker_env = {k: v for k, v in collective.env.items() if k not in RENDEZVOUS}
+            worker_env = {
+                **case.env,
+                **{k: v for k, v in collective.env.items() if k not in RENDEZVOUS},
+            }
             spec = TrainerSpec(
                 case_id=case.id,
                 device_kind=DeviceKind(kind),
@@ -103,10 +108,13 @@ class TrainerRunner:
             if slot is not None:
                 self.book.release_port_ranges(slot)
 
-    def _launch(self, case: TrainerCase, spec: TrainerSpec, out: Path, worker_env: dict) -> RunResult:
+    def _launch(
+        self, case: TrainerCase, spec: TrainerSpec, out: Path, worker_env: dict
+    ) -> RunResult:
         folder = TrainerFolder(out)
         spec.write(folder.spec)
         env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+        env.update(case.env)
         env.update(worker_env)
         env[RUN_DIR_VARIABLE] = str(out)
         env["VERL_USE_EXTERNAL_MODULES"] = ",".join(case.external_modules)

@@ -81,7 +81,9 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
         micro_batches=micro_batches,
         rollout=str(_get(config, f"{rollout}.name", "?")),
         rollout_replicas=max(1, world_size // per_replica),
-        grad_clip=float(_get(config, f"{ACTOR}.optim.clip_grad", _get(config, f"{ACTOR}.grad_clip", 1.0))),
+        grad_clip=float(
+            _get(config, f"{ACTOR}.optim.clip_grad", _get(config, f"{ACTOR}.grad_clip", 1.0))
+        ),
         model_dtype=str(_get(config, f"{ACTOR}.fsdp_config.model_dtype", "?")),
     )
 

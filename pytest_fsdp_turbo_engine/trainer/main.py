@@ -44,7 +44,7 @@ def filled(spec: TrainerSpec, folder: TrainerFolder) -> list[str]:
     for override in overrides:
         for placeholder, value in values.items():
             override = override.replace(placeholder, value)
-        out.append(override)
+        out.append(os.path.expandvars(override))  # $HOME and ${VAR}, as the script's shell did
     return out
 
 

@@ -1,0 +1,148 @@
+"""The verdicts on a verl trainer run (`main_ppo`, one step), over what the harness's observer read
+from outside verl and what verl's resolved config declares (spec.json).
+
+  a  the gradient norm each rank's engine reported: finite, the same on every rank, equal to the
+     global L2 norm of the raw gradient shards the harness read after the last backward, and equal
+     to verl's own `actor/grad_norm` step metric
+  e  every rollout replica's last weight push equals the trainer's parameters after the step,
+     tensor by tensor (exact bytes in the dtype the replica received), and every replica got one
+  h  the resolved sync policy (`use_no_sync_for_gradient_accumulation`) proven by reduce-scatters
+     per micro-batch and by the unsharded gradients held between micro-batches
+  g  goldens of verl's step metrics per hardware (pytest_fsdp_turbo.checks.goldens, as every case)
+
+What a trainer run cannot have, and why, is said from the case kind (TRAINER_CANNOT), never from a
+missing measurement: a check that applies and finds its reading missing fails, naming the file.
+"""
+
+from __future__ import annotations
+
+from pytest_fsdp_turbo.checks import (
+    FAILED,
+    NORM_AGREEMENT_REL,
+    NOT_APPLICABLE,
+    PASSED,
+    CheckFailure,
+    Outcome,
+    Verdict,
+    _rel,
+    check_grad_norm,
+    check_reduce_scatters,
+    check_retained_gradients,
+    declared,
+)
+from pytest_fsdp_turbo.trainer.readings import (
+    VERL_GRAD_NORM,
+    rank_readings,
+    read,
+    verl_step_metrics,
+)
+from pytest_fsdp_turbo_contract.records import OptimizerRecord
+from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+
+# What a trainer run cannot have, and why (docs/verl.md says more). Short: the summary table shows them.
+TRAINER_CANNOT = {
+    "b": "verl's loss: no per-micro-batch log-ratio read",
+    "c": "no reference or twin: verl owns batch, rollout and step",
+    "d": "no HSDP replicas read (rollout replicas: e)",
+    "f": "no memory budget in trainer cases",
+    "i": "verl's optimizer state is the engine's own",
+    "j": "verl shards the data itself",
+    "k": "clip read only through the norm (a)",
+    "l": "loss gradient inside verl's engine",
+}
+
+
+def is_trainer_run(result: RunResult) -> bool:
+    return TrainerFolder(result.artifacts_dir).spec.is_file()
+
+
+def check_trainer_grad_norm(result: RunResult) -> None:
+    """a, as every case's, then against verl's own step metric."""
+    check_grad_norm(result)
+    verl = verl_step_metrics(TrainerFolder(result.artifacts_dir)).get(VERL_GRAD_NORM)
+    reported = result.ranks[0].step.optimizer.grad_norm
+    if not isinstance(verl, int | float):
+        raise CheckFailure(
+            f"check a: verl's step metrics have no {VERL_GRAD_NORM} "
+            f"({TrainerFolder(result.artifacts_dir).step_metrics})"
+        )
+    if not _rel(verl, reported) <= NORM_AGREEMENT_REL:
+        raise CheckFailure(
+            f"check a: verl's step metric {VERL_GRAD_NORM} = {verl!r}, but rank 0's engine "
+            f"reported {reported!r} ({OptimizerRecord.key('grad_norm')})"
+        )
+
+
+def check_trainer_sync(result: RunResult) -> None:
+    """h: the counts and the held gradients the resolved sync policy promises."""
+    spec = declared(result)
+    measured = len(result.ranks[0].step.train.reduce_scatter_calls_by_micro_batch or [])
+    micro_batches = spec.ppo.micro_batches or measured  # 0: dynamic batch sizes in verl's config
+    head = (
+        f"check h: trainer case {result.case_id}: verl's resolved config declares gradient_sync "
+        f"{str(spec.engine.gradient_sync)!r} (use_no_sync_for_gradient_accumulation) with "
+        f"{micro_batches} micro-batches"
+    )
+    if spec.ppo.micro_batches and measured != spec.ppo.micro_batches:
+        raise CheckFailure(f"{head}: the harness saw {measured} training micro-batches on rank 0")
+    check_reduce_scatters(result, str(spec.engine.gradient_sync), micro_batches, head)
+    check_retained_gradients(result, str(spec.engine.gradient_sync), micro_batches, head)
+
+
+def check_rollout_weights(result: RunResult) -> None:
+    """e: each replica's last push, tensor by tensor, against the trainer after the step."""
+    folder = TrainerFolder(result.artifacts_dir)
+    trainer = rank_readings(folder).get(0, {}).get("post_step_parameters") or {}
+    if not trainer:
+        raise CheckFailure(f"check e: rank 0 read no parameters after the step ({folder.rank(0)})")
+    expected = result.ranks[0].step.case.replicas or 0
+    replicas = [(path, read(path)) for path in folder.replicas()]
+    if len(replicas) != expected:
+        raise CheckFailure(
+            f"check e: {len(replicas)} rollout replica(s) received weights, verl's resolved "
+            f"config declares {expected} ({folder.observe})"
+        )
+    for number, (path, data) in enumerate(replicas):
+        pushes = (data or {}).get("pushes") or []
+        name = f"rollout replica {number} ({path.name})"
+        if not pushes:
+            raise CheckFailure(f"check e: {name} received no weight push")
+        last = pushes[-1]
+        missing = sorted(set(trainer) - set(last))
+        if missing:
+            raise CheckFailure(
+                f"check e: {name}: its last push lacks {len(missing)} of the trainer's "
+                f"{len(trainer)} parameters (first: {missing[0]}): a partial push"
+            )
+        wrong = [
+            (tensor, dtype)
+            for tensor, (dtype, digest) in sorted(last.items())
+            if trainer.get(tensor, {}).get(dtype) != digest
+        ]
+        if wrong:
+            tensor, dtype = wrong[0]
+            raise CheckFailure(
+                f"check e: {name}: {len(wrong)} of the {len(last)} tensors of its last push "
+                f"differ from the trainer's parameters after the step (first: {tensor}, "
+                f"{dtype}): a stale or wrong push"
+            )
+
+
+TRAINER_CHECKS = (
+    ("a", check_trainer_grad_norm),
+    ("e", check_rollout_weights),
+    ("h", check_trainer_sync),
+)
+
+
+def evaluate(result: RunResult) -> Verdict:
+    outcomes = []
+    for letter, check in TRAINER_CHECKS:
+        try:
+            check(result)
+            outcomes.append(Outcome(letter, PASSED))
+        except CheckFailure as failure:
+            outcomes.append(Outcome(letter, FAILED, str(failure)))
+    outcomes += [Outcome(letter, NOT_APPLICABLE, why) for letter, why in TRAINER_CANNOT.items()]
+    return Verdict(tuple(sorted(outcomes, key=lambda o: o.check)))

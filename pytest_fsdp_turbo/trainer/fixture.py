@@ -1,0 +1,40 @@
+"""The object behind the `verl_trainer_run` fixture: a trainer case (parameter, case or id) to its
+run's result, with what belongs to pytest: an artifact folder per test and call, skip (or a strict
+failure) when the case cannot run here, one line for bad input, junit properties and the summary
+row, as `ppo_run` does for engine cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_fsdp_turbo.outcomes import fail_line, skip_or_fail
+from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, artifact_name, junit_properties, summary_row
+from pytest_fsdp_turbo.trainer.cases import TrainerCase, TrainerParam
+from pytest_fsdp_turbo.trainer.run import TrainerRunner
+from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
+from pytest_fsdp_turbo_contract.results import RunResult
+
+
+class TrainerRun:
+    def __init__(self, request: pytest.FixtureRequest, runner: TrainerRunner, book, strict: bool):
+        self.request, self.runner, self.book, self.strict = request, runner, book, strict
+        self.calls = 0
+
+    def __call__(self, case: TrainerParam | TrainerCase | str) -> RunResult:
+        if isinstance(case, TrainerParam):
+            case = case.case
+        self.calls += 1
+        name = artifact_name(self.request.node.nodeid)
+        name += f"-{self.calls}" if self.calls > 1 else ""
+        try:
+            if isinstance(case, str):
+                case = self.book().get_trainer(case)
+            result = self.runner.run(case, name)
+        except Unavailable as why:
+            skip_or_fail(self.strict, str(why))
+        except (ConfigError, LeaseTimeout) as exc:
+            fail_line(str(exc))
+        node = self.request.node
+        node.user_properties.extend(junit_properties(result))
+        node.user_properties.append((SUMMARY_PROPERTY, summary_row(result, test=node.name)))
+        return result
