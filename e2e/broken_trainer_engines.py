@@ -1,0 +1,61 @@
+"""Broken engines for verl's own trainer, each one plausible bug away from verl's FSDP2 engine, and
+each registered the way a downstream engine is: in verl's EngineRegistry, for the CPU platform's
+vendor ("cpu"), which verl's lookup tries before its own cuda entry. The trainer imports this
+module in every process (a trainer case's `external_modules`); the environment variable below says
+which bug this run carries.
+
+- noop_sync: the seed PR's bug. `_gradient_sync_context` does nothing, so under a config that
+  declares deferral every micro-batch still reduce-scatters and nothing is held (check h).
+- stale_push: rank 1 hands its rollout replica the weights of the first push again after the
+  step, a stale push into one replica (check e). It still walks the fresh generator, whose
+  full_tensor() gathers are collectives every rank must join.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from pytest_fsdp_turbo_engine.trainer.imports import after_import
+
+BUG = "PYTEST_FSDP_TURBO_TRAINER_BUG"
+
+
+def _register(transformer_impl) -> None:
+    import torch.distributed as dist
+    from verl.workers.engine.base import EngineRegistry
+
+    base = transformer_impl.FSDPEngineWithLMHead
+    bug = os.environ.get(BUG, "")
+
+    class NoopSyncEngine(base):
+        @contextlib.contextmanager
+        def _gradient_sync_context(self, *, is_last_micro_batch: bool):
+            yield
+
+    class StalePushEngine(base):
+        def get_per_tensor_param(self, *args, **kwargs):
+            fresh, peft = super().get_per_tensor_param(*args, **kwargs)
+            if dist.get_rank() != 1:
+                return fresh, peft
+            first = not hasattr(self, "_first_push")
+            if first:
+                self._first_push = {}
+
+            def stale():
+                for name, tensor in fresh:
+                    if first:
+                        self._first_push[name] = tensor.detach().clone()
+                    yield name, self._first_push.get(name, tensor)
+
+            return stale(), peft
+
+    engines = {"noop_sync": NoopSyncEngine, "stale_push": StalePushEngine}
+    if bug not in engines:
+        raise ValueError(f"{BUG}={bug!r}: expected one of {', '.join(engines)}")
+    EngineRegistry.register(
+        model_type="language_model", backend=["fsdp", "fsdp2"], device="cuda", vendor="cpu"
+    )(engines[bug])
+
+
+after_import("verl.workers.engine.fsdp.transformer_impl", _register)

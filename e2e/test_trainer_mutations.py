@@ -1,0 +1,53 @@
+"""Broken engines through verl's own trainer: each check a trainer case claims is proven by an
+engine it turns red, with the cause in the first lines of the failure."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pytest_fsdp_turbo import checks
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.cpu_e2e,
+    pytest.mark.devices(2),
+    pytest.mark.verl,
+    pytest.mark.vllm,
+    pytest.mark.verl_trainer,
+]
+MODULE = "e2e.broken_trainer_engines"
+
+
+def _broken(verl_trainer_run, request, case_id: str, bug: str):
+    from pytest_fsdp_turbo.session import cases_of
+
+    case = cases_of(request.config).get_trainer(case_id)
+    broken = dataclasses.replace(
+        case,
+        external_modules=(MODULE,),
+        env={**case.env, "PYTEST_FSDP_TURBO_TRAINER_BUG": bug},
+    )
+    result = verl_trainer_run(broken)
+    checks.check_completed(result)
+    return checks.evaluate(result)
+
+
+def test_noop_sync_context_under_declared_deferral_fails_h(verl_trainer_run, request):
+    """The seed's bug: deferral declared in verl's config, a sync context that does nothing."""
+    verdict = _broken(
+        verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2-deferred", "noop_sync"
+    )
+    failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
+    assert set(failed) == {"h"}, failed
+    first = failed["h"].splitlines()[0]
+    assert "declares gradient_sync 'deferred'" in first
+    assert "expected reduce-scatters per micro-batch [0, 5], measured [5, 5]" in first
+
+
+def test_stale_push_into_one_replica_fails_e(verl_trainer_run, request):
+    verdict = _broken(verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2", "stale_push")
+    failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
+    assert set(failed) == {"e"}, failed
+    assert "a stale or wrong push" in failed["e"].splitlines()[0]
