@@ -13,7 +13,12 @@ from pytest_fsdp_turbo.environ import build_collective_env, mask_secrets
 from pytest_fsdp_turbo.launching.case_runner import standalone_settings
 from pytest_fsdp_turbo.leases import hccl_port_ranges
 from pytest_fsdp_turbo.turbo.checkout import resolve_checkout
-from pytest_fsdp_turbo_contract.errors import CheckoutUnavailable, ConfigError, LeaseTimeout
+from pytest_fsdp_turbo_contract.errors import (
+    CheckoutUnavailable,
+    ConfigError,
+    LeaseTimeout,
+    Unavailable,
+)
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
 VERSIONED = (
@@ -142,6 +147,7 @@ def _describe_cases_and_engines(settings) -> None:
     for entry in settings.engines().entries:
         shown = entry.backend or f"(any backend {entry.module} registers; its ranks tell)"
         print(f"engine:    {shown}  [{entry.where}: {entry.module}]")
+    _describe_trainer_cases(settings)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -208,7 +214,10 @@ def config(args: argparse.Namespace) -> int:
             "fsdp_turbo_models": args.fsdp_turbo_models,
         }
     )
-    case = standalone_cases(settings).get(args.case_id)
+    book = standalone_cases(settings)
+    if any(c.id == args.case_id for c in book.trainer_cases):
+        return _trainer_config(book.get_trainer(args.case_id))
+    case = book.get(args.case_id)
     if not case.is_turbo:
         print(f"case {case.id}: backend {case.backend} takes no turbo_config", file=sys.stderr)
         return 2
@@ -237,6 +246,42 @@ def config(args: argparse.Namespace) -> int:
     for target in resolved_targets(built, modules) if modules else ():
         print(f"note: patch target {target} resolves in {modules.model_class}", file=sys.stderr)
     return 0
+
+
+def _trainer_config(case) -> int:
+    """A trainer case: what verl's own config resolves to with the case's overrides (the sync
+    policy first), and the overrides main_ppo is handed."""
+    from pytest_fsdp_turbo.trainer.verl_config import resolve_case
+
+    try:
+        resolved = resolve_case(case)
+    except (ConfigError, Unavailable) as exc:
+        print(f"pytest-fsdp-turbo config: trainer case {case.id}: {exc}", file=sys.stderr)
+        return 2
+    print(f"trainer case {case.id} (verl's main_ppo, {case.world_size} ranks):")
+    for line in resolved.lines():
+        print(f"  {line}")
+    print("overrides (the case's; the harness adds one step, its logs and its observer):")
+    for override in case.overrides:
+        print(f"  {override}")
+    return 0
+
+
+def _describe_trainer_cases(settings) -> None:
+    """Each trainer case's sync policy as verl's own config resolves it."""
+    from pytest_fsdp_turbo.launching.case_runner import standalone_cases
+    from pytest_fsdp_turbo.trainer.verl_config import resolve_case
+
+    try:
+        book = standalone_cases(settings)
+    except ConfigError:
+        return  # the case line above says what is wrong with the file
+    for case in book.trainer_cases:
+        try:
+            line = resolve_case(case).lines()[0]
+        except (ConfigError, Unavailable) as exc:
+            line = f"verl's config cannot be resolved here ({exc})"
+        print(f"trainer:   {case.id}: {line}")
 
 
 def compare(args: argparse.Namespace) -> int:

@@ -59,7 +59,12 @@ def _get(config: dict, dotted: str, default: Any = None) -> Any:
 def declared(config: dict, world_size: int) -> TrainerDeclared:
     """The harness's reading of a resolved verl config (a plain dict)."""
     flag = bool(_get(config, SYNC_FLAG, False))
-    sp = int(_get(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1)
+    strategy = str(_get(config, f"{ACTOR}.strategy", "?"))
+    if strategy == "fsdp_turbo":  # the library's Ulysses group, from verl's turbo_config
+        turbo = f"{ACTOR}.fsdp_config.turbo_config.distributed.ulysses_parallel_size"
+        sp = int(_get(config, turbo, 1) or 1)
+    else:
+        sp = int(_get(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1)
     n = int(_get(config, "actor_rollout_ref.rollout.n", 1) or 1)
     dp = max(1, world_size // sp)
     micro = _get(config, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
@@ -75,7 +80,7 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
     return TrainerDeclared(
         gradient_sync=SyncPolicy.DEFERRED if flag else SyncPolicy.EVERY_MICRO_BATCH,
         sync_flag=flag,
-        strategy=str(_get(config, f"{ACTOR}.strategy", "?")),
+        strategy=strategy,
         world_size=world_size,
         sp_size=sp,
         micro_batches=micro_batches,
@@ -123,3 +128,19 @@ def compose(overrides: list[str]) -> dict:
     except (HydraException, OmegaConfBaseException) as exc:
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ConfigError(f"verl's trainer config with the case's overrides: {first}") from None
+
+
+# what a placeholder or a shell variable stands for while only composing (no run, no files)
+_STAND_INS = {"{model}": "/model", "{data}": "/data", "{reward}": "/reward.py"}
+
+
+def resolve_case(case) -> TrainerDeclared:
+    """A trainer case's declared values from verl's YAML and its overrides, before any run."""
+    import os
+
+    overrides = []
+    for override in case.overrides:
+        for placeholder, stand_in in _STAND_INS.items():
+            override = override.replace(placeholder, stand_in)
+        overrides.append(os.path.expandvars(override))
+    return declared(compose(overrides), case.world_size)
