@@ -1,0 +1,263 @@
+"""Trainer cases (verl's own main_ppo), without running verl: the case schema and its one-line
+errors, what verl's resolved config declares, the observer's readings read back as a run, the
+trainer checks on hand-made readings, and the cause first when the trainer fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo.cases import load_book
+from pytest_fsdp_turbo.trainer.cases import TrainerCase, overrides_of_script
+from pytest_fsdp_turbo.trainer.run import first_cause, read_run
+from pytest_fsdp_turbo.trainer.verl_config import SYNC_FLAG, declared
+from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
+from pytest_fsdp_turbo_contract.vocab import DeviceKind, SyncPolicy
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = """
+[[trainer_case]]
+id = "t"
+model = "tiny-qwen3-chat"
+overrides = ["trainer.n_gpus_per_node=2", "data.train_files={data}/train.parquet"]
+"""
+
+
+def book(tmp_path: Path, text: str):
+    path = tmp_path / "cases.toml"
+    path.write_text(textwrap.dedent(text))
+    return load_book(path)
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "expected"),
+    [
+        ('color = "red"', "color", "a known field"),
+        ("world_size = 4", "world_size", "trainer.n_gpus_per_node x trainer.nnodes"),
+        ('devices = ["tpu"]', "devices", "each one of"),
+        ("timeout = -1", "timeout", "a number of seconds > 0"),
+        ('extends = "nope"', "extends", "the id of a trainer case above this one"),
+    ],
+)
+def test_a_bad_trainer_case_is_one_line_naming_file_case_and_field(
+    tmp_path, extra, field, expected
+):
+    with pytest.raises(ConfigError) as err:
+        book(tmp_path, BASE + extra + "\n")
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"trainer case 't': field {field!r}: expected {expected}" in message
+    assert str(tmp_path / "cases.toml") in message
+
+
+@pytest.mark.parametrize("override", ["data.x={modle}", "not an override", "=value"])
+def test_overrides_are_hydra_overrides_with_known_placeholders(tmp_path, override):
+    text = BASE.replace('"data.train_files={data}/train.parquet"', json.dumps(override))
+    with pytest.raises(ConfigError, match="field 'overrides'"):
+        book(tmp_path, text)
+
+
+def test_extends_puts_the_base_overrides_first_and_ids_are_unique_across_kinds(tmp_path):
+    loaded = book(
+        tmp_path,
+        BASE
+        + """
+[[trainer_case]]
+id = "t2"
+extends = "t"
+overrides = ["actor_rollout_ref.actor.fsdp_config.use_no_sync_for_gradient_accumulation=True"]
+""",
+    )
+    second = loaded.get_trainer("t2")
+    assert second.overrides[:2] == loaded.get_trainer("t").overrides
+    assert second.model == "tiny-qwen3-chat"
+    assert second.override(SYNC_FLAG) == "True"
+    clash = BASE + '\n[[case]]\nid = "t"\nmodel = "tiny-qwen3"\n'
+    with pytest.raises(ConfigError, match="an id no \\[\\[case\\]\\] uses"):
+        book(tmp_path, clash)
+
+
+def test_a_scripts_main_ppo_line_gives_its_overrides(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "#!/bin/bash\nset -x\nexport HCCL_CONNECT_TIMEOUT=1500\n"
+        "python3 -m verl.trainer.main_ppo \\\n"
+        "    algorithm.adv_estimator=grpo \\\n"
+        "    actor_rollout_ref.model.path=$MODEL_PATH \\\n"
+        "    trainer.n_gpus_per_node=2 $@ | tee log\n"
+    )
+    assert overrides_of_script(script) == (
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.model.path=$MODEL_PATH",
+        "trainer.n_gpus_per_node=2",
+    )
+    case = book(
+        tmp_path, BASE.replace("overrides = [", 'script = "run.sh"\noverrides = [')
+    ).get_trainer("t")
+    assert case.overrides[0] == "algorithm.adv_estimator=grpo"
+
+
+def verl_config(flag: bool, strategy: str = "fsdp2", sp: int = 1) -> dict:
+    return {
+        "actor_rollout_ref": {
+            "actor": {
+                "strategy": strategy,
+                "ppo_mini_batch_size": 2,
+                "ppo_micro_batch_size_per_gpu": 1,
+                "ulysses_sequence_parallel_size": sp,
+                "optim": {"clip_grad": 1.0},
+                "fsdp_config": {
+                    "use_no_sync_for_gradient_accumulation": flag,
+                    "model_dtype": "fp32",
+                    "turbo_config": {"distributed": {"ulysses_parallel_size": 2}},
+                },
+            },
+            "rollout": {"n": 2, "name": "vllm", "tensor_model_parallel_size": 1},
+        }
+    }
+
+
+def test_the_sync_policy_is_verls_flag_as_resolved():
+    assert declared(verl_config(False), 2).gradient_sync == SyncPolicy.EVERY_MICRO_BATCH
+    deferred = declared(verl_config(True), 2)
+    assert deferred.gradient_sync == SyncPolicy.DEFERRED
+    assert (deferred.micro_batches, deferred.rollout_replicas) == (2, 2)
+    turbo = declared(verl_config(True, "fsdp_turbo"), 4)  # the library's Ulysses group
+    assert (turbo.sp_size, turbo.micro_batches) == (2, 2)
+
+
+needs_verl = pytest.mark.skipif(
+    importlib.util.find_spec("verl") is None or importlib.util.find_spec("hydra") is None,
+    reason="composing verl's trainer config needs verl (pip install 'pytest-fsdp-turbo[verl]')",
+)
+
+
+@needs_verl
+def test_config_shows_the_seed_npu_case_sync_policy_as_verls_yaml_gives_it(capsys):
+    from pytest_fsdp_turbo.cli import main
+
+    assert main(["config", "qwen3_5-2b-verl-trainer-fsdp_turbo-fsdp8-sp2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].strip() == f"gradient_sync: every_micro_batch ({SYNC_FLAG} = false)"
+    assert "strategy: fsdp_turbo, world size 16, Ulysses SP 2" in out[2]
+    assert main(["config", "tiny-qwen3-verl-trainer-fsdp2-deferred"]) == 0
+    assert f"gradient_sync: deferred ({SYNC_FLAG} = true)" in capsys.readouterr().out
+
+
+# --- a trainer run read back from the observer's files, and judged -------------------------------
+
+
+def observed_run(
+    tmp_path: Path,
+    *,
+    flag: bool = False,
+    calls=((5, 5), (5, 5)),
+    retained=(0, 0),
+    reported=(2.0, 2.0),
+    shard_sq=(2.0, 2.0),
+    verl_norm: float = 2.0,
+    push_digest: str = "d",
+    replicas: int = 2,
+    code: int = 0,
+    log: str = "",
+):
+    """A run folder as the trainer entry and the observer leave it, then read as the plugin does."""
+    out = tmp_path / "run"
+    folder = TrainerFolder(out)
+    folder.observe.mkdir(parents=True)
+    spec = TrainerSpec("t", DeviceKind.CPU, 2, "/model", ("a=b",))
+    spec.write(folder.spec)
+    folder.resolved_config.parent.mkdir(parents=True)
+    folder.resolved_config.write_text(json.dumps(verl_config(flag)))  # JSON is YAML
+    params = {"w": {"float32": "d", "bfloat16": "b"}}
+    for rank in (0, 1):
+        step = {
+            "reduce_scatters_by_micro_batch": list(calls[rank]),
+            "retained_grad_bytes": [retained[rank]],
+            "shard_group_size": 2,
+            "fsdp_units": 5,
+            "shard_grad_sq": shard_sq[rank],
+            "reported_grad_norm": reported[rank],
+        }
+        data = {"rank": rank, "pid": 1, "steps": [step]}
+        data["post_step_parameters"] = params if rank == 0 else {}
+        folder.rank(rank).write_text(json.dumps(data))
+    for pid in range(replicas):
+        pushes = [{"w": ["float32", "old"]}, {"w": ["float32", push_digest if pid else "d"]}]
+        folder.replica(pid).write_text(json.dumps({"pushes": pushes}))
+    folder.step_metrics.write_text(
+        json.dumps({"1": {"actor/grad_norm": verl_norm, "critic/score/mean": 0.2}})
+    )
+    folder.log.write_text(log)
+    case = TrainerCase("t", "tiny-qwen3-chat", ("a=b",))
+    return read_run(case, spec, out, code, 1.0, False)
+
+
+def failed(result) -> dict[str, str]:
+    return {o.check: o.detail for o in checks.evaluate(result).with_status(checks.FAILED)}
+
+
+def test_a_healthy_trainer_run_passes_a_e_h_and_says_what_it_cannot_have(tmp_path):
+    result = observed_run(tmp_path)
+    verdict = checks.check_all(result)
+    assert {o.check for o in verdict.with_status(checks.PASSED)} == {"a", "e", "h"}
+    assert any(line.startswith("c: no reference or twin") for line in verdict.not_applicable())
+    assert result.metrics["critic/score/mean"] == 0.2
+    assert result.metrics["comm/reduce_scatter_calls"] == 10
+
+
+@pytest.mark.parametrize(
+    ("changes", "check", "words"),
+    [
+        ({"flag": True}, "h", "expected reduce-scatters per micro-batch [0, 5], measured [5, 5]"),
+        ({"flag": True, "calls": ((0, 5), (0, 5))}, "h", "expected unsharded gradients held"),
+        ({"retained": (8, 8)}, "h", "expected no unsharded gradients held"),
+        ({"reported": (2.0, 1.5)}, "a", "differs from rank 0's"),
+        ({"shard_sq": (2.0, 1.0)}, "a", "global L2 norm of the sharded gradients is"),
+        ({"verl_norm": 3.0}, "a", "verl's step metric actor/grad_norm = 3.0"),
+        ({"push_digest": "old"}, "e", "a stale or wrong push"),
+        ({"replicas": 1}, "e", "1 rollout replica(s) received weights"),
+        ({"reported": (math.nan, math.nan)}, "a", "expected a finite value"),
+    ],
+)
+def test_each_trainer_check_fails_on_the_bug_it_claims(tmp_path, changes, check, words):
+    problems = failed(observed_run(tmp_path, **changes))
+    assert set(problems) == {check}, problems
+    assert words in problems[check]
+
+
+def test_a_failed_trainer_shows_its_cause_first(tmp_path):
+    log = (
+        "ray init kwargs: {}\n"
+        "\x1b[36m(TaskRunnerV1 pid=1)\x1b[0m UserWarning: something harmless\n"
+        "\x1b[36m(WorkerDict pid=2)\x1b[0m Traceback (most recent call last):\n"
+        "\x1b[36m(WorkerDict pid=2)\x1b[0m ValueError: vllm version None not supported\n"
+        "Error executing job with overrides: [...]\n"
+    )
+    result = observed_run(tmp_path, code=1, log=log)
+    assert not result.ok
+    head = result.failure_text().splitlines()[0]
+    assert head == "case t: verl's trainer exited 1: ValueError: vllm version None not supported"
+    assert first_cause(tmp_path / "missing.log") == "(no log)"
+
+
+def test_strict_on_an_8_npu_box_says_the_16_npu_case_cannot_run(pytester):
+    pytester.makefile(".toml", cases=(REPO / "e2e" / "cases.toml").read_text())
+    pytester.makepyfile(
+        "def test_t(fsdp_turbo_trainer_case, verl_trainer_run):\n"
+        "    verl_trainer_run(fsdp_turbo_trainer_case)\n"
+    )
+    args = ["--fsdp-turbo-cases=cases.toml", "--fsdp-turbo-device=npu:8", "-p", "no:cacheprovider"]
+    result = pytester.runpytest(*args, "-k", "fsdp8-sp2", "--fsdp-turbo-strict")
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*none can run here: needs 16 npu devices; found 8*"])
+    listed = pytester.runpytest(*args, "--collect-only", "-q", "-m", "npu_e2e")
+    listed.stdout.fnmatch_lines(["*qwen3_5-2b-verl-trainer-fsdp_turbo-fsdp4-sp2-npu*"])
