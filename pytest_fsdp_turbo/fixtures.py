@@ -259,7 +259,7 @@ def verl_trainer_run(
     -> the run of verl's own `main_ppo` for one step, observed by the harness. It does not assert:
     `pytest_fsdp_turbo.checks.check_all(result)` judges it. Skips (fails under strict) where verl,
     vLLM or the model cannot be had, naming what was looked for."""
-    from pytest_fsdp_turbo.trainer.fixture import TrainerRun
+    from pytest_fsdp_turbo.trainer.fixture import TrainerRun, progress_lines
     from pytest_fsdp_turbo.trainer.run import TrainerRunner
 
     config = request.config
@@ -271,6 +271,7 @@ def verl_trainer_run(
         models=settings.models,
         tiny_models=settings.tiny_models,
         pythonpath=(str(config.rootpath),),
+        say=progress_lines(config),
     )
     return TrainerRun(request, runner, lambda: cases_of(config), settings.strict)
 

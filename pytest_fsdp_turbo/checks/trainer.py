@@ -67,7 +67,7 @@ def check_trainer_grad_norm(result: RunResult) -> None:
             f"check a: verl's step metrics have no {VERL_GRAD_NORM} "
             f"({TrainerFolder(result.artifacts_dir).step_metrics})"
         )
-    if not _rel(verl, reported) <= NORM_AGREEMENT_REL:
+    if reported is None or not _rel(verl, reported) <= NORM_AGREEMENT_REL:
         raise CheckFailure(
             f"check a: verl's step metric {VERL_GRAD_NORM} = {verl!r}, but rank 0's engine "
             f"reported {reported!r} ({OptimizerRecord.key('grad_norm')})"

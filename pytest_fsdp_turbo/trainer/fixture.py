@@ -38,3 +38,21 @@ class TrainerRun:
         node.user_properties.extend(junit_properties(result))
         node.user_properties.append((SUMMARY_PROPERTY, summary_row(result, test=node.name)))
         return result
+
+
+def progress_lines(config: pytest.Config):
+    """Plain lines past the test's output capture (pytest's terminal reporter), as ppo_run's
+    progress writes them in CI logs; None without a terminal reporter."""
+    import contextlib
+
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return None
+    capture = config.pluginmanager.getplugin("capturemanager")
+
+    def say(text: str) -> None:
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            reporter.ensure_newline()
+            reporter.write_line(text)
+
+    return say

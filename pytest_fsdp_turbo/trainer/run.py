@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,8 @@ NEEDS = {
 # the rendezvous the harness's own cases use; verl's workers set their own
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 KILL_GRACE_S = 10.0
+PROGRESS_POLL_S = 2.0
+PROGRESS_S = 15.0  # at most one progress line this often
 
 
 def missing_needs() -> list[str]:
@@ -56,6 +59,7 @@ class TrainerRunner:
     models: Path | None = None
     tiny_models: Path | None = None
     pythonpath: tuple[str, ...] = ()
+    say: Callable[[str], None] | None = None  # live progress lines (the terminal reporter)
 
     def gate(self, case: TrainerCase) -> Path:
         """The model's folder, or Unavailable naming what is missing here."""
@@ -132,14 +136,41 @@ class TrainerRunner:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-            try:
-                code = process.wait(timeout=case.timeout)
-            except subprocess.TimeoutExpired:
-                timed_out, code = True, None
+            code, timed_out = self._wait(case, process, folder, start)
         end_run(out, process)
         duration = time.monotonic() - start
         keep_actor_logs(Path(spec.ray_temp_dir), folder)
         return read_run(case, spec, out, code, duration, timed_out)
+
+    def _wait(
+        self, case: TrainerCase, process: subprocess.Popen, folder: TrainerFolder, start: float
+    ) -> tuple[int | None, bool]:
+        """The trainer's exit code (None: it ran past the case's timeout), saying what the observer
+        has seen so far whenever that changes, at most every PROGRESS_S."""
+        shown, said_at = "", 0.0
+        while True:
+            try:
+                return process.wait(timeout=PROGRESS_POLL_S), False
+            except subprocess.TimeoutExpired:
+                elapsed = time.monotonic() - start
+                if elapsed > case.timeout:
+                    return None, True
+                seen = progress_line(folder, case.world_size)
+                if self.say and seen != shown and elapsed - said_at >= PROGRESS_S:
+                    self.say(f"trainer case {case.id}: {elapsed:.0f}s: {seen}")
+                    shown, said_at = seen, elapsed
+
+
+def progress_line(folder: TrainerFolder, world_size: int) -> str:
+    """What the observer's files say so far: ranks that stepped, replicas that received weights."""
+    stepped = sum(1 for path in folder.ranks() if (_json(path) or {}).get("steps"))
+    pushes = [len((_json(path) or {}).get("pushes") or []) for path in folder.replicas()]
+    if not (stepped or pushes):
+        return "starting Ray, the workers and the rollout servers"
+    return (
+        f"{stepped}/{world_size} ranks past the optimizer step; "
+        f"{len(pushes)} rollout replica(s), weight pushes {pushes}"
+    )
 
 
 def end_run(out: Path, process: subprocess.Popen) -> None:
