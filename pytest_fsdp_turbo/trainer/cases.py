@@ -197,7 +197,8 @@ def trainer_cases(data: dict, path: Path, specs: list[str]) -> list[TrainerCase]
     rows = data.get(TABLE, [])
     if not isinstance(rows, list):
         raise ConfigError(f"{path}: [[{TABLE}]] entries must be tables")
-    cases, seen = [], set()
+    cases: list[TrainerCase] = []
+    seen: set[str] = set()
     for row in rows:
         if not isinstance(row, dict):
             raise ConfigError(f"{path}: every [[{TABLE}]] entry must be a table")

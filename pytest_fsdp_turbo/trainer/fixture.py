@@ -27,9 +27,8 @@ class TrainerRun:
         name = artifact_name(self.request.node.nodeid)
         name += f"-{self.calls}" if self.calls > 1 else ""
         try:
-            if isinstance(case, str):
-                case = self.book().get_trainer(case)
-            result = self.runner.run(case, name)
+            resolved = self.book().get_trainer(case) if isinstance(case, str) else case
+            result = self.runner.run(resolved, name)
         except Unavailable as why:
             skip_or_fail(self.strict, str(why))
         except (ConfigError, LeaseTimeout) as exc:

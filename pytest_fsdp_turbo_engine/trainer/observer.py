@@ -56,7 +56,7 @@ class TrainerRank:
         self.post_step: dict[str, dict[str, str]] = {}
         self._pass: dict[str, Any] | None = None  # the training pass since the last step
         self._micro_batch_open = False
-        self._units = None
+        self._units: Any = None  # fsdp_probe.UnitsThatRan over the trained model's units
 
     # -- the trained model ---------------------------------------------------------------------
     def sharded(self, module) -> None:
@@ -163,7 +163,8 @@ class Replica:
     """One rollout replica (a vLLM worker): what each weight push handed it."""
 
     def __init__(self, folder: TrainerFolder) -> None:
-        self.folder, self.pushes = folder, []
+        self.folder = folder
+        self.pushes: list[dict[str, list[str]]] = []
 
     def push_started(self) -> None:
         self.pushes.append({})
@@ -237,7 +238,8 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
         final(state)
         rank.backward_done(getattr(state, "_modules", ()))
 
-    _fsdp_state.FSDPState._root_post_backward_final_callback = root_post_backward_final_callback
+    state_class: Any = _fsdp_state.FSDPState
+    state_class._root_post_backward_final_callback = root_post_backward_final_callback
     register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: rank.before_step(optimizer))
     register_optimizer_step_post_hook(lambda optimizer, args, kwargs: rank.after_step(optimizer))
 
