@@ -5,6 +5,7 @@ post-backward then reads the vision tower's unsharded parameters, which were nev
 """
 
 import torch
+
 from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
 from pytest_fsdp_turbo_engine.registry import register
 

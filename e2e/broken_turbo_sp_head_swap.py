@@ -7,6 +7,7 @@ per-parameter comparison sees it.
 
 import torch
 import torch.distributed as dist
+
 from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
 from pytest_fsdp_turbo_engine.registry import register
 

@@ -10,6 +10,7 @@ import functools
 import torch.distributed as dist
 import torch.distributed.nn as dist_nn
 import torch.nn.functional as F
+
 from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
 from pytest_fsdp_turbo_engine.registry import register
 

@@ -6,6 +6,7 @@ registered for every model type.
 """
 
 import torch.distributed as dist
+
 from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead, GatherSequence
 from pytest_fsdp_turbo_engine.registry import register
 

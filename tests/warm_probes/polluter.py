@@ -5,6 +5,7 @@ import os
 import sys
 
 import torch
+
 from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
 from pytest_fsdp_turbo_engine.registry import register
 
