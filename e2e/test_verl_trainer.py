@@ -8,7 +8,11 @@ from pytest_fsdp_turbo import checks
 
 
 def test_verl_trainer_one_step(
-    fsdp_turbo_trainer_case, verl_trainer_run, fsdp_turbo_golden, record_property
+    fsdp_turbo_trainer_case,
+    verl_trainer_run,
+    fsdp_turbo_golden,
+    record_property,
+    no_leaked_processes,
 ):
     result = verl_trainer_run(fsdp_turbo_trainer_case)
     verdict = checks.check_all(result)

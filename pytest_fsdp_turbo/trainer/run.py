@@ -121,7 +121,10 @@ class TrainerRunner:
         env.update(case.env)
         env.update(worker_env)
         env[RUN_DIR_VARIABLE] = str(out)
-        env["VERL_USE_EXTERNAL_MODULES"] = ",".join(case.external_modules)
+        # the user's own external modules (a platform plug-in, say), then the case's; the entry
+        # puts the harness's observer before them
+        mine = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+        env["VERL_USE_EXTERNAL_MODULES"] = ",".join([*mine, *case.external_modules])
         paths = [*self.pythonpath, os.environ.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
