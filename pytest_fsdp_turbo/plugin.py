@@ -324,10 +324,37 @@ class BrokenCaseFile:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test that asks for `fsdp_turbo_case` runs once per case x device kind of the case file;
     one that asks for `fsdp_turbo_trainer_case`, once per trainer case x device kind."""
-    if TRAINER_CASE_FIXTURE in metafunc.fixturenames:
-        _parametrize_trainer_cases(metafunc)
-    if CASE_FIXTURE not in metafunc.fixturenames:
-        return
+    for fixture in (CASE_FIXTURE, TRAINER_CASE_FIXTURE):
+        if fixture in metafunc.fixturenames:
+            _parametrize(metafunc, fixture)
+
+
+def _case_marks(param) -> list[pytest.MarkDecorator]:
+    """What selects a case's test: e2e, its device kind, its devices, what it needs."""
+    from pytest_fsdp_turbo.cases import CaseParam  # loaded with the case file, not at start-up
+
+    case = param.case
+    common = [
+        pytest.mark.e2e,
+        getattr(pytest.mark, MARKER_BY_KIND[param.kind]),
+        pytest.mark.devices(case.world_size),
+    ]
+    if isinstance(param, CaseParam):
+        return [
+            *common,
+            *([pytest.mark.vllm] if case.rollout == "vllm" else []),
+            *([pytest.mark.fsdp_turbo] if case.is_turbo else []),
+            *([pytest.mark.verl] if case.is_verl else []),
+        ]
+    return [  # verl's own trainer
+        *common,
+        pytest.mark.verl,
+        pytest.mark.verl_trainer,
+        *([pytest.mark.vllm] if case.rolls_out_with_vllm else []),
+    ]
+
+
+def _parametrize(metafunc: pytest.Metafunc, fixture: str) -> None:
     try:
         book = cases_of(metafunc.config)
     except ConfigError as exc:
@@ -335,56 +362,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         # the module and the session still runs, and any e2e selection keeps the error in view
         broken = BrokenCaseFile(str(exc))
         marks = [pytest.mark.e2e, *(getattr(pytest.mark, m) for m in KIND_BY_MARKER)]
-        metafunc.parametrize(
-            CASE_FIXTURE, [pytest.param(broken, id="case-file-error", marks=marks)]
-        )
+        metafunc.parametrize(fixture, [pytest.param(broken, id="case-file-error", marks=marks)])
         return
-    params = [
-        pytest.param(
-            param,
-            id=param.id,
-            marks=[
-                pytest.mark.e2e,
-                getattr(pytest.mark, MARKER_BY_KIND[param.kind]),
-                pytest.mark.devices(param.case.world_size),
-                *([pytest.mark.vllm] if param.case.rollout == "vllm" else []),
-                *([pytest.mark.fsdp_turbo] if param.case.is_turbo else []),
-                *([pytest.mark.verl] if param.case.is_verl else []),
-            ],
-        )
-        for param in book.params()
-    ]
-    metafunc.parametrize(CASE_FIXTURE, params)
-
-
-def _parametrize_trainer_cases(metafunc: pytest.Metafunc) -> None:
-    try:
-        params = cases_of(metafunc.config).trainer_params()
-    except ConfigError as exc:
-        broken = BrokenCaseFile(str(exc))
-        marks = [pytest.mark.e2e, *(getattr(pytest.mark, m) for m in KIND_BY_MARKER)]
-        metafunc.parametrize(
-            TRAINER_CASE_FIXTURE, [pytest.param(broken, id="case-file-error", marks=marks)]
-        )
-        return
-    metafunc.parametrize(
-        TRAINER_CASE_FIXTURE,
-        [
-            pytest.param(
-                param,
-                id=param.id,
-                marks=[
-                    pytest.mark.e2e,
-                    getattr(pytest.mark, MARKER_BY_KIND[param.kind]),
-                    pytest.mark.devices(param.case.world_size),
-                    pytest.mark.verl,
-                    pytest.mark.verl_trainer,
-                    *([pytest.mark.vllm] if param.case.rolls_out_with_vllm else []),
-                ],
-            )
-            for param in params
-        ],
-    )
+    params = book.params() if fixture == CASE_FIXTURE else book.trainer_params()
+    metafunc.parametrize(fixture, [pytest.param(p, id=p.id, marks=_case_marks(p)) for p in params])
 
 
 OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
