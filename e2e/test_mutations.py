@@ -114,6 +114,13 @@ TWIN_NORM = ("c", "twin (single): actor/grad_norm")
 TWIN_POST = ("c", "post-step logprobs on the batch differ from the twin's")
 NOT_STEPPED = ("i", "actor/param_update_max_abs = 0.0, expected this rank's")
 ROLLOUT_LP = ("e", PostStepRecord.key("rollout_logprob_max_abs_diff"))
+# an engine that never calls the harness's probe: what the probe measures is missing, and red
+SKIPPED_PROBE = (
+    ("b", "phase 'train' should have written it"),
+    ("g", "check g: metric actor/"),
+    ("h", "measured [] on rank 0"),
+    ("l", "metric 'sync/loss_grad_max_rel_err' missing"),
+)
 # g: the goldens hold post-step values too, so a wrong step or a stale rollout fails them
 GOLDEN = ("g", "check g: metric ")
 GOLDEN_NORM = ("g", "check g: metric actor/grad_norm = ")
@@ -285,6 +292,13 @@ MUTANTS = (
     # is off-policy; on one on-policy update each is invisible. The replay twin of the same engine
     # would share the bug; the single twin is our engine, whose sketch sees the larger ones
     Mutant("fsdp_kl_in_fp16", both(LOSS_GRAD), run=OFF_POLICY),
+    Mutant(  # its own loop, no probe call: every reading the probe takes is missing, so red
+        "fsdp_own_loop_skips_probe",
+        {
+            "reference": (*SKIPPED_PROBE,),
+            "twin": (*SKIPPED_PROBE, ("c", "metric 'actor/loss' missing")),
+        },
+    ),
     Mutant(
         "fsdp_loss_without_response_mask",
         {"reference": (REF_GRAD, REF_STEP, LOSS_GRAD), "twin": (LOSS_GRAD,)},
@@ -352,9 +366,14 @@ def run_broken(
 
 
 def in_mode(result: RunResult, mode: str) -> RunResult:
-    """The run as the checks see it in one mode: without the twin, or without the reference."""
+    """The run as the checks see it in one mode: without the twin, or without the reference, each
+    declared away too (the checks apply by what the run declares)."""
     if mode == "reference":
         return dataclasses.replace(result, twin=None, twin_kind="")
+    spec = result.spec()
+    launched = spec and dataclasses.replace(
+        spec, ppo=dataclasses.replace(spec.ppo, reference_checks=False)
+    )
 
     def bare(metrics: dict | None) -> dict | None:
         if metrics is None:
@@ -363,7 +382,7 @@ def in_mode(result: RunResult, mode: str) -> RunResult:
         return {**kept, CaseRecord.key("reference"): False}
 
     ranks = [dataclasses.replace(r, metrics=bare(r.metrics)) for r in result.ranks]
-    return dataclasses.replace(result, ranks=ranks)
+    return dataclasses.replace(result, ranks=ranks, launched=launched)
 
 
 def golden_failure(result: RunResult, case, root) -> str | None:

@@ -63,6 +63,7 @@ class Record:
     """A group of measurements one phase takes."""
 
     NAMESPACE: ClassVar[str]
+    PHASE: ClassVar[str]  # the step's phase that writes it (a missing reading names it)
 
     @classmethod
     def key(cls, name: str) -> str:
@@ -111,6 +112,7 @@ class CaseRecord(Record):
     """What the run was, as the rank saw it (so a golden or a reader never needs the spec)."""
 
     NAMESPACE = "case"
+    PHASE = "load"
     rank: int | None = metric(key="rank")
     device: str | None = metric()
     dtype: str | None = metric()
@@ -129,6 +131,7 @@ class TrainRecord(Record):
     loss's gradient on the log-probabilities against its closed form."""
 
     NAMESPACE = "sync"
+    PHASE = "train"
     reduce_scatter_calls_by_micro_batch: list[int] | None = metric("comm")
     reduce_scatter_calls: int | None = metric("comm")
     all_gather_calls: int | None = metric("comm")
@@ -153,6 +156,7 @@ class ReferenceRecord(Record):
     """Gradients against the single-process reference (reference_checks on)."""
 
     NAMESPACE = "sync"
+    PHASE = "reference"
     grad_max_rel_err: float | None = metric()  # worst parameter, relative to its largest entry
     grad_max_rel_err_param: str | None = metric()
     reference_grad_norm: float | None = metric()
@@ -173,6 +177,7 @@ class ReferenceRecord(Record):
 @dataclass
 class OptimizerRecord(Record):
     NAMESPACE = "actor"
+    PHASE = "optimizer"
     grad_norm: float | None = metric()  # what the engine reports
     grad_norm_finite: bool | None = metric()
     grad_norm_measured: float | None = metric("sync")  # the harness's, from the sharded gradients
@@ -191,6 +196,7 @@ class PostStepRecord(Record):
     """After the step: replicas, the weights handed to and served by the rollout, logprobs."""
 
     NAMESPACE = "sync"
+    PHASE = "checks"
     replica_max_abs_diff: float | None = metric()
     rollout_logprob_max_abs_diff: float | None = metric()
     post_step_logprob_mean: float | None = metric("actor")  # token mean, global batch
@@ -211,6 +217,7 @@ class RolloutRecord(Record):
     """What the rollout and reward handed the trainer, over the global batch."""
 
     NAMESPACE = "ppo"
+    PHASE = "rollout"
     response_length_mean: float | None = metric(key="response_length/mean")
     advantages_abs_max: float | None = metric()
     score_mean: float | None = metric(key="critic/score/mean", optional=True)  # None: replayed
@@ -221,6 +228,7 @@ class LossRecord(Record):
     """The PPO loss parts over the global batch, and the first micro-batch's own values."""
 
     NAMESPACE = "actor"
+    PHASE = "train"
     loss: float | None = metric()
     pg_loss: float | None = metric()
     pg_clipfrac: float | None = metric()
@@ -248,6 +256,7 @@ class LossRecord(Record):
 @dataclass
 class PerfRecord(Record):
     NAMESPACE = "perf"
+    PHASE = "metrics"
     step_time_s: float | None = metric()  # one update: what cases compare
     tokens_per_s: float | None = metric()
     peak_memory_bytes: int | None = metric()

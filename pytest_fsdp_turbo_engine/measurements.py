@@ -57,9 +57,12 @@ class MicroBatchProbe:
         self.loss_grad_err = 0.0
 
     @property
-    def loss_grad_max_rel_err(self) -> float:
+    def loss_grad_max_rel_err(self) -> float | None:
         """Worst over micro-batches; infinite when a micro-batch's loss gradient never reached
-        the log-probabilities the engine reported (they were not what its loss was built on)."""
+        the log-probabilities the engine reported (they were not what its loss was built on);
+        None when the engine never called the probe (its own loop skipped the harness)."""
+        if not self.count:
+            return None
         return self.loss_grad_err if self.loss_gradients_seen == self.count else math.inf
 
     def loss_computed(

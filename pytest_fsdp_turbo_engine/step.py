@@ -345,6 +345,8 @@ def reduced_loss(ctx: Rank, probe: MicroBatchProbe) -> LossRecord:
     """The probe's per-rank sums and first-micro-batch values reduced to the whole run
     (sequence-parallel ranks counted once)."""
     device, sp, first = ctx.device, ctx.sp, probe.first
+    if not probe.count:  # the engine's own loop never called the probe: nothing was measured
+        return LossRecord()
     summed = {name: all_sum(probe.parts.get(name, 0.0), device) / sp for name in SUMMED_PARTS}
     return LossRecord(
         **summed,

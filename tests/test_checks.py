@@ -1,6 +1,7 @@
 """Check logic on hand-made results: tolerance selection by dtype, what applies, every failure listed.
 The same checks on real runs, against broken engines, are in e2e/test_mutations.py."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -51,24 +52,34 @@ def healthy(rank: int, **changes) -> dict:
         OptimizerRecord.key("local_param_numel"): 100,
         PerfRecord.key("peak_memory_bytes"): 2**28,
         TrainRecord.key("data_rows"): [4 * rank + i for i in range(4)],
-        OptimizerRecord.key("clip_max_rel_err"): None,
+        OptimizerRecord.key("clip_max_rel_err"): 0.0,
+        OptimizerRecord.key("clip_coef"): 1.0,
+        TrainRecord.key("loss_grad_max_rel_err"): 0.0,
         "rank": rank,
     }
     return {**metrics, **changes}
 
 
-def declared_by(metrics: dict) -> RankSpec:
+def declared_by(metrics: dict, world_size: int = 2, reference: bool | None = None) -> RankSpec:
     """The spec a run was launched with, as its rank 0 echoed it (case/*): the checks read what
-    was declared from the spec, never from the ranks' metrics."""
+    was declared from the spec, never from the ranks' metrics. The reference is declared where
+    the hand-made metrics hold its readings, unless `reference` says otherwise."""
     step = StepMetrics.from_json(metrics)
+    if reference is None:
+        reference = step.reference.measured()
+    sp = step.train.sp_size or 1
     engine = EngineSpec(
-        world_size=2,
-        fsdp_size=2,
-        sp_size=step.train.sp_size or 1,
+        world_size=world_size,
+        fsdp_size=world_size // sp,
+        sp_size=sp,
         dtype=Dtype(step.case.dtype or "fp32"),
         gradient_sync=SyncPolicy(step.case.gradient_sync or "deferred"),
     )
-    ppo = PPOSpec(micro_batches=step.case.micro_batches or 2, updates=step.case.updates or 1)
+    ppo = PPOSpec(
+        micro_batches=step.case.micro_batches or 2,
+        updates=step.case.updates or 1,
+        reference_checks=reference,
+    )
     return RankSpec(
         "case", "model", "qwen3", DeviceKind.CPU, engine, ppo, step.case.memory_budget_mb
     )
@@ -83,19 +94,43 @@ def result_of(*ranks: dict, twin: RunResult | None = None) -> RunResult:
         duration_s=1.0,
         twin=twin,
         twin_kind="single" if twin else "",
-        launched=declared_by(ranks[0]),
+        launched=declared_by(ranks[0], len(ranks)),
     )
 
 
 def test_healthy_run_without_reference_or_twin_says_what_did_not_apply():
     verdict = checks.check_all(result_of(healthy(0), healthy(1)))
     assert verdict.not_applicable() == [
-        "c: no reference, no twin",
+        "c: no reference, no twin declared",
         "d: no replicas",
         "f: no memory budget",
-        "k: no optimizer step observed",
-        "l: no loss gradient measured",
     ]
+
+
+def test_a_check_that_applies_fails_when_its_measurement_is_missing():
+    """An engine that runs its own loop and never reaches the harness's probe, or a reference
+    that never ran: declared, so red, naming the metric and the phase that should have written
+    it; never "not applicable" (which only the declaration decides)."""
+    lacking = (
+        TrainRecord.key("loss_grad_max_rel_err"),
+        TrainRecord.key("data_rows"),
+        OptimizerRecord.key("clip_max_rel_err"),
+        PostStepRecord.key("rollout_logprob_max_abs_diff"),
+    )
+    ranks = [{k: v for k, v in healthy(r).items() if k not in lacking} for r in (0, 1)]
+    result = result_of(*ranks)
+    result.launched = declared_by(ranks[0], 2, reference=True)
+    verdict = checks.evaluate(result)
+    failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
+    assert set(failed) == {"c", "e", "j", "k", "l"}, failed
+    assert "metric 'sync/grad_rel_l2_err' missing" in failed["c"]
+    assert "phase 'reference' should have written it" in failed["c"]
+    assert "phase 'train' should have written it" in failed["l"]
+    assert "phase 'checks' should have written it" in failed["e"]
+    declared_twin = result_of(healthy(0), healthy(1))
+    declared_twin.twin_kind = "single"
+    with pytest.raises(checks.CheckFailure, match="declares a twin; no twin run is attached"):
+        checks.check_twin(declared_twin)
 
 
 def test_every_failed_check_is_listed():
@@ -270,3 +305,13 @@ def test_the_clip_is_judged_against_the_measured_global_norm():
         match=r"^check k: rank 0: the optimizer stepped on gradients 0.002 away",
     ):
         checks.check_clip(result_of(*off))
+
+
+def test_comparing_policies_shows_a_crashed_run_first_not_a_missing_fingerprint():
+    crashed = result_of(healthy(0), healthy(1))
+    crashed.ranks[1] = dataclasses.replace(crashed.ranks[1], exit_code=1, metrics=None)
+    crashed.first_failure = 1
+    with pytest.raises(checks.CheckFailure) as failure:
+        checks.check_policies_agree(crashed, result_of(healthy(0), healthy(1)))
+    assert str(failure.value).startswith("case case: rank 1 failed first")
+    assert "fingerprint" not in str(failure.value)

@@ -44,7 +44,7 @@ from pytest_fsdp_turbo_contract.records import (
 )
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.spec import RankSpec
-from pytest_fsdp_turbo_contract.vocab import SyncPolicy
+from pytest_fsdp_turbo_contract.vocab import SyncPolicy, TwinKind
 
 # Tolerances by compute dtype; measured margins: benchmarks/check_margins.py (README). fp32 gradient
 # parity per parameter allows for reduction-order differences in long reductions (gated delta-net
@@ -130,6 +130,22 @@ def declared(result: RunResult) -> RankSpec:
     return spec
 
 
+def declares_reference(result: RunResult) -> bool:
+    """The case asked for the in-rank single-process reference (reference_checks)."""
+    return declared(result).ppo.reference_checks
+
+
+def declares_twin(result: RunResult) -> bool:
+    """The case asked for a replay twin (single or every_micro_batch)."""
+    return result.twin_kind in (TwinKind.SINGLE, TwinKind.EVERY_MICRO_BATCH)
+
+
+def declares_replicas(result: RunResult) -> bool:
+    """HSDP: a parameter is sharded over fewer ranks than the world (fsdp_size x sp_size)."""
+    engine = declared(result).engine
+    return engine.fsdp_size * engine.sp_size < engine.world_size
+
+
 def _dtype(result: RunResult) -> str:
     return str(declared(result).engine.dtype)
 
@@ -145,9 +161,17 @@ def _read(result: RunResult, rank: int, record: type[Record], name: str, require
     got = ranked.step.record(record)
     value = getattr(got, name)
     if not got.measured() or (required and value is None):
-        key = record.key(name)
-        raise CheckFailure(f"rank {rank}: metric {key!r} missing (log {ranked.log_path})")
+        raise CheckFailure(missing(result, rank, record, name))
     return value
+
+
+def missing(result: RunResult, rank: int, record: type[Record], name: str) -> str:
+    """A check that applies found no reading: it fails, naming the reading and the phase."""
+    return (
+        f"rank {rank}: metric {record.key(name)!r} missing: the case declares what this check "
+        f"judges, and phase {record.PHASE!r} should have written it "
+        f"(log {result.ranks[rank].log_path})"
+    )
 
 
 def _per_rank(
@@ -166,8 +190,9 @@ def _value(result: RunResult, rank: int, record: type[Record], name: str) -> Any
 def _first_above(
     result: RunResult, record: type[Record], name: str, tolerance: float
 ) -> tuple[int, float] | None:
-    """The first rank whose measurement is above `tolerance` (NaN counts as above), or None."""
-    for rank, value in _per_rank(result, record, name):
+    """The first rank whose measurement is above `tolerance` (NaN counts as above), or None; a
+    rank without the measurement fails."""
+    for rank, value in _per_rank(result, record, name, required=True):
         if not value <= tolerance:
             return rank, value
     return None
@@ -254,8 +279,9 @@ def check_on_policy(result: RunResult) -> None:
 
 def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> None:
     """c. Sharded gradients after accumulation equal a single-process reference over the batch."""
-    if not _rank0(result).reference.measured():
-        raise NotApplicable("no reference")
+    if not declares_reference(result):
+        raise NotApplicable("no reference declared")
+    _value(result, 0, ReferenceRecord, "grad_rel_l2_err")  # declared: it must have run
     dtype = _dtype(result)
     tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
     policy = declared(result).engine.gradient_sync
@@ -285,9 +311,11 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
 def check_twin(result: RunResult) -> None:
     """c. The replay twin (same batch, reference layout) gives the same loss, norm and step."""
     twin = result.twin
-    if twin is None:
-        raise NotApplicable("no twin")
+    if not declares_twin(result):
+        raise NotApplicable("no twin declared")
     label = f"check c: twin ({result.twin_kind})"
+    if twin is None:
+        raise CheckFailure(f"{label}: the case declares a twin; no twin run is attached")
     if not twin.ok:
         raise CheckFailure(f"{label}: the twin run failed\n{twin.failure_text()}")
     dtype = _dtype(result)
@@ -352,7 +380,10 @@ def load_gradient_fingerprint(result: RunResult) -> dict:
 def check_policies_agree(
     deferred: RunResult, every: RunResult, tolerance: float | None = None
 ) -> float:
-    """c. Both gradient-sync policies produce the same gradients; returns the largest difference."""
+    """c. Both gradient-sync policies produce the same gradients; returns the largest difference.
+    A run that failed raises its own failure first (a crash is never "no fingerprint")."""
+    check_completed(deferred)
+    check_completed(every)
     tol = POLICY_AGREEMENT_TOL[_dtype(deferred)] if tolerance is None else tolerance
     a, b = load_gradient_fingerprint(deferred), load_gradient_fingerprint(every)
     if set(a) != set(b):
@@ -375,7 +406,7 @@ def check_policies_agree(
 
 def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
     """d. Every replica holds identical parameters after the step."""
-    if _rank0(result).post_step.replica_max_abs_diff is None:
+    if not declares_replicas(result):
         raise NotApplicable("no replicas")
     if over := _first_above(result, PostStepRecord, "replica_max_abs_diff", tolerance):
         raise CheckFailure(
@@ -389,8 +420,8 @@ def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None
     every tensor the rollout serves readably equals the trainer's own parameter exactly (in the
     served dtype; the harness gathers the parameters from the engine's module, not from the state
     dict the engine handed over)."""
-    if _rank0(result).post_step.rollout_logprob_max_abs_diff is None:
-        raise NotApplicable("no rollout")
+    if declared(result).ppo.replay:
+        raise NotApplicable("no rollout (a replay twin)")
     tol = WEIGHT_SYNC_TOL[_dtype(result)] if tolerance is None else tolerance
     problems = []
     if over := _first_above(result, PostStepRecord, "rollout_logprob_max_abs_diff", tol):
@@ -562,9 +593,7 @@ def check_clip(result: RunResult) -> None:
     the raw gradients times min(1, max_norm / (norm + 1e-6)). Adam's first step barely sees a
     gradient's scale, so only this reading shows a clip that ignores max_norm or uses each
     shard's own norm."""
-    if all(r.step.optimizer.clip_max_rel_err is None for r in result.ranks):
-        raise NotApplicable("no optimizer step observed")
-    coef = _rank0(result).optimizer.clip_coef
+    coef = _value(result, 0, OptimizerRecord, "clip_coef")
     tol = CLIP_TOL[_dtype(result)]
     if over := _first_above(result, OptimizerRecord, "clip_max_rel_err", tol):
         raise CheckFailure(
@@ -581,12 +610,9 @@ def check_data_rows(result: RunResult) -> None:
     rows the harness handed each rank, so an engine whose data rank is wrong (an HSDP engine that
     takes it from the shard dimension) cannot hide behind a reference or twin that replays the
     same duplicated batch."""
-    recorded = {r.rank: r.step.train.data_rows for r in result.ranks if r.metrics}
-    if len(recorded) < 2:
+    if declared(result).engine.world_size < 2:
         raise NotApplicable("one rank")
-    rows: dict[int, list[int]] = {k: v for k, v in recorded.items() if v is not None}
-    if len(rows) < len(recorded):
-        raise NotApplicable("no data rows recorded")
+    rows: dict[int, list[int]] = dict(_per_rank(result, TrainRecord, "data_rows", required=True))
     sp = declared(result).engine.sp_size
     key = TrainRecord.key("data_rows")
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -624,8 +650,6 @@ def check_loss_gradient(result: RunResult) -> None:
     caught by a hook of the harness's on that tensor. On one on-policy update the ratio is 1 and
     the KL gradient 0, so only a case with `updates = 2` shows a loss that drops the clip range,
     counts the KL twice or ignores the response mask."""
-    if all(r.step.train.loss_grad_max_rel_err is None for r in result.ranks):
-        raise NotApplicable("no loss gradient measured")
     tol = LOSS_GRAD_TOL[_dtype(result)]
     if over := _first_above(result, TrainRecord, "loss_grad_max_rel_err", tol):
         updates = declared(result).ppo.updates
@@ -665,7 +689,7 @@ def _parity(result: RunResult) -> None:
         except NotApplicable:
             pass
     if not ran:
-        raise NotApplicable("no reference, no twin")
+        raise NotApplicable("no reference, no twin declared")
 
 
 def evaluate(result: RunResult, budget_mb: float | None = None) -> Verdict:

@@ -371,6 +371,8 @@ def run_with_twin(request: RunRequest, launch: Callable[[RunRequest], RunResult]
     request = with_turbo_config(request)
     result = launch(request)
     twin = twin_case(request.case)
+    if twin is not None:  # declared, whether or not it gets to run: check c applies by it
+        result.twin_kind = request.case.twin_kind()
     if twin is None or not result.ok:
         return result
     twin_request = replace(
