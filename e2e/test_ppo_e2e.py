@@ -6,13 +6,32 @@ import pytest
 
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo_contract.records import TrainRecord
+from pytest_fsdp_turbo_contract.vocab import TwinKind
+
+
+def declared_not_applicable(case) -> set[str]:
+    """The checks a case's declaration leaves out, and only those: no reference and no twin (c),
+    no HSDP replicas (d), no memory budget (f), one rank (j). Every other check applies, and a
+    reading it lacks fails it."""
+    out = set()
+    if not case.with_reference_checks() and case.twin_kind() == TwinKind.NONE:
+        out.add("c")
+    if case.shard_size * case.sp_size == case.world_size:
+        out.add("d")
+    if case.memory_budget_mb is None:
+        out.add("f")
+    if case.world_size < 2:
+        out.add("j")
+    return out
 
 
 def test_ppo_one_step(
     fsdp_turbo_case, ppo_run, fsdp_turbo_golden, record_property, no_leaked_processes
 ):
     result = ppo_run(fsdp_turbo_case)
-    checks.check_all(result)  # every check that applies; the case's memory budget rides along
+    verdict = checks.check_all(result)  # every check that applies; the memory budget rides along
+    left_out = {o.check for o in verdict.with_status(checks.NOT_APPLICABLE)}
+    assert left_out == declared_not_applicable(fsdp_turbo_case.case), verdict.not_applicable()
     golden = fsdp_turbo_golden(result, fsdp_turbo_case)  # g: checked, or recorded, or missing
     record_property("fsdp_turbo/golden", str(golden))
 
