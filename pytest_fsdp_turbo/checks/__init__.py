@@ -224,7 +224,7 @@ def check_grad_norm(result: RunResult) -> None:
             )
     tol = GRAD_NORM_TRUE_REL[dtype]
     for (rank, reported), (_, measured) in zip(
-        norms, _per_rank(result, OptimizerRecord, "grad_norm_measured")
+        norms, _per_rank(result, OptimizerRecord, "grad_norm_measured", required=True)
     ):
         if not _rel(reported, measured) <= tol:
             raise CheckFailure(
@@ -264,13 +264,15 @@ def check_on_policy(result: RunResult) -> None:
             "same weights)"
         )
     tol = ON_POLICY_KL_TOL[dtype]
-    for rank, value in _per_rank(result, LossRecord, "ppo_kl_first_micro_batch"):
+    for rank, value in _per_rank(result, LossRecord, "ppo_kl_first_micro_batch", required=True):
         if not abs(value) <= tol:
             raise CheckFailure(
                 f"check b: rank {rank}: {LossRecord.key('ppo_kl')} on the first micro-batch = {value:.3g}, "
                 f"expected |value| <= {tol:g} (old logprobs must come from the same weights)"
             )
-    for rank, value in _per_rank(result, LossRecord, "pg_clipfrac_first_micro_batch"):
+    for rank, value in _per_rank(
+        result, LossRecord, "pg_clipfrac_first_micro_batch", required=True
+    ):
         if value != 0:
             raise CheckFailure(
                 f"check b: rank {rank}: {LossRecord.key('pg_clipfrac')} on the first micro-batch = {value:.3g}, expected 0"
@@ -455,7 +457,7 @@ def check_memory(result: RunResult, budget_mb: float | None) -> None:
     """f. Peak memory within budget."""
     if budget_mb is None:
         raise NotApplicable("no memory budget")
-    for rank, value in _per_rank(result, PerfRecord, "peak_memory_bytes"):
+    for rank, value in _per_rank(result, PerfRecord, "peak_memory_bytes", required=True):
         if value > budget_mb * 2**20:
             raise CheckFailure(
                 f"check f: rank {rank}: {PerfRecord.key('peak_memory_bytes')} = {value / 2**20:.1f} MiB, "
@@ -491,7 +493,7 @@ def check_sync_contract(result: RunResult) -> None:
         tokens = rows * seq
         # 1/sp of the micro-batch's tokens, each row (or the one packed row) padded to split evenly
         low, high = -(-tokens // sp), (tokens + rows * (sp - 1)) // sp
-        for rank, seen in _per_rank(result, TrainRecord, "layer_tokens"):
+        for rank, seen in _per_rank(result, TrainRecord, "layer_tokens", required=True):
             if not low <= seen <= high:
                 raise CheckFailure(
                     f"{head}: declared sp_size {sp} over micro-batches of {rows} x {seq} tokens: "
@@ -503,7 +505,9 @@ def check_sync_contract(result: RunResult) -> None:
 
 def check_reduce_scatters(result: RunResult, policy: str, micro_batches: int, head: str) -> None:
     """h's counts: one reduce-scatter per FSDP unit that ran, on each synced backward."""
-    for rank, calls in _per_rank(result, TrainRecord, "reduce_scatter_calls_by_micro_batch"):
+    for rank, calls in _per_rank(
+        result, TrainRecord, "reduce_scatter_calls_by_micro_batch", required=True
+    ):
         units = _value(result, rank, TrainRecord, "fsdp_units")
         shards = _value(result, rank, TrainRecord, "shard_group_size")
         want = expected_reduce_scatters(policy, micro_batches, units, shards)
@@ -518,7 +522,7 @@ def check_reduce_scatters(result: RunResult, policy: str, micro_batches: int, he
 def check_retained_gradients(result: RunResult, policy: str, micro_batches: int, head: str) -> None:
     """h's memory: deferral holds unsharded gradients between micro-batches, syncing never does."""
     retained_key = TrainRecord.key("retained_grad_bytes")
-    for rank, retained in _per_rank(result, TrainRecord, "retained_grad_bytes"):
+    for rank, retained in _per_rank(result, TrainRecord, "retained_grad_bytes", required=True):
         holds = policy == SyncPolicy.DEFERRED and micro_batches > 1
         if holds and not retained > 0:
             raise CheckFailure(
@@ -541,8 +545,8 @@ def check_optimizer_step(result: RunResult) -> None:
     reference's steps."""
     finite = _rank0(result).optimizer.grad_norm_finite is not False
     moved_key = OptimizerRecord.key("param_update_max_abs")
-    numel = dict(_per_rank(result, OptimizerRecord, "local_param_numel"))
-    for rank, moved in _per_rank(result, OptimizerRecord, "param_update_max_abs"):
+    numel = dict(_per_rank(result, OptimizerRecord, "local_param_numel", required=True))
+    for rank, moved in _per_rank(result, OptimizerRecord, "param_update_max_abs", required=True):
         if finite and numel[rank] and not moved > 0:
             raise CheckFailure(
                 f"check i: rank {rank}: {moved_key} = {moved}, expected this rank's "
