@@ -712,8 +712,14 @@ def evaluate(result: RunResult, budget_mb: float | None = None) -> Verdict:
         except NotApplicable as why:
             outcomes.append(Outcome(letter, NOT_APPLICABLE, str(why)))
         except CheckFailure as failure:
-            outcomes.append(Outcome(letter, FAILED, str(failure)))
+            outcomes.append(Outcome(letter, FAILED, _lettered(letter, failure)))
     return Verdict(tuple(outcomes))
+
+
+def _lettered(letter: str, failure: CheckFailure) -> str:
+    """Every failure line starts with its check's letter (a missing reading's too)."""
+    text = str(failure)
+    return text if text.startswith("check ") else f"check {letter}: {text}"
 
 
 def check_all(result: RunResult, budget_mb: float | None = None) -> Verdict:

@@ -24,6 +24,7 @@ from pytest_fsdp_turbo.checks import (
     CheckFailure,
     Outcome,
     Verdict,
+    _lettered,
     _rel,
     check_grad_norm,
     check_reduce_scatters,
@@ -143,6 +144,6 @@ def evaluate(result: RunResult) -> Verdict:
             check(result)
             outcomes.append(Outcome(letter, PASSED))
         except CheckFailure as failure:
-            outcomes.append(Outcome(letter, FAILED, str(failure)))
+            outcomes.append(Outcome(letter, FAILED, _lettered(letter, failure)))
     outcomes += [Outcome(letter, NOT_APPLICABLE, why) for letter, why in TRAINER_CANNOT.items()]
     return Verdict(tuple(sorted(outcomes, key=lambda o: o.check)))
