@@ -57,14 +57,26 @@ class TrainerRank:
         self._pass: dict[str, Any] | None = None  # the training pass since the last step
         self._micro_batch_open = False
         self._units: Any = None  # fsdp_probe.UnitsThatRan over the trained model's units
+        self._inner: set[int] | None = None  # ids of the units inside another unit
 
     # -- the trained model ---------------------------------------------------------------------
     def sharded(self, module) -> None:
         self.roots.append(module)
+        self._inner = None  # recomputed on the next forward
         module.register_forward_pre_hook(self._forward)
 
     def _is_root(self, module) -> bool:
-        return not any(module is not other and _contains(other, module) for other in self.roots)
+        """Not inside another module fully_shard was applied to (found once per new unit, so a
+        unit's forward costs a set lookup)."""
+        if self._inner is None:
+            units = {id(unit) for unit in self.roots}
+            self._inner = {
+                id(inner)
+                for unit in self.roots
+                for inner in unit.modules()
+                if inner is not unit and id(inner) in units
+            }
+        return id(module) not in self._inner
 
     def _forward(self, module, args) -> None:
         import torch
