@@ -642,3 +642,36 @@ def test_head_gradients_sent_to_the_wrong_sp_rank_are_caught_per_parameter(ppo_r
         for r in result.ranks
     ]
     checks.check_all(dataclasses.replace(result, ranks=ranks))
+
+
+def readme_example(name: str):
+    """A test function as the README shows it, executed from the README's own text."""
+    text = (HERE.parent / "README.md").read_text()
+    block = next(b for b in text.split("```python")[1:] if f"def {name}(" in b).split("```")[0]
+    start = block.index("# A test that names a case by id")
+    namespace: dict = {}
+    exec(
+        compile(
+            "import pytest\nfrom pytest_fsdp_turbo import checks\n" + block[start:],
+            "README.md",
+            "exec",
+        ),
+        namespace,
+    )
+    return namespace[name]
+
+
+@pytest.mark.parametrize("backend", ["fsdp_noop_sync_context", "fsdp_gradients_divided_twice"])
+def test_the_readme_policy_example_goes_red_on_broken_engines(ppo_run, backend):
+    """The README's test_sync_policies, on an engine whose sync context does nothing and on one
+    whose loss is scaled wrong: both give the same gradients under both policies, so the example
+    must judge each run; it does, and goes red."""
+    example = readme_example("test_sync_policies")
+
+    def broken_run(case_id: str, **options):
+        assert case_id == "my-case"
+        return run_broken(ppo_run, backend, CASE, modes=ONE_MODE["reference"], **options)
+
+    with pytest.raises(checks.CheckFailure):
+        example(broken_run)
+    example(lambda case_id, **options: ppo_run(CASE, **ONE_MODE["reference"], **options))
