@@ -261,3 +261,37 @@ def test_strict_on_an_8_npu_box_says_the_16_npu_case_cannot_run(pytester):
     result.stderr.fnmatch_lines(["*none can run here: needs 16 npu devices; found 8*"])
     listed = pytester.runpytest(*args, "--collect-only", "-q", "-m", "npu_e2e")
     listed.stdout.fnmatch_lines(["*qwen3_5-2b-verl-trainer-fsdp_turbo-fsdp4-sp2-npu*"])
+
+
+def test_trainer_runs_on_one_host_take_turns(tmp_path):
+    """verl names its weight-sync sockets by Ray job id, the same in every fresh cluster: two
+    trainer runs at once on one host hang each other, so the second waits for the first."""
+    import threading
+    import time
+
+    from pytest_fsdp_turbo.devices import Accelerator
+    from pytest_fsdp_turbo.leases import LeaseBook
+    from pytest_fsdp_turbo.trainer.run import TrainerRunner
+
+    said: list[str] = []
+    runners = [
+        TrainerRunner(Accelerator("cpu", (0, 1)), LeaseBook(tmp_path), tmp_path, say=said.append)
+        for _ in range(2)
+    ]
+    case = TrainerCase("t", "tiny-qwen3-chat", ("a=b",), timeout=60.0)
+    inside: list[int] = []
+    overlap: list[bool] = []
+
+    def run(runner: TrainerRunner) -> None:
+        with runner.one_trainer_per_host(case):
+            inside.append(1)
+            overlap.append(len(inside) > 1)
+            time.sleep(0.3)
+            inside.pop()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in runners]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert overlap == [False, False]

@@ -26,7 +26,7 @@ from pytest_fsdp_turbo.trainer.cases import TrainerCase
 from pytest_fsdp_turbo.trainer.readings import write_rank_metrics
 from pytest_fsdp_turbo.trainer.verl_config import declared, read_resolved
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
-from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
+from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
 from pytest_fsdp_turbo_contract.results import RankResult, RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_spec import ENTRY_MODULE, RUN_DIR_VARIABLE, TrainerSpec
@@ -75,6 +75,36 @@ class TrainerRunner:
 
     def run(self, case: TrainerCase, name: str) -> RunResult:
         model = self.gate(case)
+        with self.one_trainer_per_host(case):
+            return self._run(case, name, model)
+
+    @contextlib.contextmanager
+    def one_trainer_per_host(self, case: TrainerCase):
+        """verl's colocated weight sync names its IPC sockets /tmp/rl-colocate-zmq-<Ray job id>-...,
+        and every fresh Ray cluster's first job has the same id: two trainer runs on one host
+        (xdist workers) push into each other's sockets and hang (seen here). They take turns."""
+        from filelock import FileLock, Timeout
+
+        lock = FileLock(str(self.book.state_dir / "verl-trainer.lock"))
+        waited = time.monotonic()
+        while True:
+            try:
+                lock.acquire(timeout=PROGRESS_S)
+                break
+            except Timeout:
+                if time.monotonic() - waited > case.timeout:
+                    raise LeaseTimeout(
+                        f"trainer case {case.id}: another verl trainer run held this host for "
+                        f"more than the case's timeout ({case.timeout:g}s)"
+                    ) from None
+                if self.say:
+                    self.say(f"trainer case {case.id}: waiting for another verl trainer run here")
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def _run(self, case: TrainerCase, name: str, model: Path) -> RunResult:
         out = self.artifacts_root / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
