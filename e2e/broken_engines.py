@@ -412,22 +412,17 @@ class KLInFp16Engine(OwnLossEngine):
         return without_kl + cfg.kl_coef * token_sum(kl, mb.mask) / tokens
 
 
+class _NoProbe:
+    def loss_computed(self, *args, **kwargs) -> None:
+        pass
+
+
 @register(backend="fsdp_own_loop_skips_probe", device=EVERYWHERE)
-class OwnLoopSkipsProbeEngine(FSDPEngineWithLMHead):
+class OwnLoopSkipsProbeEngine(OwnLossEngine):
     """Runs the micro-batch loop itself (drives_micro_batches, as verl's engines do) with the right
     loss and sync policy, but never calls the harness's probe: the per-micro-batch readings
     (reduce-scatters, the loss's gradient, the first micro-batch's ratio) are never taken. Their
     checks apply by the case's declaration, so their absence is red, not "not applicable"."""
 
-    drives_micro_batches = True
-
     def forward_backward(self, batch, tokens, cfg, probe) -> None:
-        chunks = torch.arange(batch.size).chunk(cfg.micro_batches)
-        for i, rows in enumerate(chunks):
-            mb = batch.rows(rows)
-            with self.gradient_sync_context(is_last_micro_batch=i == len(chunks) - 1):
-                logprobs, entropy = self.forward_logprobs(
-                    mb.input_ids, mb.prompt_len, with_entropy=True
-                )
-                loss, _ = ppo_loss(logprobs, entropy, mb, tokens, cfg)
-                (loss * self.data_parallel_size()).backward()
+        super().forward_backward(batch, tokens, cfg, _NoProbe())

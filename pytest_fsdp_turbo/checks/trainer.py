@@ -34,9 +34,9 @@ from pytest_fsdp_turbo.checks import (
 from pytest_fsdp_turbo.trainer.readings import (
     VERL_GRAD_NORM,
     rank_readings,
-    read,
     verl_step_metrics,
 )
+from pytest_fsdp_turbo_contract.artifacts import read_json
 from pytest_fsdp_turbo_contract.records import OptimizerRecord
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
@@ -98,7 +98,7 @@ def check_rollout_weights(result: RunResult) -> None:
     if not trainer:
         raise CheckFailure(f"check e: rank 0 read no parameters after the step ({folder.rank(0)})")
     expected = result.ranks[0].step.case.replicas or 0
-    replicas = [(path, read(path)) for path in folder.replicas()]
+    replicas = [(path, read_json(path)) for path in folder.replicas()]
     if len(replicas) != expected:
         raise CheckFailure(
             f"check e: {len(replicas)} rollout replica(s) received weights, verl's resolved "

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 from pytest_fsdp_turbo.trainer.verl_config import TrainerDeclared
-from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
 from pytest_fsdp_turbo_contract.records import (
     CaseRecord,
     LossRecord,
@@ -41,18 +40,11 @@ FROM_VERL = {
 VERL_GRAD_NORM = "actor/grad_norm"
 
 
-def read(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def rank_readings(folder: TrainerFolder) -> dict[int, dict]:
     """rank -> the observer's file for it (only ranks that wrote one)."""
     found = {}
     for path in folder.ranks():
-        data = read(path)
+        data = read_json(path)
         if isinstance(data, dict) and isinstance(data.get("rank"), int):
             found[data["rank"]] = data
     return found
@@ -60,7 +52,7 @@ def rank_readings(folder: TrainerFolder) -> dict[int, dict]:
 
 def verl_step_metrics(folder: TrainerFolder) -> dict[str, Any]:
     """verl's metrics of the run's first step, as its tracking logger got them."""
-    logged = read(folder.step_metrics)
+    logged = read_json(folder.step_metrics)
     if not isinstance(logged, dict) or not logged:
         return {}
     first = min(logged, key=lambda step: float(step) if step.replace(".", "").isdigit() else 0)

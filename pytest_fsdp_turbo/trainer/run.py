@@ -25,7 +25,7 @@ from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.trainer.cases import TrainerCase
 from pytest_fsdp_turbo.trainer.readings import write_rank_metrics
 from pytest_fsdp_turbo.trainer.verl_config import declared, read_resolved
-from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
 from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
 from pytest_fsdp_turbo_contract.results import RankResult, RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
@@ -196,8 +196,8 @@ class TrainerRunner:
 
 def progress_line(folder: TrainerFolder, world_size: int) -> str:
     """What the observer's files say so far: ranks that stepped, replicas that received weights."""
-    stepped = sum(1 for path in folder.ranks() if (_json(path) or {}).get("steps"))
-    pushes = [len((_json(path) or {}).get("pushes") or []) for path in folder.replicas()]
+    stepped = sum(1 for path in folder.ranks() if (read_json(path) or {}).get("steps"))
+    pushes = [len((read_json(path) or {}).get("pushes") or []) for path in folder.replicas()]
     if not (stepped or pushes):
         return "starting Ray, the workers and the rollout servers"
     return (
@@ -241,20 +241,13 @@ def keep_actor_logs(ray_tmp: Path, folder: TrainerFolder) -> None:
     for path in sorted(logs.glob("worker-*")) if logs.is_dir() else ():
         shutil.copy(path, folder.actor_logs / path.name)
     for rank_file in folder.ranks():
-        data = _json(rank_file)
+        data = read_json(rank_file)
         pid = data.get("pid") if isinstance(data, dict) else None
         parts = sorted(folder.actor_logs.glob(f"worker-*-{pid}.*")) if pid else []
         if parts:
             text = "".join(p.read_text(errors="replace") for p in parts)
             RunFolder(folder.path).log(data["rank"]).write_text(text)
     shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-def _json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def read_run(
