@@ -4,6 +4,7 @@ its own backend name; ranks import this module only in those tests (engine_modul
 """
 
 import math
+import types
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -412,11 +413,6 @@ class KLInFp16Engine(OwnLossEngine):
         return without_kl + cfg.kl_coef * token_sum(kl, mb.mask) / tokens
 
 
-class _NoProbe:
-    def loss_computed(self, *args, **kwargs) -> None:
-        pass
-
-
 @register(backend="fsdp_own_loop_skips_probe", device=EVERYWHERE)
 class OwnLoopSkipsProbeEngine(OwnLossEngine):
     """Runs the micro-batch loop itself (drives_micro_batches, as verl's engines do) with the right
@@ -425,4 +421,5 @@ class OwnLoopSkipsProbeEngine(OwnLossEngine):
     checks apply by the case's declaration, so their absence is red, not "not applicable"."""
 
     def forward_backward(self, batch, tokens, cfg, probe) -> None:
-        super().forward_backward(batch, tokens, cfg, _NoProbe())
+        no_probe = types.SimpleNamespace(loss_computed=lambda *args, **kwargs: None)
+        super().forward_backward(batch, tokens, cfg, no_probe)
