@@ -423,3 +423,15 @@ class OwnLoopSkipsProbeEngine(OwnLossEngine):
     def forward_backward(self, batch, tokens, cfg, probe) -> None:
         no_probe = types.SimpleNamespace(loss_computed=lambda *args, **kwargs: None)
         super().forward_backward(batch, tokens, cfg, no_probe)
+
+
+@register(backend="fsdp_extra_all_reduce_on_rank1", device=EVERYWHERE)
+class ExtraAllReduceOnRankOneEngine(FSDPEngineWithLMHead):
+    """Rank 1 issues one all_reduce its peers never issue (a debugging sum left in on one rank):
+    the collectives no longer line up, and the rank whose collective broke is rank 1, not the
+    peer that then lost its connection."""
+
+    def optimizer_step(self) -> float:
+        if dist.get_rank() == 1:
+            dist.all_reduce(torch.ones(3))
+        return super().optimizer_step()

@@ -118,7 +118,7 @@ def run_cause(result: RunResult) -> str:
     first = result.first_failed()
     if first is not None and first.error is not None:
         return f"rank {first.rank} {first.error.phase}: {first.error.type}"
-    return f"rank {result.first_failure} exited {first.exit_code if first else '?'}"
+    return f"rank {result.first_failure} {first.ending() if first else 'failed'}"
 
 
 def _spec_device(result: RunResult) -> str:

@@ -4,7 +4,8 @@
 PYTEST_FSDP_TURBO_FAULT=KIND:RANK[:PHASE], e.g. "crash:1:rollout". PHASE defaults to init, the first
 phase. Kinds: crash (raise), hang (block forever), nan (non-finite gradients), stall (sleep
 PYTEST_FSDP_TURBO_FAULT_STALL_S seconds, then go on), exit (the rank ends with code 0 and writes
-nothing, as an engine or library calling exit would), kill_parent (the rank kills the warm parent
+nothing, as an engine or library calling exit would), signal (the rank is killed by SIGKILL, as
+the kernel's OOM killer ends it: no error file, no last word), kill_parent (the rank kills the warm parent
 it was forked from; the local launcher only).
 """
 
@@ -18,7 +19,7 @@ from pytest_fsdp_turbo_contract.vocab import Env
 
 FAULT_VAR = Env.FAULT
 STALL_SECONDS_VAR = Env.FAULT_STALL_S  # read here; the ranks get it in their spec
-KINDS = ("crash", "hang", "nan", "stall", "exit", "kill_parent")
+KINDS = ("crash", "hang", "nan", "stall", "exit", "signal", "kill_parent")
 # every phase a rank enters, in order (pytest_fsdp_turbo_engine/worker.py and pytest_fsdp_turbo_engine/step.py)
 PHASES = (
     "init",

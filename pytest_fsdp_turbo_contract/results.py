@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from pytest_fsdp_turbo_contract.spec import RankSpec
 LOG_TAIL_LINES = 30
 LOG_TAIL_BYTES = 8192  # a rank that printed megabytes without a newline still gets a short tail
 FOLLOWER_CHARS = 160  # a rank that failed after the first one: its exception line, cut
+LAST_LINES = 3  # a rank that ended without an error report: its log's last words, in the head
 # what a rank's collective says when a peer it waits on died (gloo, NCCL, HCCL, the store)
 PEER_GONE = (
     "Connection closed by peer",
@@ -78,6 +80,31 @@ class RankResult:
         metrics = read_json(folder.metrics(rank))
         error = RankError.from_json(read_json(folder.error(rank)))
         return cls(rank, exit_code, duration_s, log, metrics, error)
+
+    @property
+    def failed(self) -> bool:
+        return self.exit_code != 0 or not self.metrics
+
+    def ending(self) -> str:
+        """How the process ended, in words: "killed by SIGABRT", "exited 1"."""
+        code = self.exit_code
+        if code is not None and code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return "still running" if code is None else f"exited {code}"
+
+    def last_lines(self, count: int = LAST_LINES) -> list[str]:
+        """The log's last non-blank lines: what a rank that wrote no error said last (an abort's
+        `what():`, the phase it was in when a signal ended it)."""
+        return [line.rstrip() for line in self.log_tail().splitlines() if line.strip()][-count:]
+
+    @property
+    def lost_peer(self) -> bool:
+        """It failed only because a peer went away: its collective says the connection is gone."""
+        said = self.error.message if self.error is not None else "\n".join(self.last_lines())
+        return any(mark in said for mark in PEER_GONE)
 
     @functools.cached_property
     def step(self) -> StepMetrics:
@@ -175,17 +202,20 @@ class RunResult:
         return not (self.timed_out or self.failure or hang or first is None)
 
     def _follower_line(self, rank: RankResult, told: dict) -> str:
+        """One line for a rank that failed after the first: a peer that only lost its connection
+        says so; an error every rank raised is told once."""
         error = rank.error
         if error is None:
-            return f"stopped after rank {self.first_failure} failed"
-        key = (error.phase, error.type, error.message)
-        if key in told:
-            return f"phase {error.phase}: {error.type}: as rank {told[key]}"
-        told[key] = rank.rank
-        line = (error.message.strip().splitlines() or [""])[0][:FOLLOWER_CHARS]
-        waiting = any(mark in error.message for mark in PEER_GONE)
-        tail = f" (waiting for rank {self.first_failure})" if waiting else ""
-        return f"phase {error.phase}: {error.type}: {line}{tail}"
+            said = rank.ending()
+        elif (key := (error.phase, error.type, error.message)) in told:
+            said = f"phase {error.phase}: {error.type}: as rank {told[key]}"
+        else:
+            told[key] = rank.rank
+            line = (error.message.strip().splitlines() or [""])[0][:FOLLOWER_CHARS]
+            said = f"phase {error.phase}: {error.type}: {line}"
+        if rank.lost_peer:
+            return f"lost its peer rank {self.first_failure} ({said})"
+        return said if error is not None else f"stopped after rank {self.first_failure} failed"
 
     def failure_text(self) -> str:
         if self.ok:
@@ -206,6 +236,9 @@ class RunResult:
         first_error = first.error if first is not None and not group_failed else None
         if first_error is not None:  # the first rank's cause, before anything else
             head += f" in phase {first_error.phase}: {first_error.type}: {first_error.message}"
+        elif first is not None and not group_failed:  # a signal, an abort: its last words
+            said = "\n".join(f"  {line}" for line in first.last_lines())
+            head += f": {first.ending()} without an error report; its log ends:\n{said}"
         one_line = self._followers_in_one_line(first)
         parts = [head, f"artifacts: {self.artifacts_dir}"]
         told: dict[tuple[str, str, str], int] = {}  # an error every rank raised is shown once

@@ -36,6 +36,9 @@ class Fault(FaultSpec):
         if self.kind == "exit":  # gone without a word: no error file, exit code 0
             sys.stdout.flush()
             os._exit(0)
+        if self.kind == "signal":
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "kill_parent":
             _kill_warm_parent()
         if self.kind == "hang":

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo import checks, report
 from pytest_fsdp_turbo.cases import Case
 from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.launching.request import RunRequest, run_case
@@ -401,8 +401,43 @@ def test_a_downstream_engine_failing_on_one_rank_shows_its_cause_first(pytester)
         for line in lines[:5]
     ), lines[:5]
     (waiting,) = [line for line in lines if line.startswith("--- rank 0:")]
-    assert waiting.endswith("(waiting for rank 1)") or waiting.endswith("failed"), waiting
+    assert ": lost its peer rank 1 (" in waiting or waiting.endswith("failed"), waiting
     assert "(raised at " in "\n".join(lines)
+
+
+E2E = REPO / "e2e"
+
+
+def test_a_rank_whose_extra_collective_aborts_is_named_first_with_gloos_own_words(ppo_run):
+    """Rank 1 issues one all_reduce its peer never issues: gloo aborts rank 1's process (no error
+    report) with the collective mismatch in its log, and rank 0 then raises "Connection reset by
+    peer". The first failure is rank 1's, told by its last log lines; rank 0 only lost its peer."""
+    result = ppo_run(
+        "tiny-llama-fsdp2-deferred",
+        backend="fsdp_extra_all_reduce_on_rank1",
+        engine_modules=["broken_engines"],
+        pythonpath=[str(E2E)],
+    )
+    assert result.first_failure == 1 and result.ranks[1].error is None
+    head = "\n".join(result.failure_text().splitlines()[:5])
+    assert "rank 1 failed first: killed by SIGABRT without an error report" in head, head
+    assert "collective mismatch" in head, head
+    (follower,) = [line for line in result.failure_text().splitlines() if "--- rank 0" in line]
+    assert ": lost its peer rank 1 (phase optimizer: RuntimeError:" in follower, follower
+    assert report.run_cause(result) == "rank 1 killed by SIGABRT"
+
+
+def test_a_rank_killed_by_a_signal_is_named_first_with_where_it_was(ppo_run):
+    """SIGKILL (the kernel's OOM killer) leaves no error report and no last word: the rank is still
+    named first, with the phase its log says it was in, ahead of the peer that lost it."""
+    result = ppo_run("tiny-qwen3-single-rank", world_size=2, extra_env={FAULT: "signal:1:optimizer"})
+    lines = result.failure_text().splitlines()
+    assert result.first_failure == 1
+    assert "rank 1 failed first: killed by SIGKILL without an error report" in lines[0], lines[0]
+    assert "[rank 1] phase optimizer" in "\n".join(lines[1:4]), lines[:5]
+    assert any(
+        line.startswith("--- rank 0") and ": lost its peer rank 1 (" in line for line in lines
+    ), lines
 
 
 def test_a_full_disk_at_the_timeline_keeps_the_ranks_own_failure(ppo_run, monkeypatch):

@@ -208,13 +208,8 @@ def collect_result(
         RankResult.read(folder, h.rank, h.poll(), ends.get(h.rank, now) - start, h.log_path)
         for h in handles
     ]
-    reported = [r for r in ranks if r.error and r.error.time is not None]
-    # a rank that exited 0 without its results left without a word: its peers' errors follow it
-    vanished = [r for r in ranks if r.exit_code == 0 and not r.metrics and not r.error]
-    if vanished:
-        first_failure = min(vanished, key=lambda r: r.duration_s).rank
-    elif reported:  # the rank that raised first, not the peer that noticed it
-        first_failure = min(reported, key=lambda r: r.error.time).rank
+    if (first := first_to_fail(ranks, ends, now)) is not None:
+        first_failure = first
     return RunResult(
         case_id=case_id,
         world_size=len(handles),
@@ -226,6 +221,22 @@ def collect_result(
         first_failure=first_failure,
         notes=notes,
     )
+
+
+def first_to_fail(ranks: Sequence[RankResult], ends: dict[int, float], now: float) -> int | None:
+    """The rank whose own failure came first: its error, an abort in a collective or a signal,
+    by wall clock (its error's time, else when it ended). A rank whose collective only lost its
+    connection, or that the supervisor stopped, follows any rank that failed on its own."""
+    wall = time.time() - now
+
+    def when(rank: RankResult) -> float:
+        if rank.error is not None and rank.error.time is not None:
+            return rank.error.time
+        return wall + ends[rank.rank]
+
+    ended = [r for r in ranks if r.rank in ends and r.failed]
+    own = [r for r in ended if not r.lost_peer]
+    return min(own or ended, key=when).rank if ended else None
 
 
 def wrote_results(artifacts_dir: Path) -> Callable[[RankHandle], bool]:
