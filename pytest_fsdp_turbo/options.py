@@ -7,10 +7,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+import pytest
+
 DEFAULT_REPO = "https://gitcode.com/Ascend/FSDPTurbo.git"
 KIND_BY_MARKER = {"cpu_e2e": "cpu", "gpu_e2e": "cuda", "npu_e2e": "npu"}
 MARKER_BY_KIND = {kind: marker for marker, kind in KIND_BY_MARKER.items()}
 SUMMARY_PROPERTY = "fsdp_turbo_run"  # a test report's user property carrying one run's row
+PENDING_ROWS = pytest.StashKey[list]()  # a test's runs whose summary rows are not written yet
 
 
 class Option:

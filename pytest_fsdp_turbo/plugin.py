@@ -30,6 +30,7 @@ from pytest_fsdp_turbo.options import (
     KIND_BY_MARKER,
     MARKER_BY_KIND,
     OPTIONS,
+    PENDING_ROWS,
     SUMMARY_PROPERTY,
     env_given,
     ini_given,
@@ -434,6 +435,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """A check's failure is its message, cause first, then where the test raised it: the message
     names the case, the rank, the phase and the metric, so pytest's traceback through the test
     and the check would only push the cause down the failure section."""
+    if call.when in ("call", "teardown") and PENDING_ROWS in item.stash:
+        from pytest_fsdp_turbo.report import write_rows
+
+        write_rows(item)  # after the test's checks judged its runs, before the report copies them
     report = yield
     error = call.excinfo.value if call.excinfo is not None else None
     if report.failed and type(error).__module__ + "." + type(error).__name__ == CHECK_FAILURE:

@@ -5,12 +5,16 @@ Rows travel in each test report's user_properties, so the table is complete unde
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pytest_fsdp_turbo.options import SUMMARY_PROPERTY  # noqa: F401
+import pytest
+
+from pytest_fsdp_turbo.checks import FAILED, PASSED
+from pytest_fsdp_turbo.options import PENDING_ROWS, SUMMARY_PROPERTY
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import (
     STARTUP,
@@ -75,6 +79,39 @@ NOT_OVERRIDES = ("checkout", "extra_env", "engine_modules", "pythonpath", "launc
 CAUSE_CHARS = 60
 
 
+CHECK_CHARS = 140  # a failed check in the verdict column: its letter and numbers
+
+
+def note_run(node: pytest.Item, result: RunResult, options: dict | None = None) -> None:
+    """A run a test made: its junit properties now, its summary row when the test's call ends
+    (pytest_fsdp_turbo.plugin), after the test's checks have judged it."""
+    node.user_properties.extend(junit_properties(result))
+    node.stash.setdefault(PENDING_ROWS, []).append((result, options or {}))
+
+
+def write_rows(item: pytest.Item) -> None:
+    """The summary row of every run the test made since the last call, into its properties."""
+    pending = item.stash.get(PENDING_ROWS, [])
+    for result, options in pending:
+        row = summary_row(result, test=item.name, options=options)
+        item.user_properties.append((SUMMARY_PROPERTY, row))
+    pending.clear()
+
+
+def check_in_numbers(detail: str) -> str:
+    """A failed check's message cut to its letter and numbers: "c: rank 0: parameter w: gradient
+    differs from the single-process reference by 0.31, tolerance 0.0001"; where that is still
+    long, its last clause (what was expected and measured)."""
+    text = (detail.strip().splitlines() or [""])[0].replace("(s)", "s")
+    letter, _, text = re.sub(r"^check ([a-z]): (case \S+: )?", r"\1: ", text).partition(": ")
+    aside = r" ?\((?:[^()\d]*|[^()]{40,}|[\w.]+/[\w.]+|log [^)]*)\)"  # no numbers, long, a key
+    text = re.sub(r" ?\[sync policy [^\]]*\]", "", re.sub(aside, "", text))
+    if len(text) > CHECK_CHARS:
+        text = text.rsplit(": ", 1)[-1]
+    cut = text if len(text) <= CHECK_CHARS else text[: CHECK_CHARS - 3] + "..."
+    return f"{letter}: {cut}"
+
+
 def summary_row(result: RunResult, test: str = "", options: dict | None = None) -> str:
     step = result.ranks[0].step if result.ranks else StepMetrics()
     overrides = {
@@ -96,6 +133,10 @@ def summary_row(result: RunResult, test: str = "", options: dict | None = None) 
         "step_s": step.perf.step_time_s,
         "ok": result.ok,
         "not_applicable": _not_applicable(result),
+        "judged": {
+            letter: [status, check_in_numbers(detail) if detail else ""]
+            for letter, (status, detail) in sorted(result.judged.items())
+        },
     }
     return json.dumps(row)
 
@@ -130,7 +171,8 @@ def _spec_device(result: RunResult) -> str:
 def _not_applicable(result: RunResult) -> list[str]:
     from pytest_fsdp_turbo.checks import evaluate
 
-    return evaluate(result).not_applicable() if result.ok else []
+    unjudged = dataclasses.replace(result, judged={})  # what the test's own checks judged stays
+    return evaluate(unjudged).not_applicable() if result.ok else []
 
 
 def _fmt(value, kind: str) -> str:
@@ -147,12 +189,7 @@ def render_table(rows: list[tuple[dict, str, str]]) -> list[str]:
     """rows: (summary row, test outcome, the test's own first failure line) -> aligned lines."""
     cells = [COLUMNS]
     for row, outcome, why in rows:
-        if outcome == "passed":  # a test may expect its run to fail
-            ran = row.get("ok")
-            verdict = outcome if ran else f"passed (run failed: {row.get('cause') or '?'})"
-        else:
-            cause = row.get("cause") or why
-            verdict = f"{outcome}: {cause}" if cause else outcome
+        verdict = verdict_cell(row, outcome, why)
         case = row["case"] + (f" [{', '.join(row['overrides'])}]" if row.get("overrides") else "")
         cells.append(
             (
@@ -175,6 +212,23 @@ def render_table(rows: list[tuple[dict, str, str]]) -> list[str]:
     return [
         "  ".join(str(c[i]).ljust(widths[i]) for i in range(len(COLUMNS))).rstrip() for c in cells
     ]
+
+
+def verdict_cell(row: dict, outcome: str, why: str) -> str:
+    """What the test made of the run: a run no check judged is "ran, unchecked", never "passed";
+    a failed check shows its letter and numbers."""
+    judged = row.get("judged", {})
+    failed = {letter: detail for letter, (status, detail) in judged.items() if status == FAILED}
+    if outcome == "passed":  # a test may expect its run, or a check, to fail
+        if not row.get("ok"):
+            return f"passed (run failed: {row.get('cause') or '?'})"
+        if failed:
+            return f"passed (red as the test expects: {', '.join(sorted(failed))})"
+        if not any(status == PASSED for status, _ in judged.values()):
+            return "ran, unchecked"
+        return "passed"
+    cause = row.get("cause") or "; ".join(failed.values()) or why
+    return f"{outcome}: {cause}" if cause else outcome
 
 
 def read_case_artifacts(folder: Path) -> dict:

@@ -145,6 +145,9 @@ class RunResult:
     twin_kind: str = ""  # single | every_micro_batch
     failure: str = ""  # why the group as a whole failed (its launcher died), when it did
     launched: RankSpec | None = None  # what the ranks were asked to do (read from spec.json)
+    # check letter -> (status, detail), noted by each check that judged this run, for the summary
+    # table's verdict; a view of the run (dataclasses.replace) shares it: judging the view judges it
+    judged: dict[str, tuple[str, str]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def launcher_failed(

@@ -315,3 +315,22 @@ def test_comparing_policies_shows_a_crashed_run_first_not_a_missing_fingerprint(
         checks.check_policies_agree(crashed, result_of(healthy(0), healthy(1)))
     assert str(failure.value).startswith("case case: rank 1 failed first")
     assert "fingerprint" not in str(failure.value)
+
+
+def test_a_failed_check_reads_in_the_summary_as_its_letter_and_numbers():
+    """The summary's verdict column: each failed check, noted on the run as the check judged it,
+    cut to its letter, rank and numbers (what the full message says at length)."""
+    from pytest_fsdp_turbo.report import CHECK_CHARS, check_in_numbers
+
+    broken = healthy(1)
+    broken[OptimizerRecord.key("grad_norm")] *= 1.5  # rank 1 logs another norm than rank 0
+    result = result_of(healthy(0), broken)
+    with pytest.raises(checks.CheckFailure) as failure:
+        checks.check_grad_norm(result)
+    status, detail = result.judged["a"]
+    assert status == checks.FAILED and detail == str(failure.value)
+    short = check_in_numbers(detail)
+    assert short.startswith("a: rank 1: ") and len(short) <= CHECK_CHARS, short
+    assert f"{broken[OptimizerRecord.key('grad_norm')]!r}" in short and "1e-06" in short, short
+    checks.check_data_rows(result)  # a passed check is noted too; failed outranks passed
+    assert result.judged["j"] == (checks.PASSED, "") and result.judged["a"][0] == checks.FAILED

@@ -1,5 +1,6 @@
 """The plugin as users meet it: options, markers, skips with reasons, strict mode, header."""
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -435,6 +436,40 @@ def test_the_summary_row_names_the_test_its_overrides_and_the_first_cause(pytest
     row = next(line for line in table.splitlines() if line.startswith("test_crashes"))
     assert "tiny-qwen3-single-rank [micro_batches=1]" in row
     assert "failed: rank 0 train: InjectedFault" in row
+
+
+def test_the_summary_verdict_says_what_the_checks_judged(pytester):
+    """A run no check judged is "ran, unchecked", never "passed"; a failed check shows its letter
+    and numbers in the verdict column; a check the test expects to fail says so."""
+    repo = Path(__file__).resolve().parent.parent
+    pytester.makepyfile(
+        "import pytest\n"
+        "from pytest_fsdp_turbo import checks\n"
+        "CASE = 'tiny-qwen3-single-rank'\n"
+        "def test_unchecked(ppo_run):\n"
+        "    assert ppo_run(CASE).ok\n"
+        "def test_checked(ppo_run):\n"
+        "    checks.check_all(ppo_run(CASE))\n"
+        "def test_over_budget(ppo_run):\n"
+        "    checks.check_memory(ppo_run(CASE), budget_mb=1)\n"
+        "def test_expects_red(ppo_run):\n"
+        "    with pytest.raises(checks.CheckFailure):\n"
+        "        checks.check_memory(ppo_run(CASE), budget_mb=1)\n"
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--fsdp-turbo-device=cpu",
+        f"--fsdp-turbo-cases={repo / 'e2e' / 'cases.toml'}",
+    )  # fmt: skip
+    result.assert_outcomes(passed=3, failed=1)
+    table = result.stdout.str().split("fsdp-turbo e2e runs")[1].splitlines()
+    rows = {line.split()[0]: line for line in table if line.startswith("test_")}
+    assert "  ran, unchecked" in rows["test_unchecked"], rows
+    assert "  passed  " in rows["test_checked"] + "  ", rows
+    over = re.search(
+        r"failed: f: rank 0: \S+ = ([\d.]+) MiB, budget 1 MiB", rows["test_over_budget"]
+    )
+    assert over and float(over.group(1)) > 1, rows["test_over_budget"]
+    assert "passed (red as the test expects: f)" in rows["test_expects_red"], rows
 
 
 def test_skipped_e2e_tests_list_their_reasons_once_each(pytester):

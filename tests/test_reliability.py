@@ -430,7 +430,9 @@ def test_a_rank_whose_extra_collective_aborts_is_named_first_with_gloos_own_word
 def test_a_rank_killed_by_a_signal_is_named_first_with_where_it_was(ppo_run):
     """SIGKILL (the kernel's OOM killer) leaves no error report and no last word: the rank is still
     named first, with the phase its log says it was in, ahead of the peer that lost it."""
-    result = ppo_run("tiny-qwen3-single-rank", world_size=2, extra_env={FAULT: "signal:1:optimizer"})
+    result = ppo_run(
+        "tiny-qwen3-single-rank", world_size=2, extra_env={FAULT: "signal:1:optimizer"}
+    )
     lines = result.failure_text().splitlines()
     assert result.first_failure == 1
     assert "rank 1 failed first: killed by SIGKILL without an error report" in lines[0], lines[0]

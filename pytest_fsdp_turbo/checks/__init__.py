@@ -24,6 +24,7 @@ of it measured by the harness inside the ranks, and the run's `RankSpec` for wha
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -119,6 +120,41 @@ class Verdict:
         return [o.describe() for o in self.with_status(NOT_APPLICABLE)]
 
 
+# a check's outcome on a result, once judged: failed outranks passed, passed outranks "not
+# applicable" (check c has two ways to apply)
+_PRECEDENCE = {NOT_APPLICABLE: 0, PASSED: 1, FAILED: 2}
+
+
+def judge(result: RunResult, letter: str, status: str, detail: str = "") -> None:
+    """Note on the result what a check found, for the summary table: a run no check judged is
+    "ran, unchecked" there, and a failed check shows its letter and numbers."""
+    known = result.judged.get(letter)
+    if known is None or _PRECEDENCE[status] >= _PRECEDENCE[known[0]]:
+        result.judged[letter] = (status, detail)
+
+
+def judges(letter: str) -> Callable:
+    """A check function that notes its outcome on the result it judged (judge)."""
+
+    def decorate(check: Callable) -> Callable:
+        @functools.wraps(check)
+        def judged(result: RunResult, *args: Any, **kwargs: Any) -> Any:
+            try:
+                value = check(result, *args, **kwargs)
+            except NotApplicable as why:
+                judge(result, letter, NOT_APPLICABLE, str(why))
+                raise
+            except CheckFailure as failure:
+                judge(result, letter, FAILED, _lettered(letter, failure))
+                raise
+            judge(result, letter, PASSED)
+            return value
+
+        return judged
+
+    return decorate
+
+
 def declared(result: RunResult) -> RankSpec:
     """What the ranks were asked to do: the declared values every check reads."""
     spec = result.spec()
@@ -207,6 +243,7 @@ def check_completed(result: RunResult) -> None:
         raise CheckFailure(result.failure_text())
 
 
+@judges("a")
 def check_grad_norm(result: RunResult) -> None:
     """a. Finite, the same on every rank, and true: the global L2 norm of the sharded gradients."""
     dtype = _dtype(result)
@@ -250,6 +287,7 @@ def check_grad_norm(result: RunResult) -> None:
             )
 
 
+@judges("b")
 def check_on_policy(result: RunResult) -> None:
     """b. On the first micro-batch the PPO ratio is 1: ppo_kl ~ 0, nothing clipped, and (fp32) every
     token's log-ratio ~ 0, which a mean can hide when errors of both signs cancel."""
@@ -279,6 +317,7 @@ def check_on_policy(result: RunResult) -> None:
             )
 
 
+@judges("c")
 def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> None:
     """c. Sharded gradients after accumulation equal a single-process reference over the batch."""
     if not declares_reference(result):
@@ -310,6 +349,7 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
         )
 
 
+@judges("c")
 def check_twin(result: RunResult) -> None:
     """c. The replay twin (same batch, reference layout) gives the same loss, norm and step."""
     twin = result.twin
@@ -386,6 +426,18 @@ def check_policies_agree(
     A run that failed raises its own failure first (a crash is never "no fingerprint")."""
     check_completed(deferred)
     check_completed(every)
+    try:
+        worst = _policy_difference(deferred, every, tolerance)
+    except CheckFailure as failure:
+        for run in (deferred, every):
+            judge(run, "c", FAILED, str(failure))
+        raise
+    for run in (deferred, every):
+        judge(run, "c", PASSED)
+    return worst
+
+
+def _policy_difference(deferred: RunResult, every: RunResult, tolerance: float | None) -> float:
     tol = POLICY_AGREEMENT_TOL[_dtype(deferred)] if tolerance is None else tolerance
     a, b = load_gradient_fingerprint(deferred), load_gradient_fingerprint(every)
     if set(a) != set(b):
@@ -406,6 +458,7 @@ def check_policies_agree(
     return worst
 
 
+@judges("d")
 def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
     """d. Every replica holds identical parameters after the step."""
     if not declares_replicas(result):
@@ -417,6 +470,7 @@ def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
         )
 
 
+@judges("e")
 def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None:
     """e. Weights gathered from FSDP into the rollout model reproduce the trainer's logprobs, and
     every tensor the rollout serves readably equals the trainer's own parameter exactly (in the
@@ -453,6 +507,7 @@ def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None
         raise CheckFailure("check e: " + "; ".join(problems))
 
 
+@judges("f")
 def check_memory(result: RunResult, budget_mb: float | None) -> None:
     """f. Peak memory within budget."""
     if budget_mb is None:
@@ -476,6 +531,7 @@ def expected_reduce_scatters(
     return [per_sync] * micro_batches
 
 
+@judges("h")
 def check_sync_contract(result: RunResult) -> None:
     """h. What the declared gradient-sync policy promises is what the ranks measured; with
     sequence parallelism, each rank's decoder layers saw only its chunk of the sequence."""
@@ -536,6 +592,7 @@ def check_retained_gradients(result: RunResult, policy: str, micro_batches: int,
             )
 
 
+@judges("i")
 def check_optimizer_step(result: RunResult) -> None:
     """i. Every rank holding parameters changed them (all bit-identical when the norm was not
     finite); in every mode, each parameter element moved as AdamW moves it, computed by the
@@ -591,6 +648,7 @@ def check_optimizer_step(result: RunResult) -> None:
 CLIP_TOL = {"fp32": 1e-5, "bf16": 1e-4}  # relative to the largest clipped gradient entry
 
 
+@judges("k")
 def check_clip(result: RunResult) -> None:
     """k. The optimizer stepped on the gradients clipped by the global norm the harness measured
     and the case's max_norm: read as the step began (a pre-step hook of the harness's), against
@@ -608,6 +666,7 @@ def check_clip(result: RunResult) -> None:
         )
 
 
+@judges("j")
 def check_data_rows(result: RunResult) -> None:
     """j. Data-parallel ranks train on disjoint rows: the ranks that share rows are exactly one
     sequence-parallel group (sp_size ranks), and no row is trained by two groups. Read from the
@@ -647,6 +706,7 @@ def check_data_rows(result: RunResult) -> None:
 LOSS_GRAD_TOL = {"fp32": 1e-6, "bf16": 2e-2}
 
 
+@judges("l")
 def check_loss_gradient(result: RunResult) -> None:
     """l. The gradient the engine's backward delivered to the log-probabilities it reported, per
     micro-batch and update, against the PPO loss's gradient in closed form (clip range, dual

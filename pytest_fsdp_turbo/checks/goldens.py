@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_fsdp_turbo.checks import CheckFailure
+from pytest_fsdp_turbo.checks import FAILED, PASSED, CheckFailure, judge
 from pytest_fsdp_turbo_contract.records import (
     LossRecord,
     OptimizerRecord,
@@ -140,5 +140,7 @@ def check_or_record(
     tolerance = relative_tolerance(case.dtype_on(kind))
     problems = compare_golden(path, result.metrics, case.golden_tier, tolerance)
     if problems:
+        judge(result, "g", FAILED, problems[0])
         raise CheckFailure("\n".join(problems))
+    judge(result, "g", PASSED)
     return GoldenOutcome(GoldenStatus.MATCHED, path)

@@ -30,6 +30,7 @@ from pytest_fsdp_turbo.checks import (
     check_reduce_scatters,
     check_retained_gradients,
     declared,
+    judges,
 )
 from pytest_fsdp_turbo.trainer.readings import (
     VERL_GRAD_NORM,
@@ -58,6 +59,7 @@ def is_trainer_run(result: RunResult) -> bool:
     return TrainerFolder(result.artifacts_dir).spec.is_file()
 
 
+@judges("a")
 def check_trainer_grad_norm(result: RunResult) -> None:
     """a, as every case's, then against verl's own step metric."""
     check_grad_norm(result)
@@ -75,6 +77,7 @@ def check_trainer_grad_norm(result: RunResult) -> None:
         )
 
 
+@judges("h")
 def check_trainer_sync(result: RunResult) -> None:
     """h: the counts and the held gradients the resolved sync policy promises."""
     spec = declared(result)
@@ -91,6 +94,7 @@ def check_trainer_sync(result: RunResult) -> None:
     check_retained_gradients(result, str(spec.engine.gradient_sync), micro_batches, head)
 
 
+@judges("e")
 def check_rollout_weights(result: RunResult) -> None:
     """e: each replica's last push, tensor by tensor, against the trainer after the step."""
     folder = TrainerFolder(result.artifacts_dir)

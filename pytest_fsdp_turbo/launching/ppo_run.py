@@ -35,14 +35,12 @@ class PPORun:
         return name + (f"-{self.calls}" if self.calls > 1 else "")
 
     def record(self, result: RunResult, options: dict) -> None:
-        from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, junit_properties, summary_row
+        from pytest_fsdp_turbo.report import note_run
 
-        self.request.node.user_properties.extend(junit_properties(result))
+        note_run(self.request.node, result, options)
         for note in result.notes:
             if note.startswith("fsdp-turbo: stall:"):
                 self.request.node.user_properties.append(("fsdp_turbo/stall", note))
-        row = summary_row(result, test=self.request.node.name, options=options)
-        self.request.node.user_properties.append((SUMMARY_PROPERTY, row))
 
     def __call__(self, case: Case | CaseParam | str, **options: object) -> RunResult:
         from pytest_fsdp_turbo.launching.case_runner import Unavailable

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_fsdp_turbo.outcomes import fail_line, skip_or_fail
-from pytest_fsdp_turbo.report import SUMMARY_PROPERTY, artifact_name, junit_properties, summary_row
+from pytest_fsdp_turbo.report import artifact_name, note_run
 from pytest_fsdp_turbo.trainer.cases import TrainerCase, TrainerParam
 from pytest_fsdp_turbo.trainer.run import TrainerRunner
 from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
@@ -33,9 +33,7 @@ class TrainerRun:
             skip_or_fail(self.strict, str(why))
         except (ConfigError, LeaseTimeout) as exc:
             fail_line(str(exc))
-        node = self.request.node
-        node.user_properties.extend(junit_properties(result))
-        node.user_properties.append((SUMMARY_PROPERTY, summary_row(result, test=node.name)))
+        note_run(self.request.node, result)
         return result
 
 
