@@ -413,6 +413,19 @@ class KLInFp16Engine(OwnLossEngine):
         return without_kl + cfg.kl_coef * token_sum(kl, mb.mask) / tokens
 
 
+@register(backend="fsdp_kl_anchored_at_old_logprobs", device=EVERYWHERE)
+class KLAnchoredAtOldLogprobsEngine(OwnLossEngine):
+    """The KL penalty taken against the rollout's log-probabilities instead of the reference
+    policy's (the two tensors sit side by side in the batch). Where the reference is the rollout
+    policy itself, as on a one-rollout step from the initial weights, they are equal and nothing
+    can tell; a case whose KL reference is a step away (kl_reference_shift) shows it."""
+
+    def ppo_loss(self, logprobs, entropy, mb, tokens: float, cfg):
+        return super().ppo_loss(
+            logprobs, entropy, replace(mb, ref_logprobs=mb.old_logprobs), tokens, cfg
+        )
+
+
 @register(backend="fsdp_own_loop_skips_probe", device=EVERYWHERE)
 class OwnLoopSkipsProbeEngine(OwnLossEngine):
     """Runs the micro-batch loop itself (drives_micro_batches, as verl's engines do) with the right

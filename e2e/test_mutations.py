@@ -31,6 +31,7 @@ from pytest_fsdp_turbo_contract.records import (
     OptimizerRecord,
     PerfRecord,
     PostStepRecord,
+    RolloutRecord,
     TrainRecord,
 )
 from pytest_fsdp_turbo_contract.results import RunResult
@@ -102,6 +103,9 @@ SP_RUN = (
 
 # a second update on the rollout, off-policy: PPO's clip, the KL term and the mask shape the loss
 OFF_POLICY = (("updates", 2),)
+
+# the KL reference a step from the rollout policy, as the target cases declare it
+KL_REFERENCE_AWAY = (("kl_reference_shift", 0.1),)
 
 # messages each failed check names, shared by several broken engines
 REF_GRAD = ("c", "gradient differs from the single-process reference")
@@ -292,6 +296,12 @@ MUTANTS = (
     # is off-policy; on one on-policy update each is invisible. The replay twin of the same engine
     # would share the bug; the single twin is our engine, whose sketch sees the larger ones
     Mutant("fsdp_kl_in_fp16", both(LOSS_GRAD), run=OFF_POLICY),
+    # the KL anchored at the rollout's log-probs: only a KL reference a step away shows it
+    Mutant(
+        "fsdp_kl_anchored_at_old_logprobs",
+        {"reference": (REF_GRAD, REF_STEP, LOSS_GRAD), "twin": (TWIN_NORM, LOSS_GRAD)},
+        run=KL_REFERENCE_AWAY,
+    ),
     Mutant(  # its own loop, no probe call: every reading the probe takes is missing, so red
         "fsdp_own_loop_skips_probe",
         {
@@ -603,6 +613,41 @@ def test_sp_loss_normalised_per_rank_is_caught(ppo_run):
         assert set(failed) == expected[mode], (mode, failed)
 
 
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("max_new_tokens", [12, 20])
+def test_labels_shifted_per_sp_chunk_are_caught_once_a_boundary_falls_on_a_response(
+    ppo_run, max_new_tokens
+):
+    """The causal-LM labels shifted per SP chunk, not per sequence: with 12 new tokens the case's
+    only chunk boundary falls inside the prompt (no label there to lose) and nothing can see the
+    bug; with 20, as the case now declares, it falls on a response token, which drops out of the
+    loss, and the gradients leave the reference's and the twin's (both modes, one run)."""
+    result = run_broken(
+        ppo_run,
+        "fsdp_turbo",
+        LM_LOSS_CASE,
+        "broken_turbo_sp_label_shift",
+        BOTH_MODES,
+        checkout=STANDIN,
+        extra_env={"FSDP_TURBO_STANDIN_ALLOW_CPU": "1"},
+        max_new_tokens=max_new_tokens,
+    )
+    checks.check_completed(result)
+    boundaries = result.metrics[RolloutRecord.key("sp_boundaries_in_responses")]
+    if max_new_tokens == 12:  # the escape, measured: the boundary is in the prompt
+        assert boundaries == 0
+        for mode in MODES:
+            assert failed_checks(result, mode) == {}, mode
+        with pytest.raises(checks.CheckFailure, match="no SP chunk boundary fell on a response"):
+            checks.check_exercised(result)
+        return
+    assert boundaries > 0
+    expected = {"reference": {"a", "c", "i"}, "twin": {"c"}}
+    for mode in MODES:
+        failed = failed_checks(result, mode)
+        assert set(failed) == expected[mode], (mode, failed)
+
+
 def test_parameter_names_that_differ_from_the_reference_are_check_c_naming_them(ppo_run):
     """An engine with a tensor the checkpoint lacks: the run completes (no KeyError in the
     harness's post-step) and check c names the tensor and the side that has it."""
@@ -631,6 +676,10 @@ def test_head_gradients_sent_to_the_wrong_sp_rank_are_caught_per_parameter(ppo_r
         ONE_MODE["twin"],
         checkout=STANDIN,
         extra_env={"FSDP_TURBO_STANDIN_ALLOW_CPU": "1"},
+        # one small update: the case's second update at lr 1e-3 moves the post-step log-probs
+        # far enough that the totals see this bug too; here only the sketch can
+        updates=1,
+        lr=1e-4,
     )
     checks.check_completed(result)
     failed = failed_checks(result, "twin")

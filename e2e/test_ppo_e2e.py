@@ -32,6 +32,7 @@ def test_ppo_one_step(
     verdict = checks.check_all(result)  # every check that applies; the memory budget rides along
     left_out = {o.check for o in verdict.with_status(checks.NOT_APPLICABLE)}
     assert left_out == declared_not_applicable(fsdp_turbo_case.case), verdict.not_applicable()
+    checks.check_exercised(result)  # the case's second update clipped, its KL pulled, its SP split
     golden = fsdp_turbo_golden(result, fsdp_turbo_case)  # g: checked, or recorded, or missing
     record_property("fsdp_turbo/golden", str(golden))
 

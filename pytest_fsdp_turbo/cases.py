@@ -42,8 +42,9 @@ VERL_NAME = re.compile(r"^verl:[A-Za-z0-9_]+$")
 # Ids become test ids and folder names (goldens, artifacts): no separators, no "..", no spaces.
 CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # whole id (fullmatch: no trailing newline)
 CASE_ID_MAX = 100  # a folder name under the artifacts and goldens, with room for suffixes
-DEFAULT_CASES = Path("e2e") / "cases.toml"
-MAX_UPDATES = 4  # each update is another forward, backward and step: a few prove the point  # under the rootdir, unless an option or ini names one
+DEFAULT_CASES = Path("e2e") / "cases.toml"  # under the rootdir, unless an option or ini names one
+MAX_UPDATES = 4  # each update is another forward, backward and step: a few prove the point
+MAX_KL_REFERENCE_SHIFT = 1.0  # nats per token: a reference a step away, not another model
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class Case:
     # term and the response mask then move the loss) and proves AdamW's second step in closed form
     updates: int = 1
     clip_ratio: float = 0.2  # PPO's clip range (the dual clip stays at 3)
+    # the KL reference's log-probs: the initial policy's, each response token's lowered by a seeded
+    # |N(0, 1)| x this (the same tokens on every layout), so the KL term pulls from the first update
+    kl_reference_shift: float = 0.0
+    # why this case's second update cannot engage PPO's clip and still be judged (check_exercised
+    # then says so instead of requiring clipped tokens); "" for every case that can
+    clip_not_exercised: str = ""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -149,6 +156,8 @@ class Case:
             lm_loss_coef=self.lm_loss_coef,
             updates=self.updates,
             clip_ratio=self.clip_ratio,
+            kl_reference_shift=self.kl_reference_shift,
+            clip_not_exercised=self.clip_not_exercised,
             rollout=self.rollout,
             reference_checks=self.with_reference_checks(),
         )
@@ -351,6 +360,18 @@ def validate_case(
         raise where.error("updates", f"an integer from 1 to {MAX_UPDATES}", case.updates)
     if not 0 < case.clip_ratio < 1:
         raise where.error("clip_ratio", "a number in (0, 1)", case.clip_ratio)
+    if not 0 <= case.kl_reference_shift <= MAX_KL_REFERENCE_SHIFT:
+        raise where.error(
+            "kl_reference_shift",
+            f"a number in [0, {MAX_KL_REFERENCE_SHIFT:g}]",
+            case.kl_reference_shift,
+        )
+    if case.clip_not_exercised and case.updates < 2:
+        raise where.error(
+            "clip_not_exercised",
+            "no reason unless updates > 1 (one on-policy update never clips)",
+            case.clip_not_exercised,
+        )
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(case, name) < 1:
             raise where.error(name, "a number in [0, 1)", getattr(case, name))

@@ -40,6 +40,7 @@ COLUMNS = (
     "peak MiB",
     "retained MiB",
     "RS calls",
+    "clipped",
     "start s",
     "step s",
     "verdict",
@@ -57,6 +58,8 @@ JUNIT_METRICS = (
     LossRecord.key("pg_loss"),
     TrainRecord.key("retained_grad_bytes"),
     TrainRecord.key("reduce_scatter_calls"),
+    LossRecord.key("pg_clipfrac_last_update"),
+    OptimizerRecord.key("clip_coef"),
     PerfRecord.key("peak_memory_bytes"),
     PerfRecord.key("step_time_s"),
     TIMING_PREFIX + STARTUP,
@@ -129,6 +132,7 @@ def summary_row(result: RunResult, test: str = "", options: dict | None = None) 
         "peak": step.perf.peak_memory_bytes,
         "retained": step.train.retained_grad_bytes,
         "rs_calls": step.train.reduce_scatter_calls,
+        "clipped": clipped_cell(step),
         "start_s": step.timings.get(STARTUP),
         "step_s": step.perf.step_time_s,
         "ok": result.ok,
@@ -139,6 +143,17 @@ def summary_row(result: RunResult, test: str = "", options: dict | None = None) 
         },
     }
     return json.dumps(row)
+
+
+def clipped_cell(step: StepMetrics) -> str:
+    """Both clips at work: the share of tokens PPO's clip held on the last update (of several),
+    and the coefficient the gradients were scaled by: "0.49 tok, x0.22"."""
+    parts = []
+    if (share := step.loss.pg_clipfrac_last_update) is not None:
+        parts.append(f"{share:.2g} tok")
+    if (coef := step.optimizer.clip_coef) is not None and coef < 1:
+        parts.append(f"x{coef:.2g}")
+    return ", ".join(parts)
 
 
 def ranks_cell(result: RunResult) -> str:
@@ -202,6 +217,7 @@ def render_table(rows: list[tuple[dict, str, str]]) -> list[str]:
                 _fmt(row["peak"], "mib"),
                 _fmt(row["retained"], "mib"),
                 _fmt(row["rs_calls"], "int"),
+                row.get("clipped") or "-",
                 _fmt(row.get("start_s"), "float"),
                 _fmt(row["step_s"], "float"),
                 verdict,

@@ -210,6 +210,8 @@ class PostStepRecord(Record):
     step_rel_l2_err: float | None = metric(optional=True)
     # the replay twin's post-step logprobs against the main run's, on the same batch
     post_step_logprob_max_abs_diff: float | None = metric("twin", optional=True)
+    # how far the twin's updates moved its logprobs from the rollout's: the diff's scale
+    post_step_logprob_moved: float | None = metric("twin", optional=True)
 
 
 @dataclass
@@ -221,6 +223,11 @@ class RolloutRecord(Record):
     response_length_mean: float | None = metric(key="response_length/mean")
     advantages_abs_max: float | None = metric()
     score_mean: float | None = metric(key="critic/score/mean", optional=True)  # None: replayed
+    # mean over response tokens of old - reference log-prob: > 0 when the KL reference is a step
+    # away from the rollout policy (kl_reference_shift), so the KL term pulls on the first update
+    kl_reference_gap_mean: float | None = metric()
+    # SP chunk boundaries on response tokens that count, over the global batch (None: no SP)
+    sp_boundaries_in_responses: int | None = metric(optional=True)
 
 
 @dataclass

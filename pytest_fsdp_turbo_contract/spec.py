@@ -43,6 +43,12 @@ class PPOSpec:
     clip_ratio: float = 0.2
     clip_ratio_c: float = 3.0
     kl_coef: float = 0.001
+    # the KL reference a known step from the rollout policy: the initial policy's log-probs, each
+    # response token's lowered by a seeded |N(0, 1)| x this (0: the initial policy itself)
+    kl_reference_shift: float = 0.0
+    clip_not_exercised: str = (
+        ""  # why the case's later updates cannot engage PPO's clip and be judged
+    )
     entropy_coef: float = 0.0
     # a causal-LM (NLL) term on the response tokens, token mean over the global batch; our engines
     # compute it through the model's own loss path with labels (the library's SP loss patch)

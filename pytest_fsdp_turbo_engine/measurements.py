@@ -29,6 +29,30 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def sp_boundaries_in_responses(batch: TrainBatch, sp: int, micro_batches: int, packed: bool) -> int:
+    """How many of the sequence-parallel chunk boundaries fall on a response token that counts
+    (the token a chunk's first position holds, predicted from the chunk before): where none does,
+    an engine that shifts its labels per chunk, not per sequence, changes only prompt tokens and
+    no check can see it. Padded rows are each split `sp` ways; a packed micro-batch (our packed
+    layout, verl's engines) is one row of its rows end to end, split `sp` ways."""
+    rows, length = batch.input_ids.shape
+    hits = 0
+
+    def counts(row: int, position: int) -> bool:
+        response = position - batch.prompt_len
+        return 0 <= response < batch.mask.shape[1] and bool(batch.mask[row, response])
+
+    for chunk_rows in torch.arange(rows).chunk(micro_batches):
+        total = len(chunk_rows) * length if packed else length
+        step = -(-total // sp)
+        for boundary in range(step, total, step):
+            if packed:
+                hits += counts(int(chunk_rows[boundary // length]), boundary % length)
+            else:
+                hits += sum(counts(int(row), boundary) for row in chunk_rows)
+    return hits
+
+
 class MicroBatchProbe:
     """Harness code an engine's micro-batch loop calls as each micro-batch's loss is computed
     (ours calls it, verl's calls it through the loss function the harness hands it).

@@ -48,6 +48,7 @@ from pytest_fsdp_turbo_engine.measurements import (
     clip_error,
     peak_memory_bytes,
     replica_max_abs_diff,
+    sp_boundaries_in_responses,
     stepped_gradients,
 )
 from pytest_fsdp_turbo_engine.reductions import all_max, all_sum, gather_rows
@@ -253,10 +254,20 @@ def collect(ctx: Rank) -> Collected:
         ref, _ = engine.forward_logprobs(
             rolled.input_ids, rolled.prompt_len, module=ctx.reference_module
         )
+        ref = ref - cfg.kl_reference_shift * reference_shift(cfg, rows, ref.shape[1]).to(ref)
     batch = TrainBatch(
         rolled.input_ids, rolled.prompt_len, rolled.response_mask, advantages, old, ref
     )
     return Collected(batch, scores, rows)
+
+
+def reference_shift(cfg: PPOSpec, rows: list[int], width: int) -> torch.Tensor:
+    """|N(0, 1)| per response token of the global batch's `rows`, from the case's seed alone: the
+    same tokens get the same shift whatever the layout, so every rank, reference and twin sees
+    one KL reference."""
+    generator = torch.Generator().manual_seed(cfg.seed + 4242)
+    whole = torch.randn(cfg.num_prompts * cfg.n, width, generator=generator).abs()
+    return whole[rows]
 
 
 def replayed(ctx: Rank) -> Collected:
@@ -275,10 +286,18 @@ def rollout_record(ctx: Rank, collected: Collected, tokens: float) -> RolloutRec
     score_mean = None
     if collected.scores is not None:
         score_mean = all_sum(float(collected.scores.sum()), device) / sp / responses
+    gap = ppo.token_sum(batch.old_logprobs - batch.ref_logprobs, batch.mask)
+    boundaries = None
+    if sp > 1:
+        packed = ctx.engine_cfg.packed or ctx.engine_cfg.backend.startswith("verl:")
+        hits = sp_boundaries_in_responses(batch, sp, ctx.cfg.micro_batches, packed)
+        boundaries = round(all_sum(float(hits), device) / sp)
     return RolloutRecord(
         response_length_mean=tokens / responses,
         advantages_abs_max=all_max(float(batch.advantages.abs().max()), device),
         score_mean=score_mean,
+        kl_reference_gap_mean=all_sum(float(gap), device) / sp / tokens,
+        sp_boundaries_in_responses=boundaries,
     )
 
 
@@ -529,19 +548,23 @@ def post_step(
         record.rollout_weight_worst = served_diff.worst
         record.rollout_weights_compared = served_diff.compared
     if ctx.replaying:
-        record.post_step_logprob_max_abs_diff = twin_comparison(ctx, batch, logprobs)
+        compared = twin_comparison(ctx, batch, logprobs)
+        record.post_step_logprob_max_abs_diff, record.post_step_logprob_moved = compared
     else:
         gathered = gather_rows(logprobs, engine.data_parallel_group())
         if ctx.rank == 0:
             torch.save({"logprobs": gathered}, RunFolder(ctx.out).post_step)
 
 
-def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> float:
-    """Twin only: post-step logprobs against the main run's, on the same global batch."""
+def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> tuple[float, float]:
+    """Twin only: post-step logprobs against the main run's, on the same global batch; and how
+    far the twin's own updates moved them from the rollout's (the scale of what could differ)."""
     group = ctx.engine.data_parallel_group()
     mine, mask = gather_rows(logprobs, group), gather_rows(batch.mask, group)
+    old = gather_rows(batch.old_logprobs, group)
     main = torch.load(RunFolder(Path(ctx.cfg.replay)).post_step, weights_only=True)
-    return float(((mine - main["logprobs"]).abs() * mask).max())
+    diff = float(((mine - main["logprobs"]).abs() * mask).max())
+    return diff, float(((mine - old).abs() * mask).max())
 
 
 # --- the step -------------------------------------------------------------------------------------

@@ -386,9 +386,41 @@ def test_a_case_file_that_is_a_folder_says_so(tmp_path):
         ("adam_beta2 = 1.0\n", "field 'adam_beta2': expected a number in [0, 1); got 1.0"),
         ("adam_beta1 = -0.1\n", "field 'adam_beta1': expected a number in [0, 1); got -0.1"),
         ("adam_eps = 0.0\n", "field 'adam_eps': expected a finite number > 0; got 0.0"),
+        (
+            "kl_reference_shift = 2.0\n",
+            "field 'kl_reference_shift': expected a number in [0, 1]; got 2.0",
+        ),
+        (
+            'clip_not_exercised = "why"\n',
+            "field 'clip_not_exercised': expected no reason unless updates > 1",
+        ),
     ],
 )
 def test_the_fields_of_this_round_are_refused_in_one_line_when_out_of_range(tmp_path, fields, said):
     with pytest.raises(ConfigError) as refused:
         load_cases(write(tmp_path, GOOD + fields))
     assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_target_cases_declare_what_exercises_the_checks():
+    """The cases that stand for the targets (every real model's, every verl engine's, and the NPU
+    SP case's tiny bf16 counterpart) run a second, off-policy update with both clips engaged, a
+    KL reference a step from the rollout policy and Adam betas the first step cancels out; every
+    SP case puts a chunk boundary on its responses. What each run measured is held by
+    checks.check_exercised in e2e/test_ppo_e2e.py."""
+    cases = load_cases(REPO / "e2e" / "cases.toml")
+    targets = [
+        c
+        for c in cases
+        if not c.is_tiny or c.is_verl or c.id == "tiny-qwen3_5-fsdp_turbo-fsdp2-sp2-deferred-twin"
+    ]
+    assert len(targets) == 9, [c.id for c in targets]
+    for case in targets:
+        assert case.updates >= 2 and case.grad_clip < 1.0, case.id
+        assert case.kl_reference_shift > 0 and case.adam_beta2 != 0.999, case.id
+    # PPO's clip is left unjudged only where the engine's log-probs are bf16 (verl's FSDP-Turbo)
+    assert {c.id for c in targets if c.clip_not_exercised} == {
+        "tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-deferred",
+        "tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-every_micro_batch",
+    }
+    assert all(c.max_new_tokens >= 20 for c in cases if c.sp_size > 1)

@@ -334,3 +334,48 @@ def test_a_failed_check_reads_in_the_summary_as_its_letter_and_numbers():
     assert f"{broken[OptimizerRecord.key('grad_norm')]!r}" in short and "1e-06" in short, short
     checks.check_data_rows(result)  # a passed check is noted too; failed outranks passed
     assert result.judged["j"] == (checks.PASSED, "") and result.judged["a"][0] == checks.FAILED
+
+
+def test_a_case_that_declares_what_exercises_the_checks_must_show_it_happened():
+    """check_exercised: a second update that clipped no token, gradients the optimizer did not
+    clip, a KL reference equal to the rollout policy, SP boundaries all inside prompts: each is a
+    line naming the reading and the setting to change; a case that says why its clip cannot be
+    judged is not held to it."""
+    exercised = {
+        LossRecord.key("pg_clipfrac_last_update"): 0.12,
+        OptimizerRecord.key("clip_coef"): 0.21,
+        RolloutRecord.key("kl_reference_gap_mean"): 0.08,
+        RolloutRecord.key("sp_boundaries_in_responses"): 8,
+    }
+    ranks = [healthy(r, **exercised) for r in (0, 1)]
+    result = result_of(*ranks)
+    spec = declared_by(ranks[0], 2)
+    engine = dataclasses.replace(spec.engine, sp_size=2, fsdp_size=1)
+    ppo = dataclasses.replace(spec.ppo, updates=2, kl_reference_shift=0.1)
+    result.launched = dataclasses.replace(spec, engine=engine, ppo=ppo)
+    checks.check_exercised(result)
+    idle = {
+        LossRecord.key("pg_clipfrac_last_update"): 0.0,
+        OptimizerRecord.key("clip_coef"): 1.0,
+        RolloutRecord.key("kl_reference_gap_mean"): 0.0,
+        RolloutRecord.key("sp_boundaries_in_responses"): 0,
+    }
+    lazy = dataclasses.replace(
+        result, ranks=[RankResult(r, 0, 1.0, Path("x"), healthy(r, **idle)) for r in (0, 1)]
+    )
+    with pytest.raises(checks.CheckFailure) as failure:
+        checks.check_exercised(lazy)
+    text = str(failure.value)
+    assert text.startswith("case case exercises less than it declares: ")
+    for said in (
+        "actor/pg_clipfrac_last_update = 0): lower clip_ratio (0.2)",
+        "sync/clip_coef = 1): lower grad_clip (1)",
+        "ppo/kl_reference_gap_mean = 0)",
+        "ppo/sp_boundaries_in_responses = 0): raise max_new_tokens (12)",
+    ):
+        assert said in text, text
+    why = dataclasses.replace(ppo, clip_not_exercised="bf16 log-probs")
+    lazy.launched = dataclasses.replace(result.launched, ppo=why)
+    with pytest.raises(checks.CheckFailure) as failure:
+        checks.check_exercised(lazy)
+    assert "clipped no token" not in str(failure.value) and "clip_coef" in str(failure.value)

@@ -204,3 +204,26 @@ def test_units_that_never_run_forward_survive_deferred_bf16_sync(process_group):
         _deferred_bf16_steps(materialize=False)
     grad = _deferred_bf16_steps(materialize=True)
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_sp_boundaries_count_response_tokens_a_chunk_starts_on():
+    """Rows of 4 prompt + 6 response tokens, split 2 ways: padded rows are each split at 5 (the
+    second response token); a packed micro-batch of 2 rows splits between them (a prompt token);
+    of 3 rows, at 15, inside the middle row (its second response token). Masked tokens (after EOS)
+    do not count."""
+    from pytest_fsdp_turbo_engine.measurements import sp_boundaries_in_responses
+    from pytest_fsdp_turbo_engine.train_batch import TrainBatch
+
+    def batch(rows: int, mask_row0=None) -> TrainBatch:
+        mask = torch.ones(rows, 6)
+        if mask_row0 is not None:
+            mask[0] = torch.tensor(mask_row0)
+        zeros = torch.zeros(rows, 6)
+        return TrainBatch(torch.zeros(rows, 10, dtype=torch.long), 4, mask, zeros, zeros, zeros)
+
+    assert sp_boundaries_in_responses(batch(2), sp=2, micro_batches=1, packed=False) == 2
+    assert sp_boundaries_in_responses(batch(2, [1, 0, 0, 0, 0, 0]), 2, 1, packed=False) == 1
+    assert sp_boundaries_in_responses(batch(2), sp=2, micro_batches=1, packed=True) == 0
+    assert sp_boundaries_in_responses(batch(3), sp=2, micro_batches=1, packed=True) == 1
+    assert sp_boundaries_in_responses(batch(6), sp=2, micro_batches=2, packed=True) == 2
+    assert sp_boundaries_in_responses(batch(1), sp=4, micro_batches=1, packed=False) == 2

@@ -51,7 +51,9 @@ from pytest_fsdp_turbo_contract.vocab import SyncPolicy, TwinKind
 # parity per parameter allows for reduction-order differences in long reductions (gated delta-net
 # decay parameters: 5.6e-5). Under bf16 compute, parameters whose reference gradient is tiny flip
 # sign against an fp32 reference, so bf16 is held to whole-gradient relative L2 errors instead.
-GRAD_PARITY_TOL = {"fp32": 1e-4}  # per parameter, relative to its largest reference entry
+# Per parameter, relative to its largest reference entry, or to 1e-3 of the largest of any
+# parameter where its own is smaller (pytest_fsdp_turbo_engine/reference.py, CANCELLED_SHARE).
+GRAD_PARITY_TOL = {"fp32": 1e-4}
 GRAD_PARITY_L2_TOL = {"fp32": 1e-5, "bf16": 5e-2}  # all gradients: ||g - ref|| / ||ref||
 # Deferred vs every-micro-batch sum the same gradients in a different order. Measured on Qwen3.5's
 # gated delta-net A_log: 2.2e-7 with transformers 5.24, 1.2e-6 with 5.10 (verl's pin); a sync bug
@@ -82,6 +84,16 @@ TWIN_LOGPROB_TOL = {"fp32": 1e-5, "bf16": 5e-2}
 # measured on healthy runs: fp32 1.5e-6, bf16 3.1e-2 (a 4-element dt_bias); the bf16 mutant that
 # sends gradients to the wrong SP rank: 10.4
 TWIN_SKETCH_TOL = {"fp32": 1e-4, "bf16": 1e-1}
+# ... relative to at least this share of the largest gradient norm of any parameter: a gradient
+# smaller than that is what is left of cancelling terms, all rounding (measured: a gated
+# delta-net A_log at 1e-5 of the largest norm, 0.24 to 0.81 of itself apart under bf16)
+SKETCH_CANCELLED_SHARE = 1e-3
+# bf16: from the second update on, tokens at PPO's clip boundary land on either side of it in the
+# run and in its twin by rounding alone, and a flipped token's gradient is all or nothing: healthy
+# runs of ours measured up to 0.61 of a parameter's norm apart (22% of tokens clipped). The
+# sketches are compared on the first, on-policy update only; l judges every update's loss.
+SKETCH_FIRST_UPDATE_ONLY = ("bf16",)
+LATER_UPDATE = " (update "  # how a later update's entries are named (records.EACH)
 
 PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
 
@@ -128,9 +140,12 @@ _PRECEDENCE = {NOT_APPLICABLE: 0, PASSED: 1, FAILED: 2}
 def judge(result: RunResult, letter: str, status: str, detail: str = "") -> None:
     """Note on the result what a check found, for the summary table: a run no check judged is
     "ran, unchecked" there, and a failed check shows its letter and numbers."""
-    known = result.judged.get(letter)
+    judged = getattr(result, "judged", None)  # a downstream stand-in for a RunResult: no notes
+    if judged is None:
+        return
+    known = judged.get(letter)
     if known is None or _PRECEDENCE[status] >= _PRECEDENCE[known[0]]:
-        result.judged[letter] = (status, detail)
+        judged[letter] = (status, detail)
 
 
 def judges(letter: str) -> Callable:
@@ -399,9 +414,12 @@ def _twin_sketches_agree(label: str, mine: dict | None, twin: dict | None, dtype
         )
     tol = TWIN_SKETCH_TOL[dtype]
     worst, worst_name = 0.0, ""
+    largest = max((norm for norm, _ in twin.values()), default=0.0)
     for name, (norm, projection) in twin.items():
+        if dtype in SKETCH_FIRST_UPDATE_ONLY and LATER_UPDATE in name:
+            continue
         got_norm, got_projection = mine[name]
-        scale = max(norm, 1e-12)
+        scale = max(norm, SKETCH_CANCELLED_SHARE * largest, 1e-12)
         err = max(abs(got_norm - norm), abs(got_projection - projection)) / scale
         if not math.isfinite(err) or err > worst:
             worst, worst_name = (math.inf if not math.isfinite(err) else err), name
@@ -726,6 +744,38 @@ def check_loss_gradient(result: RunResult) -> None:
             f"check l: rank {over[0]}: the loss's gradient on the log-probabilities {what} from "
             f"the PPO loss's in closed form over {updates} update(s) "
             f"({TrainRecord.key('loss_grad_max_rel_err')}), tolerance {tol:g}"
+        )
+
+
+def check_exercised(result: RunResult) -> None:
+    """What the case declares in order to exercise the checks, happened (not a check of the
+    engine: of the case): a second update clipped tokens (PPO's clip) and the optimizer stepped
+    on clipped gradients, so checks k, l and i see both clips at work; a KL reference a step away
+    reached the batch, so the KL term pulls; with SP, a chunk boundary fell on a response token
+    that counts, so a label shifted per chunk changes the loss. A case whose settings exercise
+    none of it passes engines with those bugs."""
+    spec = declared(result)
+    again, ppo = spec.ppo.updates > 1, spec.ppo
+    wanted = (  # (declared, record, reading, must hold, what it says when not, what to change)
+        (again and not ppo.clip_not_exercised, LossRecord, "pg_clipfrac_last_update",
+         lambda v: v > 0, f"its last of {ppo.updates} updates clipped no token",
+         f"lower clip_ratio ({ppo.clip_ratio:g})"),
+        (again, OptimizerRecord, "clip_coef", lambda v: v < 1, "its gradients were not clipped",
+         f"lower grad_clip ({spec.engine.grad_clip:g})"),
+        (ppo.kl_reference_shift > 0, RolloutRecord, "kl_reference_gap_mean", lambda v: v > 0,
+         "its KL reference equals the rollout policy", "a kl_reference_shift that moves it"),
+        (spec.engine.sp_size > 1, RolloutRecord, "sp_boundaries_in_responses", lambda v: v > 0,
+         "no SP chunk boundary fell on a response token",
+         f"raise max_new_tokens ({ppo.max_new_tokens})"),
+    )  # fmt: skip
+    problems = [
+        f"{said} ({record.key(name)} = {value:.3g}): {change}"
+        for applies, record, name, holds, said, change in wanted
+        if applies and not holds(value := _value(result, 0, record, name))
+    ]
+    if problems:
+        raise CheckFailure(
+            f"case {result.case_id} exercises less than it declares: " + "; ".join(problems)
         )
 
 
