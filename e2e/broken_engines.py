@@ -448,3 +448,23 @@ class ExtraAllReduceOnRankOneEngine(FSDPEngineWithLMHead):
         if dist.get_rank() == 1:
             dist.all_reduce(torch.ones(3))
         return super().optimizer_step()
+
+
+@register(backend="fsdp_rotary_in_bf16_on_rank1", device=EVERYWHERE)
+class RotaryInBf16OnRankOneEngine(FSDPEngineWithLMHead):
+    """Rank 1's rotary embedding rounds its cos and sin to bf16 (a kernel picked by the rank's
+    device, or a cast left in one code path): every forward of rank 1, old log-probs included,
+    is off by bf16 rounding, and the same on both sides of its own ratio."""
+
+    def build(self, model_path: str, *, trainable: bool = True):
+        module = super().build(model_path, trainable=trainable)
+        if dist.get_rank() == 1:
+            rotary = module.model.rotary_emb
+            exact = rotary.forward
+
+            def rounded(x, position_ids):
+                cos, sin = exact(x, position_ids)
+                return cos.to(torch.bfloat16).to(cos.dtype), sin.to(torch.bfloat16).to(sin.dtype)
+
+            rotary.forward = rounded
+        return module

@@ -304,6 +304,15 @@ MUTANTS = (
     # is off-policy; on one on-policy update each is invisible. The replay twin of the same engine
     # would share the bug; the single twin is our engine, whose sketch sees the larger ones
     Mutant("fsdp_kl_in_fp16", both(LOSS_GRAD), run=OFF_POLICY),
+    # one rank computes differently (its rotary embedding in bf16): its own ratio cancels it, the
+    # totals average it away; the twin's forward of that rank's rows does not
+    Mutant(
+        "fsdp_rotary_in_bf16_on_rank1",
+        {
+            "reference": (REF_GRAD, REF_STEP),
+            "twin": (("c", "which data-parallel rank 1 computed"),),
+        },
+    ),
     # the KL anchored at the rollout's log-probs: only a KL reference a step away shows it
     Mutant(
         "fsdp_kl_anchored_at_old_logprobs",

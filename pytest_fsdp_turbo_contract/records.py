@@ -215,6 +215,19 @@ class PostStepRecord(Record):
 
 
 @dataclass
+class ReplayRecord(Record):
+    """The replay twin, before it trains: its own forward of the main run's batch against the old
+    log-probs each of the run's ranks recorded for its rows. A rank whose numerics differ (one
+    rank's kernel, one rank's cast) is off on its rows alone, which no total shows and which its
+    own ratio cancels."""
+
+    NAMESPACE = "twin"
+    PHASE = "replay"
+    old_logprob_max_abs_diff: float | None = metric()
+    old_logprob_worst_row: int | None = metric()  # its index in the saved batch (batch.pt)
+
+
+@dataclass
 class RolloutRecord(Record):
     """What the rollout and reward handed the trainer, over the global batch."""
 
@@ -277,6 +290,7 @@ class StepMetrics:
 
     case: CaseRecord = field(default_factory=CaseRecord)
     rollout: RolloutRecord = field(default_factory=RolloutRecord)
+    replay: ReplayRecord = field(default_factory=ReplayRecord)  # a replay twin only
     train: TrainRecord = field(default_factory=TrainRecord)
     reference: ReferenceRecord = field(default_factory=ReferenceRecord)  # reference_checks on
     optimizer: OptimizerRecord = field(default_factory=OptimizerRecord)

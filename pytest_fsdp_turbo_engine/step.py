@@ -32,6 +32,7 @@ from pytest_fsdp_turbo_contract.records import (
     PerfRecord,
     PostStepRecord,
     ReferenceRecord,
+    ReplayRecord,
     RolloutRecord,
     StepMetrics,
     TrainRecord,
@@ -51,7 +52,7 @@ from pytest_fsdp_turbo_engine.measurements import (
     sp_boundaries_in_responses,
     stepped_gradients,
 )
-from pytest_fsdp_turbo_engine.reductions import all_max, all_sum, gather_rows
+from pytest_fsdp_turbo_engine.reductions import all_max, all_sum, gather_objects, gather_rows
 from pytest_fsdp_turbo_engine.reference import (
     ReferenceOptimizer,
     clip_coefficient,
@@ -277,6 +278,19 @@ def replayed(ctx: Rank) -> Collected:
     block = whole.size // ctx.dp_size
     rows = torch.arange(ctx.dp_rank * block, (ctx.dp_rank + 1) * block)
     return Collected(whole.rows(rows).to(ctx.device), None, rows.tolist())
+
+
+def replay_record(ctx: Rank, collected: Collected) -> ReplayRecord:
+    """The twin's own forward of its rows against the old log-probs the run's ranks recorded for
+    them, before it trains: the worst token and the row it is in."""
+    batch = collected.batch
+    with torch.no_grad():
+        mine, _ = ctx.engine.forward_logprobs(batch.input_ids, batch.prompt_len)
+    per_row = ((mine.float() - batch.old_logprobs.float()).abs() * batch.mask).amax(dim=1)
+    local = int(per_row.argmax())
+    worst = (float(per_row[local]), collected.rows[local])
+    diff, row = max(gather_objects(worst, ctx.engine.data_parallel_group()))
+    return ReplayRecord(old_logprob_max_abs_diff=diff, old_logprob_worst_row=row)
 
 
 def rollout_record(ctx: Rank, collected: Collected, tokens: float) -> RolloutRecord:
@@ -605,6 +619,8 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
     step_start = time.perf_counter()
     collected = replayed(ctx) if ctx.replaying else collect(ctx)
     batch = collected.batch
+    if ctx.replaying:
+        metrics.replay = replay_record(ctx, collected)
     group = ctx.engine.data_parallel_group()
     # Ranks of one sequence-parallel group share their batch: count it once per data-parallel rank.
     tokens = all_sum(float(batch.mask.sum()), device, group)

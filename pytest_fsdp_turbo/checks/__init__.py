@@ -39,6 +39,7 @@ from pytest_fsdp_turbo_contract.records import (
     PostStepRecord,
     Record,
     ReferenceRecord,
+    ReplayRecord,
     RolloutRecord,
     StepMetrics,
     TrainRecord,
@@ -80,6 +81,11 @@ STEP_L2_TOL = {"fp32": 1e-3, "bf16": 0.5}
 TWIN_LOSS_TOL = {"fp32": (1e-6, 1e-5), "bf16": (1e-2, 1e-2)}
 TWIN_GRAD_NORM_REL = {"fp32": 1e-5, "bf16": 3e-2}
 TWIN_LOGPROB_TOL = {"fp32": 1e-5, "bf16": 5e-2}
+# Each rank's old log-probs against the twin's forward of the same rows, before either trained.
+# Healthy fp32: 0 to 9.5e-7, one ulp of a log-prob near -8 (ours, verl's FSDP2, SP on the
+# stand-in); one rank's rotary embedding in bf16: 6.7e-6. bf16: ours 1.9e-3, verl's FSDP-Turbo
+# engine (bf16 log-probs) 3.1e-2, so a per-rank precision bug of that size is invisible in bf16.
+TWIN_OLD_LOGPROB_TOL = {"fp32": 2.5e-6, "bf16": 5e-2}
 # per parameter, |difference| of the gradient's norm and projection relative to the twin's norm;
 # measured on healthy runs: fp32 1.5e-6, bf16 3.1e-2 (a 4-element dt_bias); the bf16 mutant that
 # sends gradients to the wrong SP rank: 10.4
@@ -394,12 +400,33 @@ def check_twin(result: RunResult) -> None:
             f"difference {_rel(a, b):.3g}, tolerance {tol:g})"
         )
     _twin_sketches_agree(label, mine.train.grad_sketch, theirs.train.grad_sketch, dtype)
+    _ranks_agree_with_twin(label, result, twin, dtype)
     tol = TWIN_LOGPROB_TOL[dtype]
     lp = _value(twin, 0, PostStepRecord, "post_step_logprob_max_abs_diff")
     if not lp <= tol:
         raise CheckFailure(
             f"{label}: post-step logprobs on the batch differ from the twin's by up to {lp:.3g} "
             f"({PostStepRecord.key('post_step_logprob_max_abs_diff')}), tolerance {tol:g}"
+        )
+
+
+def _ranks_agree_with_twin(label: str, result: RunResult, twin: RunResult, dtype: str) -> None:
+    """Each rank's own numerics: the old log-probs every rank recorded for its rows, against the
+    twin's forward of the same rows before it trained. A rank that computes differently (one
+    rank's rotary embedding in bf16) is off on its rows alone; its own ratio cancels it and the
+    totals average it away."""
+    tol = TWIN_OLD_LOGPROB_TOL[dtype]
+    diff = _value(twin, 0, ReplayRecord, "old_logprob_max_abs_diff")
+    if not diff <= tol:
+        row = _value(twin, 0, ReplayRecord, "old_logprob_worst_row")
+        spec = declared(result)
+        dp = spec.engine.world_size // spec.engine.sp_size
+        block = spec.ppo.num_prompts * spec.ppo.n // dp
+        raise CheckFailure(
+            f"{label}: the old log-probs of row {row}, which data-parallel rank {row // block} "
+            f"computed, differ from the twin's forward of them by {diff:.3g} "
+            f"({ReplayRecord.key('old_logprob_max_abs_diff')}), tolerance {tol:g}: that rank "
+            "computes differently"
         )
 
 
