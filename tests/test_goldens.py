@@ -44,6 +44,10 @@ def test_refuses_to_record_nan(tmp_path):
 @dataclass
 class Result:
     metrics: dict = field(default_factory=lambda: dict(METRICS))
+    ok: bool = True
+
+    def failure_text(self) -> str:
+        return "" if self.ok else "case c: rank 1 failed first in phase train: RuntimeError: boom"
 
 
 @dataclass
@@ -125,3 +129,12 @@ def test_a_broken_golden_file_is_one_check_failure_naming_it(tmp_path, text, sai
         goldens.compare_golden(path, METRICS, "relative")
     assert str(failed.value).startswith(f"check g: golden {path}")
     assert said in str(failed.value) and "\n" not in str(failed.value)
+
+
+def test_a_failed_run_raises_its_own_failure_before_any_golden(tmp_path):
+    """A crash is never "metric missing" against a golden, and never recorded as one."""
+    crashed = Result(metrics={}, ok=False)
+    for record in (False, True):
+        with pytest.raises(CheckFailure, match="^case c: rank 1 failed first in phase train"):
+            goldens.check_or_record(crashed, Case(), "cpu", tmp_path, record=record)
+    assert not any(tmp_path.iterdir())

@@ -420,11 +420,12 @@ def test_a_rank_whose_extra_collective_aborts_is_named_first_with_gloos_own_word
     )
     assert result.first_failure == 1 and result.ranks[1].error is None
     head = "\n".join(result.failure_text().splitlines()[:5])
-    assert "rank 1 failed first: killed by SIGABRT without an error report" in head, head
+    # SIGABRT, or SIGKILL where the supervisor stopped it mid-abort after rank 0's error
+    assert "rank 1 failed first: killed by SIG" in head and "without an error report" in head, head
     assert "collective mismatch" in head, head
     (follower,) = [line for line in result.failure_text().splitlines() if "--- rank 0" in line]
     assert ": lost its peer rank 1 (phase optimizer: RuntimeError:" in follower, follower
-    assert report.run_cause(result) == "rank 1 killed by SIGABRT"
+    assert report.run_cause(result).startswith("rank 1 killed by SIG")
 
 
 def test_a_rank_killed_by_a_signal_is_named_first_with_where_it_was(ppo_run):

@@ -186,8 +186,12 @@ def _torch_range():
 
 
 @pytest.fixture(scope="module")
-def jobs_and_selections(tmp_path_factory):
-    everything = collect_everything(tmp_path_factory.mktemp("collected"))
+def everything(tmp_path_factory) -> dict[str, list[str]]:
+    return collect_everything(tmp_path_factory.mktemp("collected"))
+
+
+@pytest.fixture(scope="module")
+def jobs_and_selections(everything):
     return [(job, [collected(everything, s) for s in job.selections]) for job in all_jobs()]
 
 
@@ -231,12 +235,11 @@ def test_the_downstream_test_extra_brings_only_what_running_cases_needs():
 
 
 def test_the_mutation_suite_runs_in_the_cpu_workflow_and_its_proofs_on_every_stack(
-    jobs_and_selections, tmp_path
+    jobs_and_selections, everything
 ):
     """Every broken engine is run by a strict step of the cpu workflow (vLLM's in its own job);
     the broken engine each check alone catches (check_proof) also runs at both ends of the
     version range, in the workflow, in .ci/run's stages and in tox's latest and oldest."""
-    everything = collect_everything(tmp_path)
     mutants = {n for n, marks in everything.items() if "mutation" in marks}
     proofs = {
         n for n, marks in everything.items() if "check_proof" in marks and "vllm" not in marks

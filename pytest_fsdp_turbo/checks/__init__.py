@@ -781,6 +781,7 @@ def check_exercised(result: RunResult) -> None:
     reached the batch, so the KL term pulls; with SP, a chunk boundary fell on a response token
     that counts, so a label shifted per chunk changes the loss. A case whose settings exercise
     none of it passes engines with those bugs."""
+    check_completed(result)
     spec = declared(result)
     again, ppo = spec.ppo.updates > 1, spec.ppo
     wanted = (  # (declared, record, reading, must hold, what it says when not, what to change)

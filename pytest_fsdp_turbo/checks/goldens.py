@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_fsdp_turbo.checks import FAILED, PASSED, CheckFailure, judge
+from pytest_fsdp_turbo.checks import FAILED, PASSED, CheckFailure, check_completed, judge
 from pytest_fsdp_turbo_contract.records import (
     LossRecord,
     OptimizerRecord,
@@ -123,6 +123,7 @@ def check_or_record(
     """Record the golden (with --fsdp-turbo-record-golden) or check it; says what happened.
     Strict: a case with a golden tier and no golden for this hardware fails. In a test, the
     `fsdp_turbo_golden` fixture calls this with the session's folder, kind and flags."""
+    check_completed(result)  # a run that failed says why, never "metric missing" or a golden of it
     if case.golden_tier == GoldenTier.NONE:
         return GoldenOutcome(GoldenStatus.NOT_COMPARED)
     path = golden_path(case.id, kind, case.dtype_on(kind), case.world_size, root)

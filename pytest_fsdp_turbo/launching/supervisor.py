@@ -208,7 +208,7 @@ def collect_result(
         RankResult.read(folder, h.rank, h.poll(), ends.get(h.rank, now) - start, h.log_path)
         for h in handles
     ]
-    if (first := first_to_fail(ranks, ends, now)) is not None:
+    if not timed_out and (first := first_to_fail(ranks, ends, now)) is not None:
         first_failure = first
     return RunResult(
         case_id=case_id,
@@ -225,18 +225,19 @@ def collect_result(
 
 def first_to_fail(ranks: Sequence[RankResult], ends: dict[int, float], now: float) -> int | None:
     """The rank whose own failure came first: its error, an abort in a collective or a signal,
-    by wall clock (its error's time, else when it ended). A rank whose collective only lost its
-    connection, or that the supervisor stopped, follows any rank that failed on its own."""
+    by wall clock (its error's time, else when it ended, else now: the supervisor stopped it). A
+    rank whose collective only lost its connection follows any rank that failed on its own, even
+    one the supervisor stopped mid-abort, after its peer's error had already ended the wait."""
     wall = time.time() - now
 
     def when(rank: RankResult) -> float:
         if rank.error is not None and rank.error.time is not None:
             return rank.error.time
-        return wall + ends[rank.rank]
+        return wall + ends.get(rank.rank, now)
 
-    ended = [r for r in ranks if r.rank in ends and r.failed]
-    own = [r for r in ended if not r.lost_peer]
-    return min(own or ended, key=when).rank if ended else None
+    failed = [r for r in ranks if r.failed]
+    own = [r for r in failed if not r.lost_peer]
+    return min(own or failed, key=when).rank if failed else None
 
 
 def wrote_results(artifacts_dir: Path) -> Callable[[RankHandle], bool]:
