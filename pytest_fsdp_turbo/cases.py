@@ -90,6 +90,9 @@ class Case:
     packed: bool = False
     twin: TwinKind | None = None  # default: single when there is no in-rank reference, else none
     description: str = ""
+    # device kind -> {reason, match}: a crash known on that kind, run as a strict expected failure
+    # (red if it starts passing, or if it fails without `match` in its failure), never a skip
+    known_failure: dict = field(default_factory=dict)
 
     @property
     def is_tiny(self) -> bool:
@@ -366,6 +369,18 @@ def validate_case(
             f"a number in [0, {MAX_KL_REFERENCE_SHIFT:g}]",
             case.kl_reference_shift,
         )
+    for kind, known in case.known_failure.items():
+        if kind not in case.devices or not (
+            isinstance(known, dict)
+            and set(known) == {"reason", "match"}
+            and all(isinstance(v, str) and v.strip() for v in known.values())
+        ):
+            raise where.error(
+                "known_failure",
+                "a table per device kind of the case's devices, each with a non-empty reason "
+                "(the bug, where it is tracked) and match (text its failure must contain)",
+                {kind: known},
+            )
     if case.clip_not_exercised and case.updates < 2:
         raise where.error(
             "clip_not_exercised",

@@ -58,7 +58,12 @@ def test_repository_matrix_is_valid_and_complete():
         ("fsdp_turbo", "every_micro_batch", True, ("cpu", "npu")),
         ("fsdp_turbo", "deferred", False, ("cpu", "npu")),
         ("verl:fsdp_turbo", "every_micro_batch", True, ("cpu", "npu")),
-        ("verl:fsdp_turbo", "deferred", True, ("npu",)),  # torch 2.13's FSDP2 fails it on cpu
+        (
+            "verl:fsdp_turbo",
+            "deferred",
+            True,
+            ("cpu", "npu"),
+        ),  # cpu: a known failure  # torch 2.13's FSDP2 fails it on cpu
     }
     assert all(c.model == "tiny-qwen3_5" and c.world_size == 4 for c in tiny if c.sp_size == 2)
     gpu = by_id["qwen3_5-0_8b-fsdp_turbo-fsdp8-vllm"]
@@ -393,6 +398,14 @@ def test_a_case_file_that_is_a_folder_says_so(tmp_path):
         (
             'clip_not_exercised = "why"\n',
             "field 'clip_not_exercised': expected no reason unless updates > 1",
+        ),
+        (
+            '[case.known_failure.npu]\nreason = "bug"\nmatch = "boom"\n',
+            "field 'known_failure': expected a table per device kind of the case's devices",
+        ),
+        (
+            '[case.known_failure.cpu]\nreason = "bug"\n',
+            "field 'known_failure': expected a table per device kind of the case's devices",
         ),
     ],
 )

@@ -472,6 +472,53 @@ def test_the_summary_verdict_says_what_the_checks_judged(pytester):
     assert "passed (red as the test expects: f)" in rows["test_expects_red"], rows
 
 
+KNOWN_FAILURES = """
+[[case]]
+id = "{id}"
+model = "tiny-qwen3"
+world_size = 1
+
+[case.known_failure.cpu]
+reason = "the engine's bug, tracked upstream as #1"
+match = "{match}"
+"""
+
+
+def test_a_known_failure_is_a_strict_expected_failure_that_must_fail_as_itself(pytester):
+    """Case field known_failure: a crash known on a device kind runs (never a skip) as a strict
+    expected failure, shown in the summary; red when it fails otherwise or starts passing."""
+    cases = "".join(
+        KNOWN_FAILURES.format(id=case_id, match=match)
+        for case_id, match in (
+            ("as-known", "injected crash in rank 0 at phase train"),
+            ("otherwise", "some other error"),
+            ("now-passes", "injected crash"),
+        )
+    )
+    pytester.makefile(".toml", cases=cases)
+    pytester.makepyfile(
+        "from pytest_fsdp_turbo import checks\n"
+        "def test_run(fsdp_turbo_case, ppo_run):\n"
+        "    crash = fsdp_turbo_case.case.id != 'now-passes'\n"
+        "    env = {'PYTEST_FSDP_TURBO_FAULT': 'crash:0:train'} if crash else {}\n"
+        "    checks.check_all(ppo_run(fsdp_turbo_case, extra_env=env))\n"
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--fsdp-turbo-device=cpu", "--fsdp-turbo-cases=cases.toml", "-rxX"
+    )  # fmt: skip
+    result.assert_outcomes(xfailed=1, failed=2)
+    out = result.stdout.str()
+    assert "XFAIL test_a_known_failure" in out and "tracked upstream as #1" in out
+    assert (
+        "known failure expected ('some other error': the engine's bug, tracked upstream as" in out
+    )
+    assert "case otherwise: rank 0 failed first in phase train" in out
+    assert "[XPASS(strict)] the engine's bug" in out
+    table = out.split("fsdp-turbo e2e runs")[1]
+    row = next(line for line in table.splitlines() if "[as-known-cpu]" in line)
+    assert "xfailed: rank 0 train: InjectedFault" in row, row
+
+
 def test_skipped_e2e_tests_list_their_reasons_once_each(pytester):
     """`pytest -m e2e` ending in "N skipped" says why, grouped, without -rs."""
     pytester.makefile(
