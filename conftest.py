@@ -116,5 +116,7 @@ def fsdp_turbo_checkout(pytestconfig, accelerator):
 
     if accelerator.kind == "cpu" and not settings_of(pytestconfig).checkout.path:
         layout = STANDIN / "function_patches"
-        return Checkout(layout, None, f"stand-in fsdp_turbo at {layout}, tests only (cpu)")
+        return Checkout(
+            layout, None, f"stand-in fsdp_turbo at {layout}, tests only (cpu)", stand_in=True
+        )
     return session_checkout(pytestconfig)

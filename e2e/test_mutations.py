@@ -100,6 +100,7 @@ STANDIN = Checkout(
     HERE.parent / "tests" / "standin_fsdp_turbo" / "function_patches",
     None,
     "stand-in fsdp_turbo (function_patches layout), tests only",
+    stand_in=True,
 )
 SP_RUN = (
     ("checkout", STANDIN),

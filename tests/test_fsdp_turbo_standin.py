@@ -18,7 +18,9 @@ LAYOUTS = ("function_patches", "core_attention")
 
 
 def standin(layout: str) -> Checkout:
-    return Checkout(STANDIN / layout, None, f"stand-in fsdp_turbo ({layout} layout), tests only")
+    return Checkout(
+        STANDIN / layout, None, f"stand-in fsdp_turbo ({layout} layout), tests only", stand_in=True
+    )
 
 
 @pytest.mark.devices(2)

@@ -14,7 +14,7 @@ import pytest
 from pytest_fsdp_turbo.cases import CaseBook, load_cases
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.launching.request import RunRequest, rank_spec
-from pytest_fsdp_turbo.turbo.library import inspect, torch_outside_range
+from pytest_fsdp_turbo.turbo.library import inspect, torch_outside_range, torch_requirement
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.turbo_config import (
     CORE_ATTENTION,
@@ -328,7 +328,8 @@ def test_sp_without_known_patches_is_an_error(book):
 
 
 def test_torch_outside_the_library_range_is_one_line(tmp_path):
-    assert torch_outside_range(STANDIN / FUNCTION_PATCHES) is None  # the stand-in declares >=2.6
+    # the stand-in declares the library's own range, as strict as the library
+    assert torch_requirement(STANDIN / FUNCTION_PATCHES) == (">=2.9,<2.12", "the checkout")
     (tmp_path / "requirements.txt").write_text("torch>=2.9,<2.12\n")
     line = torch_outside_range(tmp_path)
     from importlib import metadata
@@ -600,3 +601,22 @@ def test_config_verb_reads_the_rootdir_ini_case_file_as_run_does(tmp_path, monke
     monkeypatch.delenv("FSDP_TURBO_PATH", raising=False)
     assert main(["config", "tiny-turbo-typo", "--device", "npu"]) == 1  # found, then checked
     assert "fsdp_plan.not_a_field: not in the library's schema" in capsys.readouterr().err
+
+
+def test_outside_its_torch_range_the_library_is_unavailable_and_a_stand_in_warns(tmp_path):
+    """The gate every case built on the library passes: a checkout whose torch range excludes the
+    installed torch is unavailable (a skip, or red under strict), naming both; a stand-in runs,
+    warning that the run is no evidence for the library on this torch."""
+    from pytest_fsdp_turbo.turbo.checkout import Checkout
+    from pytest_fsdp_turbo.turbo.library import StandInOutsideTorchRange, torch_gate
+    from pytest_fsdp_turbo_contract.errors import Unavailable
+
+    (tmp_path / "requirements.txt").write_text("torch<1\n")
+    with pytest.raises(Unavailable, match=r"^case c: fsdp_turbo supports torch <1; installed"):
+        torch_gate("c", Checkout(tmp_path, "abc", "path"))
+    with pytest.warns(
+        StandInOutsideTorchRange, match=r"running on the stand-in x anyway: no evidence"
+    ):
+        torch_gate("c", Checkout(tmp_path, None, "stand-in x", stand_in=True))
+    (tmp_path / "requirements.txt").write_text("torch>=1\n")
+    torch_gate("c", Checkout(tmp_path, "abc", "path"))  # inside: nothing to say

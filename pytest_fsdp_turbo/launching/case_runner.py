@@ -73,12 +73,10 @@ class CaseRunner:
             )
         if not case.is_turbo:
             return model, None
-        from pytest_fsdp_turbo.turbo.library import torch_outside_range
+        from pytest_fsdp_turbo.turbo.library import torch_gate
 
         checkout = checkout or self.checkout()
-        outside = torch_outside_range(checkout.path)
-        if outside:
-            raise Unavailable(f"case {case.id}: {outside}")
+        torch_gate(case.id, checkout)
         return model, checkout
 
     def launch(self, request: RunRequest) -> RunResult:

@@ -45,6 +45,9 @@ class Checkout:
     path: Path
     commit: str | None
     source: str
+    # a test double of the library (a stand-in): on a torch outside the range it declares it still
+    # runs, with a warning that the run is no evidence for that torch; the library itself never does
+    stand_in: bool = False
 
     @property
     def pythonpath(self) -> str:

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.turbo_config import (
     NEWEST,
     ModulePlan,
@@ -139,6 +140,26 @@ def torch_requirement(checkout: Path | None) -> tuple[str, str]:
             ):
                 return text[len("torch") :] or ">=0", "the checkout"
     return DOCUMENTED_TORCH, "its README"
+
+
+class StandInOutsideTorchRange(UserWarning):
+    """A stand-in of the library ran on a torch the library does not support."""
+
+
+def torch_gate(case_id: str, checkout) -> None:
+    """A case built on the library runs only on the torch its checkout declares: Unavailable
+    otherwise, naming both. A stand-in (checkout.stand_in) runs anyway, with a warning, since what
+    it proves is the harness's plumbing, never the library on that torch."""
+    outside = torch_outside_range(checkout.path)
+    if outside and not checkout.stand_in:
+        raise Unavailable(f"case {case_id}: {outside}")
+    if outside:
+        warnings.warn(
+            f"case {case_id}: {outside}; running on the {checkout.source} anyway: no evidence "
+            "for the library on this torch",
+            StandInOutsideTorchRange,
+            stacklevel=2,
+        )
 
 
 def torch_outside_range(checkout: Path | None) -> str | None:

@@ -37,6 +37,7 @@ import os
 import re
 import types
 import typing
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,23 @@ from torch.distributed.device_mesh import init_device_mesh
 
 logger = logging.getLogger("fsdp_turbo")
 ALLOW_CPU_VAR = "FSDP_TURBO_STANDIN_ALLOW_CPU"
+LIBRARY_TORCH = ((2, 9), (2, 12))  # the library's own range, >= 2.9, < 2.12 (requirements.txt)
+
+
+def _warn_outside_the_librarys_torch() -> None:
+    """Loaded on a torch the library does not support, the stand-in still runs (it models the
+    library's contract, not its kernels) and says so in the rank's log."""
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    low, high = LIBRARY_TORCH
+    if not low <= version < high:
+        warnings.warn(
+            f"STAND-IN fsdp_turbo loaded on torch {torch.__version__}, outside the library's "
+            ">=2.9,<2.12: this run is no evidence for the library on this torch",
+            stacklevel=2,
+        )
+
+
+_warn_outside_the_librarys_torch()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
