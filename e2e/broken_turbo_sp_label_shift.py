@@ -9,7 +9,6 @@ stand-in fsdp_turbo's causal_lm_loss wrapper before the library applies its patc
 import functools
 
 import torch.distributed as dist
-import torch.distributed.nn as dist_nn
 import torch.nn.functional as F
 
 from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
@@ -17,21 +16,19 @@ from pytest_fsdp_turbo_engine.registry import register
 
 
 def labels_shifted_per_chunk(fn, group):
+    """The stand-in's own loss patch, handed this rank's chunk of the labels shifted inside the
+    chunk (its `shift_labels`) instead of the whole sequence's shifted and then cut."""
+    import fsdp_turbo_standin_ulysses
+
+    healthy = fsdp_turbo_standin_ulysses.causal_lm_loss(fn, group)
+
     @functools.wraps(fn)
     def loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kwargs):
         rank, local = dist.get_rank(group), logits.shape[1]
         mine = labels[..., rank * local : (rank + 1) * local]
-        shifted = F.pad(mine, (0, 1), value=ignore_index)[..., 1:].reshape(-1)
-        total = F.cross_entropy(
-            logits.float().reshape(-1, vocab_size),
-            shifted,
-            ignore_index=ignore_index,
-            reduction="sum",
-        )
-        total = dist_nn.all_reduce(total, group=group)
-        counted = (shifted != ignore_index).sum().to(total.dtype)
-        dist.all_reduce(counted, group=group)
-        return total / (counted if num_items_in_batch is None else num_items_in_batch)
+        shifted = F.pad(mine, (0, 1), value=ignore_index)[..., 1:]
+        kwargs["shift_labels"] = shifted
+        return healthy(logits, None, vocab_size, num_items_in_batch, ignore_index, **kwargs)
 
     return loss
 

@@ -506,6 +506,11 @@ class CaseParam:
     def id(self) -> str:
         return f"{self.case.id}-{self.kind}"
 
+    @property
+    def known_failure(self) -> dict | None:
+        """The crash known on this device kind ({reason, match}), if the case declares one."""
+        return self.case.known_failure.get(self.kind)
+
 
 class CaseBook:
     """The loaded case file, looked up by id: engine cases and verl trainer cases."""

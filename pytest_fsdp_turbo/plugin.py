@@ -341,7 +341,7 @@ def _case_marks(param) -> list[pytest.MarkDecorator]:
         pytest.mark.devices(case.world_size),
     ]
     if isinstance(param, CaseParam):
-        known = case.known_failure.get(param.kind)
+        known = param.known_failure
         return [
             *common,
             *([pytest.mark.vllm] if case.rollout == "vllm" else []),
@@ -421,10 +421,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 def _hold_to_its_known_failure(item: pytest.Item, call: pytest.CallInfo, report) -> None:
     """A case's known failure (case field known_failure) is expected only as itself: a test that
     failed otherwise is a failure, its own first line after the one it was expected to fail with."""
-    param = _case_param(item)  # a case, or the broken case file's stand-in param
-    known = getattr(getattr(param, "case", None), "known_failure", {}).get(
-        getattr(param, "kind", "")
-    )
+    known = getattr(_case_param(item), "known_failure", None)  # none on a broken case file's
     if not known or not hasattr(report, "wasxfail") or call.excinfo is None:
         return
     said = str(call.excinfo.value)

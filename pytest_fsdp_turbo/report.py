@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_fsdp_turbo.checks import FAILED, PASSED
+from pytest_fsdp_turbo.checks import FAILED, PASSED, evaluate
 from pytest_fsdp_turbo.options import PENDING_ROWS, SUMMARY_PROPERTY
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import (
@@ -184,8 +184,6 @@ def _spec_device(result: RunResult) -> str:
 
 
 def _not_applicable(result: RunResult) -> list[str]:
-    from pytest_fsdp_turbo.checks import evaluate
-
     unjudged = dataclasses.replace(result, judged={})  # what the test's own checks judged stays
     return evaluate(unjudged).not_applicable() if result.ok else []
 

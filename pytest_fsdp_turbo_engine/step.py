@@ -38,7 +38,7 @@ from pytest_fsdp_turbo_contract.records import (
     TrainRecord,
 )
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
-from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, Env, Rollout
+from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX, DeviceKind, Dtype, Env, Rollout
 from pytest_fsdp_turbo_engine import fsdp_probe, ppo, weight_handoff
 from pytest_fsdp_turbo_engine.faults import Fault
 from pytest_fsdp_turbo_engine.fsdp_engine import local_tensor
@@ -303,7 +303,7 @@ def rollout_record(ctx: Rank, collected: Collected, tokens: float) -> RolloutRec
     gap = ppo.token_sum(batch.old_logprobs - batch.ref_logprobs, batch.mask)
     boundaries = None
     if sp > 1:
-        packed = ctx.engine_cfg.packed or ctx.engine_cfg.backend.startswith("verl:")
+        packed = ctx.engine_cfg.packed or ctx.engine_cfg.backend.startswith(VERL_PREFIX)
         hits = sp_boundaries_in_responses(batch, sp, ctx.cfg.micro_batches, packed)
         boundaries = round(all_sum(float(hits), device) / sp)
     return RolloutRecord(
