@@ -21,6 +21,7 @@ from pytest_fsdp_turbo.devices import KINDS
 from pytest_fsdp_turbo_contract.engines import (
     ANNOUNCED_WHERE,
     GIVEN,
+    Capabilities,
     EngineCatalog,
     engine_catalog,
 )
@@ -28,6 +29,7 @@ from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo_contract.vocab import (
     VERL_PREFIX,
+    Capability,
     DeviceKind,
     Dtype,
     GoldenTier,
@@ -93,6 +95,8 @@ class Case:
     # device kind -> {reason, match}: a crash known on that kind, run as a strict expected failure
     # (red if it starts passing, or if it fails without `match` in its failure), never a skip
     known_failure: dict = field(default_factory=dict)
+    # what the backend's engine declares on its catalog entry: set by validation, never by a case
+    engine: Capabilities = field(default=Capabilities(), metadata={"derived": True})
 
     @property
     def is_tiny(self) -> bool:
@@ -104,8 +108,9 @@ class Case:
 
     @property
     def is_turbo(self) -> bool:
-        """Built on the fsdp_turbo library: ours, or verl's FSDP-Turbo engine."""
-        return self.backend in ("fsdp_turbo", "verl:fsdp_turbo")
+        """Built on the fsdp_turbo library (its catalog entry declares turbo_config): ours,
+        verl's FSDP-Turbo engine, or a downstream engine that says so."""
+        return Capability.TURBO_CONFIG in self.engine
 
     @property
     def shard_size(self) -> int:
@@ -150,6 +155,7 @@ class Case:
             adam_beta2=self.adam_beta2,
             adam_eps=self.adam_eps,
             packed=self.packed,
+            capabilities=self.engine.capabilities,
         )
         ppo = PPOSpec(
             num_prompts=self.num_prompts,
@@ -176,7 +182,7 @@ class Case:
         )
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(Case)}
+_FIELDS = {f.name: f for f in dataclasses.fields(Case) if not f.metadata.get("derived")}
 _EXPECTED = {
     int: "an integer",
     float: "a number",
@@ -209,7 +215,7 @@ def _closed_set(annotation) -> type[StrEnum] | None:
     return None
 
 
-_HINTS = typing.get_type_hints(Case)
+_HINTS = {n: h for n, h in typing.get_type_hints(Case).items() if n in _FIELDS}
 _TYPES = {name: _base_type(hint) for name, hint in _HINTS.items()}
 _CLOSED_SETS = {name: e for name, hint in _HINTS.items() if (e := _closed_set(hint)) is not None}
 
@@ -320,16 +326,18 @@ def validate_case(
             "a tiny spec (" + ", ".join(specs) + ") from --fsdp-turbo-tiny-models or the plugin's",
             case.model,
         )
+    engines = engines or engine_catalog()
     if case.backend.startswith(VERL_PREFIX):
         if not VERL_NAME.match(case.backend):
             raise where.error(
                 "backend", "verl:<name> with a name from verl's EngineRegistry", case.backend
             )
-    else:
-        engines = engines or engine_catalog()
-        if not engines.accepts(case.backend):
-            allowed = ", ".join((*engines.backends, "verl:<name>"))
-            raise where.error("backend", f"one of {allowed} ({announced})", case.backend)
+    elif not engines.accepts(case.backend):
+        plain = [b for b in engines.backends if not b.startswith(VERL_PREFIX)]
+        allowed = ", ".join((*plain, "verl:<name>"))
+        raise where.error("backend", f"one of {allowed} ({announced})", case.backend)
+    case = dataclasses.replace(case, engine=engines.capabilities(case.backend))
+    _engine_can(case, where)
     if case.twin_kind() == TwinKind.EVERY_MICRO_BATCH and case.gradient_sync != SyncPolicy.DEFERRED:
         raise where.error(
             "twin", "single or none when gradient_sync is already every_micro_batch", case.twin
@@ -348,12 +356,6 @@ def validate_case(
             "world_size",
             f"divisible by fsdp_size x sp_size = {case.shard_size * case.sp_size}",
             case.world_size,
-        )
-    if case.sp_size > 1 and not (case.is_turbo or case.is_verl):
-        raise where.error(
-            "sp_size",
-            "1 unless backend is fsdp_turbo or verl:* (Ulysses SP lives there)",
-            case.sp_size,
         )
     if not (case.grad_clip > 0 and math.isfinite(case.grad_clip)):
         raise where.error("grad_clip", "a finite number > 0", case.grad_clip)
@@ -392,19 +394,6 @@ def validate_case(
             raise where.error(name, "a number in [0, 1)", getattr(case, name))
     if not (case.adam_eps > 0 and math.isfinite(case.adam_eps)):
         raise where.error("adam_eps", "a finite number > 0", case.adam_eps)
-    if case.packed and not (case.backend == "fsdp_turbo" and case.sp_size > 1):
-        raise where.error(
-            "packed",
-            "false unless backend is fsdp_turbo with sp_size > 1 (our FSDP-Turbo engine packs "
-            "what the library's Ulysses shards; verl's engine always packs)",
-            case.packed,
-        )
-    if case.turbo_config and not case.is_turbo:
-        raise where.error(
-            "turbo_config",
-            "no turbo_config unless backend is fsdp_turbo or verl:fsdp_turbo",
-            "a table",
-        )
     if not 0 < case.collective_timeout < case.timeout:
         raise where.error(
             "collective_timeout",
@@ -437,6 +426,38 @@ def validate_case(
     return case
 
 
+def _engine_can(case: Case, where: _Where) -> None:
+    """What the case asks of its engine against what the engine's catalog entry declares."""
+    engine = case.engine
+
+    def lacks(capability: str) -> str:
+        return (
+            f"the backend's engine to declare {capability} (backend {case.backend}: "
+            f"{engine.announced_by or 'nothing declared'}; an entry declares it as "
+            f"BACKEND = MODULE [{capability}, ...])"
+        )
+
+    if case.sp_size > 1 and Capability.SP not in engine:
+        raise where.error("sp_size", f"1, or {lacks(Capability.SP)}", case.sp_size)
+    if case.packed and Capability.PACKING not in engine:
+        raise where.error("packed", f"false, or {lacks(Capability.PACKING)}", case.packed)
+    if case.packed and case.sp_size < 2:
+        raise where.error(
+            "packed", "false unless sp_size > 1 (packing is what Ulysses shards)", case.packed
+        )
+    if case.turbo_config and Capability.TURBO_CONFIG not in engine:
+        raise where.error(
+            "turbo_config", f"no table, or {lacks(Capability.TURBO_CONFIG)}", "a table"
+        )
+    if outside := [kind for kind in case.devices if kind not in engine.devices]:
+        raise where.error(
+            "devices",
+            f"device kinds the engine declares ({', '.join(sorted(engine.devices))}; "
+            f"{engine.announced_by})",
+            outside[0],
+        )
+
+
 def with_overrides(
     case: Case,
     overrides: dict,
@@ -445,7 +466,7 @@ def with_overrides(
 ) -> Case:
     """`ppo_run(case, **overrides)`: the same rules as the case file, the same one-line errors,
     against the catalog of engines this run announces (ppo_run's engine_modules included)."""
-    raw = {k: v for k, v in dataclasses.asdict(case).items() if v is not None}
+    raw = {k: v for k, v in dataclasses.asdict(case).items() if v is not None and k in _FIELDS}
     raw.update(overrides)
     raw = {k: v for k, v in raw.items() if v is not None}  # None: back to the field's default
     engines = engines or engine_catalog()

@@ -3,9 +3,13 @@
 The pytest side builds it once (built-ins, the `pytest_fsdp_turbo.engines` entry points, the ini
 `fsdp_turbo_engine_modules`, ppo_run's `engine_modules` and PYTEST_FSDP_TURBO_ENGINE_MODULES), validates
 case backends against it and hands it to the ranks in their spec; the ranks import exactly what it
-names for the backend they run. An entry is `MODULE` or `BACKEND = MODULE`: a declared backend is
-known before any rank starts (a typo in a case is one line at collection); a bare module may
-register any backend, which only its ranks can tell.
+names for the backend they run. An entry is `MODULE` or `BACKEND = MODULE [CAPABILITIES]`: a
+declared backend is known before any rank starts (a typo in a case is one line at collection), and so
+is what its engine can do (`Capability`: sp, turbo_config, packing, always_packs, own_loop, and the
+device kinds it runs on, all when none is named), which case validation reads instead of backend
+names. A backend `verl:<name>` is an engine a module registers in verl's own EngineRegistry (a
+downstream subclass of verl's FSDP-Turbo engine, say). A bare module may register any plain backend,
+which only its ranks can tell; such a backend declares no capability.
 """
 
 from __future__ import annotations
@@ -16,11 +20,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from pytest_fsdp_turbo_contract.errors import ConfigError
-from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX, Env
+from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX, Capability, DeviceKind, Env
 
 ENTRY_POINT_GROUP = "pytest_fsdp_turbo.engines"
 BACKEND_NAME = re.compile(r"[A-Za-z0-9_]+")
+DECLARED_BACKEND = re.compile(r"(verl:)?[A-Za-z0-9_]+")
 MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+ENTRY = re.compile(
+    r"\s*(?:(?P<backend>[^=]*?)\s*=)?\s*(?P<module>[^\s\[]*)\s*(?:\[(?P<caps>[^]]*)\])?\s*"
+)
+TOKENS = (*Capability, *DeviceKind)
+VERL_ENGINES = "verl.workers.engine"  # where verl's own engines register themselves
 BUILT_IN = "built in"
 INI = "ini fsdp_turbo_engine_modules"
 GIVEN = "ppo_run engine_modules"
@@ -35,28 +45,77 @@ class EngineEntry:
     module: str
     backend: str | None = None  # None: whatever the module registers (its ranks can tell)
     where: str = ""  # how it was announced, for messages
+    declares: frozenset[str] = frozenset()  # capabilities and device kinds (none named: any)
 
     @classmethod
     def parse(cls, text: str, where: str) -> EngineEntry:
-        """`MODULE` or `BACKEND = MODULE`, or one line naming `where` and what was expected."""
-        name, equals, module = text.rpartition("=") if "=" in text else ("", "", text)
-        name, module = name.strip(), module.strip()
-        if not MODULE_NAME.fullmatch(module) or (equals and not BACKEND_NAME.fullmatch(name)):
+        """`MODULE` or `BACKEND = MODULE [CAPABILITY, ...]`, or one line naming `where` and what
+        was expected."""
+        found = ENTRY.fullmatch(text)
+        backend, module = (found["backend"], found["module"]) if found else (None, "")
+        tokens = [t.strip() for t in (found["caps"] or "").split(",")] if found else []
+        tokens = [t for t in tokens if t]
+        if (
+            not MODULE_NAME.fullmatch(module)
+            or (backend is not None and not DECLARED_BACKEND.fullmatch(backend))
+            or (tokens and backend is None)
+            or any(t not in TOKENS for t in tokens)
+        ):
             raise ConfigError(
-                f"{where}: expected MODULE or BACKEND = MODULE (a dotted module name, a backend "
-                f"of letters, digits and '_'); got {text!r}"
+                f"{where}: expected MODULE or BACKEND = MODULE [CAPABILITY, ...] (a dotted module "
+                "name; a backend of letters, digits and '_', or verl:<name>; capabilities among "
+                f"{', '.join(TOKENS)}); got {text!r}"
             )
-        return cls(module, name or None, where)
+        return cls(module, backend, where, frozenset(tokens))
 
     @property
     def text(self) -> str:
-        return f"{self.backend} = {self.module}" if self.backend else self.module
+        if self.backend is None:
+            return self.module
+        declared = f" [{', '.join(sorted(self.declares))}]" if self.declares else ""
+        return f"{self.backend} = {self.module}{declared}"
 
 
+def _built_in(module: str, backend: str, *declares: str) -> EngineEntry:
+    return EngineEntry(module, backend, BUILT_IN, frozenset(declares))
+
+
+_VERL = (Capability.SP, Capability.OWN_LOOP, Capability.ALWAYS_PACKS)
 BUILT_INS = (
-    EngineEntry("pytest_fsdp_turbo_engine.fsdp_engine", "fsdp", BUILT_IN),
-    EngineEntry("pytest_fsdp_turbo_engine.fsdp_turbo_engine", "fsdp_turbo", BUILT_IN),
+    _built_in("pytest_fsdp_turbo_engine.fsdp_engine", "fsdp"),
+    _built_in(
+        "pytest_fsdp_turbo_engine.fsdp_turbo_engine",
+        "fsdp_turbo",
+        Capability.SP,
+        Capability.TURBO_CONFIG,
+        Capability.PACKING,
+    ),
+    _built_in(VERL_ENGINES, "verl:fsdp", *_VERL),
+    _built_in(VERL_ENGINES, "verl:fsdp2", *_VERL),
+    _built_in(VERL_ENGINES, "verl:fsdp_turbo", *_VERL, Capability.TURBO_CONFIG),
 )
+# what the adapter gives any engine of verl's registry that no entry declares
+UNDECLARED_VERL = frozenset(_VERL)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend's engine can do, from the entries declaring it."""
+
+    declares: frozenset[str] = frozenset()
+    announced_by: str = ""  # the entries, for messages
+
+    def __contains__(self, capability: str) -> bool:
+        return capability in self.declares
+
+    @property
+    def devices(self) -> frozenset[str]:
+        named = self.declares & frozenset(DeviceKind)
+        return named or frozenset(DeviceKind)
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        return tuple(sorted(self.declares & frozenset(Capability)))
 
 
 @dataclass(frozen=True)
@@ -77,6 +136,16 @@ class EngineCatalog:
         if backend.startswith(VERL_PREFIX):
             return True  # verl's own registry decides, in the ranks
         return backend in self.backends or (self.is_open and bool(BACKEND_NAME.fullmatch(backend)))
+
+    def capabilities(self, backend: str) -> Capabilities:
+        """The union of what the entries declaring `backend` declare; an undeclared verl engine
+        gets what the adapter gives every verl engine, an undeclared plain one nothing."""
+        declaring = [e for e in self.entries if e.backend == backend]
+        if not declaring:
+            undeclared = UNDECLARED_VERL if backend.startswith(VERL_PREFIX) else frozenset()
+            return Capabilities(undeclared, "no entry declares it")
+        declares = frozenset().union(*(e.declares for e in declaring))
+        return Capabilities(declares, "; ".join(f"{e.where}: {e.text}" for e in declaring))
 
     def serving(self, backend: str) -> list[EngineEntry]:
         """What a rank imports to run `backend`: the entries declaring it, and every bare module
@@ -104,7 +173,7 @@ def engine_catalog(
     entries = list(BUILT_INS)
     for point in metadata.entry_points(group=ENTRY_POINT_GROUP):
         where = f"entry point {point.name}"
-        entries.append(EngineEntry.parse(f"{point.name} = {point.module}", where))
+        entries.append(EngineEntry.parse(f"{point.name} = {point.value}", where))
     variable = [t for t in env.get(Env.ENGINE_MODULES, "").split(",") if t.strip()]
     for origin, texts in (*announced, (Env.ENGINE_MODULES, variable)):
         entries += [EngineEntry.parse(t, origin) for t in texts if t.strip()]

@@ -31,6 +31,8 @@ class EngineSpec:
     turbo_config: dict = field(default_factory=dict)
     turbo_checkout: str = ""  # where the fsdp_turbo library was found (for the ranks' messages)
     packed: bool = False  # one packed row per micro-batch, with position_ids and cu_seqlens
+    # what the engine's catalog entry declares (pytest_fsdp_turbo_contract.vocab.Capability)
+    capabilities: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -383,3 +383,33 @@ def attention_implementation(config: dict) -> str | None:
     ):
         return "eager"
     return None
+
+
+def _setting(config: object, dotted: str) -> object:
+    node = config
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+    return node
+
+
+def _holds(value: object, condition: object) -> bool:
+    if condition == "above_one":
+        return isinstance(value, int | float) and not isinstance(value, bool) and value > 1
+    if condition == "truthy":
+        return bool(value)
+    return value == condition
+
+
+def not_modelled(rules: list | tuple, config: object, device: str) -> list[str]:
+    """One line per rule a checkout declares it cannot apply (a stand-in's NOT_MODELLED: each
+    {"when": {dotted key: "above_one" | "truthy" | a value}, "why": ..., "devices": [...]}) that
+    the config (a dict, or the library's built dataclasses) trips on `device`."""
+    found = []
+    for rule in rules:
+        if device not in rule.get("devices", [device]):
+            continue
+        when = rule["when"]
+        if all(_holds(_setting(config, key), condition) for key, condition in when.items()):
+            keys = ", ".join(f"turbo_config.{key} = {_setting(config, key)!r}" for key in when)
+            found.append(f"{keys}: {rule['why']}, not modelled by the stand-in")
+    return found

@@ -58,6 +58,17 @@ class TwinKind(StrEnum):
 VERL_PREFIX = "verl:"
 
 
+class Capability(StrEnum):
+    """What an engine declares on its catalog entry, read by case validation before any rank
+    starts (a device kind among them limits the devices it runs on)."""
+
+    SP = "sp"  # Ulysses sequence parallelism: sp_size > 1
+    TURBO_CONFIG = "turbo_config"  # built on the fsdp_turbo library: a turbo_config and a checkout
+    PACKING = "packing"  # packs a micro-batch into one row when a case asks (packed = true)
+    ALWAYS_PACKS = "always_packs"  # every micro-batch is one packed row (verl's engines)
+    OWN_LOOP = "own_loop"  # runs its own micro-batch loop: measured through the probe
+
+
 class GoldenStatus(StrEnum):
     MATCHED = "matched"
     RECORDED = "recorded"

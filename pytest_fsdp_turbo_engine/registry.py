@@ -61,6 +61,8 @@ def load_engines(catalog: EngineCatalog, backend: str) -> None:
     """Import what the catalog names for `backend`; an entry that declares it must register it."""
     for entry in catalog.serving(backend):
         importlib.import_module(entry.module)
+        if backend.startswith(VERL_PREFIX):
+            continue  # it registers in verl's EngineRegistry, which names what is missing
         if entry.backend is not None and not any(key[1] == backend for key in _REGISTRY):
             raise RegistryError(
                 f"{entry.where} declares backend {backend!r}, but importing {entry.module} "

@@ -38,7 +38,13 @@ from pytest_fsdp_turbo_contract.records import (
     TrainRecord,
 )
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
-from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX, DeviceKind, Dtype, Env, Rollout
+from pytest_fsdp_turbo_contract.vocab import (
+    Capability,
+    DeviceKind,
+    Dtype,
+    Env,
+    Rollout,
+)
 from pytest_fsdp_turbo_engine import fsdp_probe, ppo, weight_handoff
 from pytest_fsdp_turbo_engine.faults import Fault
 from pytest_fsdp_turbo_engine.fsdp_engine import local_tensor
@@ -166,7 +172,7 @@ def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
 
     from pytest_fsdp_turbo_contract.engines import EngineCatalog
     from pytest_fsdp_turbo_engine.protocol import require_protocol
-    from pytest_fsdp_turbo_engine.registry import VERL_PREFIX, load_engines, lookup
+    from pytest_fsdp_turbo_engine.registry import VERL_PREFIX, RegistryError, load_engines, lookup
 
     engine_cfg, cfg, kind = spec.engine, spec.ppo, spec.device_kind
     device = device_for(kind, int(os.environ.get("LOCAL_RANK", rank)))
@@ -181,6 +187,14 @@ def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
     engine_class = require_protocol(
         lookup(spec.model_type, engine_cfg.backend, kind), engine_cfg.backend
     )
+    declared = engine_cfg.capabilities
+    drives = bool(getattr(engine_class, "drives_micro_batches", False))
+    if declared and (Capability.OWN_LOOP in declared) != drives:
+        raise RegistryError(
+            f"backend {engine_cfg.backend}: its catalog entry declares "
+            f"[{', '.join(declared)}], but {engine_class.__qualname__}.drives_micro_batches is "
+            f"{drives}: declare own_loop exactly when the engine runs its own micro-batch loop"
+        )
     engine = engine_class(engine_cfg, device)
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     engine.build(spec.model_path)
@@ -303,7 +317,7 @@ def rollout_record(ctx: Rank, collected: Collected, tokens: float) -> RolloutRec
     gap = ppo.token_sum(batch.old_logprobs - batch.ref_logprobs, batch.mask)
     boundaries = None
     if sp > 1:
-        packed = ctx.engine_cfg.packed or ctx.engine_cfg.backend.startswith(VERL_PREFIX)
+        packed = ctx.engine_cfg.packed or Capability.ALWAYS_PACKS in ctx.engine_cfg.capabilities
         hits = sp_boundaries_in_responses(batch, sp, ctx.cfg.micro_batches, packed)
         boundaries = round(all_sum(float(hits), device) / sp)
     return RolloutRecord(

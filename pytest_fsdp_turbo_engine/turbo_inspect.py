@@ -136,8 +136,11 @@ def main(argv: list[str] | None = None) -> int:
 
     out: dict = {"layout": None, "schema": None, "modules": None}
     if args.checkout is not None:
-        schema = schema_of(load_config_module(args.checkout).FSDPTurboConfig)
-        out.update(schema=schema, layout=detect_layout(schema))
+        config_module = load_config_module(args.checkout)
+        schema = schema_of(config_module.FSDPTurboConfig)
+        # a stand-in declares what it cannot apply; the library declares nothing
+        refused = getattr(config_module, "NOT_MODELLED", [])
+        out.update(schema=schema, layout=detect_layout(schema), not_modelled=refused)
     if args.model is not None:
         out["modules"] = module_plan(meta_model(args.model))
     print(json.dumps(out))

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec
-from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX, Dtype, SyncPolicy
+from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX, Capability, Dtype, SyncPolicy
 from pytest_fsdp_turbo_engine.train_batch import TrainBatch
 
 MODEL_TYPE = "language_model"  # verl's registry key for causal LMs with an LM head
@@ -57,6 +57,7 @@ class VerlEngineAdapter:
         self.config, self.device = config, device
         self.model_overrides = prepare(device.type)  # CPU shims; nothing on cuda or npu
         self.name = config.backend.removeprefix(VERL_PREFIX)
+        self.on_turbo = Capability.TURBO_CONFIG in config.capabilities
         self.engine: Any = None
         self.module: torch.nn.Module | None = None
         self.stepped = False
@@ -79,8 +80,9 @@ class VerlEngineAdapter:
             "engine_config": FSDPEngineConfig(
                 strategy="fsdp2",
                 fsdp_size=shard,
-                # verl's FSDP-Turbo engine takes Ulysses from turbo_config and refuses both
-                ulysses_sequence_parallel_size=1 if self.name == "fsdp_turbo" else cfg.sp_size,
+                # an engine built on fsdp_turbo (verl's FSDP-Turbo, or a subclass) takes Ulysses
+                # from turbo_config and refuses both
+                ulysses_sequence_parallel_size=1 if self.on_turbo else cfg.sp_size,
                 model_dtype="fp32",
                 dtype="float32" if fp32 else "bfloat16",
                 mixed_precision=FP32_MIXED_PRECISION if fp32 else None,

@@ -177,8 +177,10 @@ def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path
     with pytest.raises(ConfigError) as malformed:
         engine_catalog([(INI, ["my engines = x"])], env={})
     assert str(malformed.value) == (
-        "ini fsdp_turbo_engine_modules: expected MODULE or BACKEND = MODULE (a dotted module "
-        "name, a backend of letters, digits and '_'); got 'my engines = x'"
+        "ini fsdp_turbo_engine_modules: expected MODULE or BACKEND = MODULE [CAPABILITY, ...] (a "
+        "dotted module name; a backend of letters, digits and '_', or verl:<name>; capabilities "
+        "among sp, turbo_config, packing, always_packs, own_loop, cpu, cuda, npu); got "
+        "'my engines = x'"
     )
 
 
@@ -259,3 +261,54 @@ def test_a_backend_only_the_ranks_can_refuse_is_reported_once_with_the_cases_dev
     assert "phase load: RegistryError: as rank" in text
     assert all(rank.error.phase == "load" for rank in result.ranks)
     assert '"device": "cpu"' in summary_row(result)
+
+
+def test_what_a_case_asks_of_its_engine_is_read_from_the_catalog_entry(tmp_path):
+    """Capabilities live on the entry: an engine under any name (a verl subclass included) takes
+    SP, packing and a turbo_config when its entry declares them, and only then; the device kinds
+    it names bound the case's devices; entry points carry them in their value's brackets."""
+    from pytest_fsdp_turbo.cases import load_cases
+    from pytest_fsdp_turbo_contract.engines import INI, EngineEntry, engine_catalog
+    from pytest_fsdp_turbo_contract.errors import ConfigError
+
+    cases = tmp_path / "cases.toml"
+    sp_case = (
+        '[[case]]\nid = "c"\nmodel = "tiny-qwen3_5"\nbackend = "{backend}"\nworld_size = 4\n'
+        'sp_size = 2\nnum_prompts = 2\ndevices = ["cpu", "npu"]\n'
+        "[case.turbo_config.distributed.fsdp_plan]\nreduce_dtype = 'fp32'\n"
+    )
+    subclass = "verl:acme_turbo = acme.engine [sp, turbo_config, own_loop, always_packs]"
+    declared = engine_catalog([(INI, [subclass])], env={})
+    cases.write_text(sp_case.format(backend="verl:acme_turbo"))
+    (case,) = load_cases(cases, engines=declared)
+    assert case.is_turbo and case.engine.capabilities == (
+        "always_packs",
+        "own_loop",
+        "sp",
+        "turbo_config",
+    )
+    assert case.rank_spec("cpu", model_path="m", model_type="qwen3_5").engine.capabilities == (
+        case.engine.capabilities
+    )
+    with pytest.raises(ConfigError) as refused:  # no entry declares turbo_config for it
+        load_cases(cases, engines=engine_catalog([(INI, ["verl:acme_turbo = acme.engine [sp]"])]))
+    assert "field 'turbo_config': expected no table, or the backend's engine to declare " in str(
+        refused.value
+    )
+    assert "ini fsdp_turbo_engine_modules: verl:acme_turbo = acme.engine [sp]" in str(refused.value)
+    npu_only = engine_catalog([(INI, ["verl:acme_turbo = acme.engine [sp, turbo_config, npu]"])])
+    with pytest.raises(ConfigError, match=r"field 'devices': expected device kinds the engine "):
+        load_cases(cases, engines=npu_only)
+    plain = engine_catalog([(INI, ["mine = mine.engine [packing]"])], env={})
+    cases.write_text(sp_case.format(backend="mine"))
+    with pytest.raises(ConfigError, match=r"field 'sp_size': expected 1, or the backend's engine"):
+        load_cases(cases, engines=plain)
+    with pytest.raises(ConfigError, match=r"capabilities among sp, turbo_config"):
+        EngineEntry.parse("mine = mine.engine [warp_drive]", "ini")
+    with pytest.raises(ConfigError, match=r"expected MODULE or BACKEND = MODULE"):
+        EngineEntry.parse("mine.engine [sp]", "ini")  # a bare module declares no backend
+    entry = EngineEntry.parse("verl:acme_turbo=acme.engine[turbo_config,sp]", "entry point x")
+    assert entry.text == "verl:acme_turbo = acme.engine [sp, turbo_config]"
+    assert EngineEntry.parse(entry.text, "spec") == EngineEntry(
+        "acme.engine", "verl:acme_turbo", "spec", entry.declares
+    )

@@ -27,7 +27,7 @@ from pytest_fsdp_turbo.needs import case_needs, missing_packages
 from pytest_fsdp_turbo.session import resolve_artifacts
 from pytest_fsdp_turbo.settings import Settings, launcher_named, resolve
 from pytest_fsdp_turbo.turbo.checkout import Checkout
-from pytest_fsdp_turbo_contract.engines import EngineCatalog
+from pytest_fsdp_turbo_contract.engines import BUILT_IN, EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.results import RunResult
 
@@ -116,7 +116,8 @@ class CaseRunner:
 
 def _refuse_unimportable(case: Case, engines: EngineCatalog, pythonpath: Sequence[str]) -> None:
     """An engine module no rank could import: one line here, not an ImportError in every rank."""
-    for module in (entry.module for entry in engines.serving(case.backend)):
+    announced = [e for e in engines.serving(case.backend) if e.where != BUILT_IN]
+    for module in (entry.module for entry in announced):  # a built-in's package is a need
         if engine_module_source(module, pythonpath) is None:
             looked = f"the pythonpath given ({', '.join(pythonpath)}) and " if pythonpath else ""
             raise ConfigError(

@@ -348,7 +348,9 @@ def twin_case(case: Case) -> Case | None:
         sp_size=1,
         micro_batches=1,
         turbo_config={},
+        packed=False,
         rollout=Rollout.HF,
+        engine=EngineCatalog().capabilities("fsdp"),
         **common,
     )
 

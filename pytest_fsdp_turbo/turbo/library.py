@@ -25,6 +25,7 @@ from pytest_fsdp_turbo_contract.turbo_config import (
     ModulePlan,
     build_turbo_config,
     entry_problems,
+    not_modelled,
     schema_problems,
     target_problems,
 )
@@ -42,6 +43,7 @@ class Inspection:
     layout: str | None  # None: no checkout to read
     schema: dict | None
     modules: ModulePlan | None
+    not_modelled: tuple = ()  # settings a stand-in checkout declares it cannot apply
 
 
 class TurboConfigProblems(ConfigError):
@@ -91,7 +93,8 @@ def inspect(model_dir: Path | None, checkout: Path | None) -> Inspection:
         data = _inspect_now(model_dir, checkout)
         write_private(cached, json.dumps(data))
     modules = ModulePlan.from_json(data["modules"]) if data["modules"] else None
-    return Inspection(data["layout"], data["schema"], modules)
+    refused = tuple(data.get("not_modelled") or ())
+    return Inspection(data["layout"], data["schema"], modules, refused)
 
 
 def _inspect_now(model_dir: Path | None, checkout: Path | None) -> dict:
@@ -126,6 +129,8 @@ def turbo_config_for(case, kind: str, model_dir: Path | None, checkout: Path | N
         problems += target_problems(config, found.modules)
     if problems:
         raise TurboConfigProblems(case.id, problems)
+    if refused := not_modelled(found.not_modelled, config, kind):
+        raise Unavailable(f"case {case.id}: {'; '.join(refused)}")
     return config
 
 

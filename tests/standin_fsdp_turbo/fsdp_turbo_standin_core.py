@@ -63,7 +63,49 @@ def _warn_outside_the_librarys_torch() -> None:
 
 
 _warn_outside_the_librarys_torch()
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# the library's dtype names, exactly (its get_dtype): "bfloat16", "BF16" or a torch.dtype raise
+DTYPES = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp64": torch.float64,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+# What the stand-in cannot do for real on gloo: a config that sets one is refused by name, before
+# any rank starts (the harness reads this table through the checkout's config module) and again
+# here. Each rule: {"when": {dotted key: "above_one" | "truthy" | a value}, "why": ...}; all hold.
+NOT_MODELLED = [
+    {"when": {"distributed.tensor_parallel_size": "above_one"}, "why": "tensor parallel"},
+    {"when": {"distributed.expert_parallel_size": "above_one"}, "why": "expert parallel"},
+    {"when": {"quantization.quantization_plan.quant_recipe": "truthy"}, "why": "quantization"},
+    {"when": {"memory.chunk_batch": "truthy"}, "why": "chunk-batch forward"},
+    {
+        "when": {"distributed.fsdp_plan.fsdp_implementation": "custom"},
+        "why": "the library's custom fully_shard (its source is not published)",
+    },
+    {
+        "when": {
+            "distributed.fsdp_plan.cpu_offload": "truthy",
+            "distributed.fsdp_plan.pin_memory": "truthy",
+        },
+        "why": "pinned host memory for CPU offload (torch pins only beside an accelerator)",
+        "devices": ["cpu"],
+    },
+]
+
+
+class NotModelledByStandIn(NotImplementedError):
+    """A setting the library applies and the stand-in cannot: the run stops, naming it."""
+
+
+def get_dtype(name):
+    """The library's dtype names; anything else raises as its get_dtype does."""
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ValueError(f"Unsupported dtype: {name}")
+    return DTYPES[name]
 
 
 def get_accelerator_name() -> str:
@@ -186,6 +228,8 @@ class EPPlanConfig:
 class MemoryConfig:
     recompute: bool = False
     recompute_plan: list = None
+    chunk_batch: bool = False
+    chunk_batch_plan: dict = None
 
 
 @dataclass
@@ -226,13 +270,21 @@ class FSDPTurboConfigBase:
         """The library's config validation: module patch entries, a default fsdp_plan, and the
         gradient divide factor (when unset) from the launcher's WORLD_SIZE, an unset WORLD_SIZE
         counting as 1."""
-        for entry in self.module_patches or []:
+        if self.module_patches is None:
+            self.module_patches = []
+        elif isinstance(self.module_patches, dict):
+            self.module_patches = [self.module_patches]
+        elif not isinstance(self.module_patches, list):
+            raise ValueError(f"module_patches must be a list of dicts; got {self.module_patches!r}")
+        for entry in self.module_patches:
             for key in ("target", "replacement"):
                 value = entry.get(key) if isinstance(entry, dict) else None
                 if callable(value) and key == "replacement":
                     continue
                 if not isinstance(value, str) or "." not in value or ":" in value:
                     raise ValueError(f"module_patches entry needs a dotted {key}; got {entry!r}")
+        if self.memory.recompute_plan is None:
+            self.memory.recompute_plan = []
         distributed = self.distributed
         if distributed.fsdp_plan is None:
             distributed.fsdp_plan = FSDPPlanConfig()
@@ -251,6 +303,9 @@ class Singleton(type):
         return cls._instances[cls]
 
 
+TWO_D = ("dp_fsdp", "edp_efsdp")
+
+
 def make_parallel_state(data_getters: bool):
     """(ParallelState, init_parallel_state, get_parallel_state) for one layout."""
 
@@ -261,39 +316,58 @@ def make_parallel_state(data_getters: bool):
         tensor_parallel_size: int = 1
         kv_allgather_parallel_size: int = 1
         ulysses_parallel_size: int = 1
+        expert_parallel_size: int = 1
+        expert_fully_shard_parallel_size: int = 1
+        expert_data_parallel_size: int = 1
         device_mesh_map: dict = None
 
         def __post_init__(self):
+            """The library's three meshes, each with a leading dimension of what is left of the
+            world, then `cp` (kvallgather x ulysses, flattened) and the 2-D `dp_fsdp` and
+            `edp_efsdp`; the user's data-parallel sizes are overwritten by the leading dims."""
             if not dist.is_initialized():
                 dist.init_process_group(backend="hccl")
             self.device_mesh_map = {}
             world = dist.get_world_size()
             fsdp, tp = self.fully_shard_parallel_size, self.tensor_parallel_size
-            self._mesh(("dp", "fsdp", "tp"), (world // (fsdp * tp), fsdp, tp))
+            efsdp, ep = self.expert_fully_shard_parallel_size, self.expert_parallel_size
             kv, ulysses = self.kv_allgather_parallel_size, self.ulysses_parallel_size
-            self._mesh(
-                ("cdp", "kvallgather", "ulysses", "tp"),
-                (world // (kv * ulysses * tp), kv, ulysses, tp),
-            )
-            self.device_mesh_map["dp_fsdp"] = self.device_mesh_map["dp"]["dp", "fsdp"]
-            self.data_parallel_size = world // (fsdp * tp)
+            dense = self._mesh(("dp", "fsdp", "tp"), (fsdp, tp), world)
+            expert = self._mesh(("edp", "efsdp", "ep"), (efsdp, ep), world)
+            context = self._mesh(("cdp", "kvallgather", "ulysses", "tp"), (kv, ulysses, tp), world)
+            self.device_mesh_map["cp"] = context["kvallgather", "ulysses"]._flatten("cp")
+            self.device_mesh_map["dp_fsdp"] = dense["dp", "fsdp"]
+            self.device_mesh_map["edp_efsdp"] = expert["edp", "efsdp"]
+            self.data_parallel_size = dense.size(0)
+            self.expert_data_parallel_size = expert.size(0)
 
-        def _mesh(self, names, shape):
+        def _mesh(self, names, rest, world):
+            product = 1
+            for size in rest:
+                product *= size
+            if world % product:
+                raise AssertionError(
+                    f"World size is not divisible by mesh group ({dict(zip(names[1:], rest))})"
+                )
+            shape = (world // product, *rest)
             mesh = init_device_mesh(get_accelerator_name(), shape, mesh_dim_names=names)
             for name in names:
-                self.device_mesh_map[name] = mesh
+                self.device_mesh_map.setdefault(name, mesh)
+            return mesh
 
         def is_group_enable(self, name: str) -> bool:
-            return (
-                name in self.device_mesh_map
-                and self.device_mesh_map[name].size(
-                    self.device_mesh_map[name].mesh_dim_names.index(name)
-                )
-                > 1
-            )
+            if name not in self.device_mesh_map:
+                return False
+            mesh = self.device_mesh_map[name]
+            if name in TWO_D:
+                return any(mesh.size(i) > 1 for i in range(mesh.ndim))
+            return mesh.size(mesh.mesh_dim_names.index(name)) > 1
 
         def get_group(self, name: str):
-            return self.device_mesh_map[name].get_group(name)
+            mesh = self.device_mesh_map[name]
+            if name in TWO_D:
+                return [mesh.get_group(d) for d in mesh.mesh_dim_names]
+            return mesh.get_group(name)
 
         def __getattr__(self, attr: str):
             """get_<mesh>_group / _group_size / _rank / _device_mesh and is_<mesh>_enable."""
@@ -304,12 +378,21 @@ def make_parallel_state(data_getters: bool):
                 raise AttributeError(attr)
             name, what = match.group(2), match.group(3)
             mesh = self.device_mesh_map[name]
+            if name in TWO_D:  # not flattened: one group and size per dimension, as there
+                dims = mesh.mesh_dim_names
+                return {
+                    "enable": lambda: any(mesh.size(i) > 1 for i in range(len(dims))),
+                    "group": lambda: [mesh.get_group(d) for d in dims],
+                    "group_size": lambda: [mesh.size(i) for i in range(len(dims))],
+                    "rank": lambda: [mesh.get_local_rank(d) for d in dims],
+                    "device_mesh": lambda: mesh,
+                }[what]
             return {
                 "enable": lambda: self.is_group_enable(name),
                 "group": lambda: mesh.get_group(name),
                 "group_size": lambda: mesh.size(mesh.mesh_dim_names.index(name)),
                 "rank": lambda: mesh.get_local_rank(name),
-                "device_mesh": lambda: mesh if name == "dp_fsdp" else mesh[name],
+                "device_mesh": lambda: mesh if name == "cp" else mesh[name],
             }[what]
 
     if data_getters:  # the newest layout: ranks that see different data, i.e. the cdp mesh
@@ -328,18 +411,34 @@ def make_parallel_state(data_getters: bool):
     return ParallelState, init_parallel_state, get_parallel_state
 
 
+def _brace(piece: str) -> tuple[str, tuple[int, int] | None]:
+    """{*} a layer index, {a-b} an index in an inclusive range; anything else in braces is refused
+    as the library refuses it (a malformed range, a reversed one, a bare number)."""
+    inner = piece[1:-1]
+    if inner == "*":
+        return r"(\d+)", None
+    if inner.count("-") == 1 and inner[0] != "-":
+        low, high = inner.split("-")
+        if not (low.isdigit() and high.isdigit()):
+            raise ValueError(f"Non-integer in range: {inner}")
+        if int(low) > int(high):
+            raise ValueError(f"Invalid range: {inner} (low > high)")
+        return r"(\d+)", (int(low), int(high))
+    if "-" in inner:
+        raise ValueError(f"Invalid brace pattern: {piece}")
+    raise ValueError(f"Unrecognized brace pattern: {piece}")
+
+
 def _pattern(name: str) -> tuple[re.Pattern, list]:
     """The library's module-name patterns: {*} a layer index, {a-b} an index in a range, * any
-    text (dots included), ? one character; the whole name must match."""
+    text (dots included, the empty root name too), ? one character; the whole name must match.
+    An unclosed brace or `a..b` is literal text, which matches nothing."""
     out, ranges = [], []
     for piece in re.split(r"(\{[^}]*\}|\*|\?)", name):
-        if piece == "{*}":
-            out.append(r"(\d+)")
-            ranges.append(None)
-        elif piece.startswith("{") and piece.endswith("}"):
-            low, _, high = piece[1:-1].partition("-")
-            out.append(r"(\d+)")
-            ranges.append((int(low), int(high)))
+        if piece.startswith("{") and piece.endswith("}"):
+            regex, bound = _brace(piece)
+            out.append(regex)
+            ranges.append(bound)
         elif piece == "*":
             out.append(".*")
         elif piece == "?":
@@ -415,52 +514,188 @@ def _apply_module_patch(model: torch.nn.Module, patch: dict) -> int:
     return matched
 
 
+def _refuse_not_modelled(config) -> None:
+    from pytest_fsdp_turbo_contract.turbo_config import not_modelled
+
+    problems = not_modelled(NOT_MODELLED, config, get_accelerator_name())
+    if problems:
+        raise NotModelledByStandIn("; ".join(problems))
+
+
+def _apply_context_parallel(distributed, state) -> None:
+    """Ulysses, before the module patches, as there. The newest layout wraps what cp_plan's patch
+    lists name by type; the middle layout wraps its core-attention functions by
+    ulysses_attention_type, and with none named it runs no Ulysses at all (silently, as there)."""
+    if distributed.ulysses_parallel_size <= 1:
+        return
+    cp_plan = getattr(distributed, "cp_plan", None)
+    from fsdp_turbo_standin_ulysses import apply_core_attention, apply_function_patches
+
+    if hasattr(cp_plan, "ulysses_function_patches"):
+        apply_function_patches(cp_plan, state.get_ulysses_group())
+    elif hasattr(cp_plan, "ulysses_core_attention_function"):
+        apply_core_attention(cp_plan, state.get_ulysses_group())
+    else:
+        raise NotModelledByStandIn(
+            "distributed.ulysses_parallel_size > 1 in the oldest layout: not modelled by the stand-in"
+        )
+
+
+def _recompute(model: torch.nn.Module, memory) -> None:
+    """Activation checkpointing on every module a recompute_plan pattern matches (a module two
+    patterns match is wrapped twice), by replacing the instance's forward with a non-reentrant
+    torch checkpoint of it that drops past_key_values; nothing matching raises."""
+    if not memory.recompute:
+        return
+    matched = [
+        (name, module)
+        for pattern in memory.recompute_plan
+        for name, module in model.named_modules()
+        if _name_matches(pattern, name)
+    ]
+    if not matched:
+        raise RuntimeError(f"[Recompute] No module named {memory.recompute_plan}.")
+    from torch.utils.checkpoint import checkpoint
+
+    for _, module in matched:
+        original = module.forward
+
+        def forward(*args, _original=original, **kwargs):
+            if "past_key_values" in kwargs:
+                kwargs["past_key_values"] = None
+            return checkpoint(_original, *args, use_reentrant=False, **kwargs)
+
+        module.forward = forward
+
+
+def _units(model: torch.nn.Module, plan) -> tuple[dict, set]:
+    """({unit: options}, ignored parameters): each module an apply_modules pattern matches (its
+    options merged in pattern order) unless ignored_modules names it; every parameter under an
+    ignored module is left out of FSDP."""
+    ignored_names = {
+        name
+        for name, _ in model.named_modules()
+        if any(_name_matches(p, name) for p in plan.ignored_modules)
+    }
+    ignored_params = {
+        param
+        for name, module in model.named_modules()
+        if name in ignored_names
+        for param in module.parameters()
+    }
+    units: dict = {}
+    for name, module in model.named_modules():
+        if name in ignored_names:
+            continue
+        for pattern, options in plan.apply_modules.items():  # a list has no items(), as there
+            if _name_matches(pattern, name):
+                units.setdefault(module, {}).update(options)
+    if not units:
+        raise RuntimeError(f"[FSDP2] No module named {plan.apply_modules.keys()}.")
+    return units, ignored_params
+
+
+def _policies(plan):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    def dtype(value):
+        return get_dtype(value) if value else None
+
+    mixed = MixedPrecisionPolicy(
+        param_dtype=dtype(plan.param_dtype),
+        reduce_dtype=dtype(plan.reduce_dtype),
+        output_dtype=dtype(plan.output_dtype),
+        cast_forward_inputs=plan.cast_forward_inputs,
+    )
+    offload = CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.cpu_offload else OffloadPolicy()
+    return mixed, offload
+
+
+def _prefetch(units: list, plan) -> None:
+    """Each unit prefetches the next n units in module order (forward) and the previous n
+    (backward); 0 sets nothing."""
+    for count, setter, order in (
+        (plan.num_to_forward_prefetch, "set_modules_to_forward_prefetch", units),
+        (plan.num_to_backward_prefetch, "set_modules_to_backward_prefetch", units[::-1]),
+    ):
+        if count > 0:
+            for i, unit in enumerate(order):
+                if following := order[i + 1 : i + 1 + count]:
+                    getattr(unit, setter)(following)
+
+
+def _fully_shard(model: torch.nn.Module, plan, state) -> None:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if plan.fsdp_implementation not in ("native", "custom"):
+        raise ValueError(
+            f"Unknown FSDP implementation: {plan.fsdp_implementation}. Supported: ['custom', 'native']"
+        )
+    if plan.apply_modules is None:
+        raise AttributeError("'NoneType' object has no attribute 'items'")
+    units, ignored_params = _units(model, plan)
+    if plan.hook_modules:
+        _matching(model, plan.hook_modules, "fsdp_plan.hook_modules")
+    hsdp = state.get_dp_group_size() > 1
+    mesh = state.device_mesh_map["dp_fsdp"] if hsdp else state.get_fsdp_device_mesh()
+    mixed, offload = _policies(plan)
+    common = {
+        "mesh": mesh,
+        "ignored_params": ignored_params,
+        "mp_policy": mixed,
+        "offload_policy": offload,
+    }
+    for unit, options in units.items():
+        fully_shard(unit, **{**common, **options})  # an unknown option is torch's TypeError
+    fully_shard(model, **common)
+    _prefetch([m for m in model.modules() if m in units], plan)
+    factor = plan.gradient_divide_factor
+    if factor != dist.get_world_size():
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(float(factor))
+
+
 class FSDPTurbo(torch.nn.Module):
+    """The library's constructor order: parallel state, quantization, TP, CP, module patches, EP,
+    recompute, chunk-batch, FSDP. What the stand-in cannot apply is refused first, by name."""
+
     def __init__(self, config, model: torch.nn.Module):
         super().__init__()
         from fsdp_turbo.distributed.parallel_state import init_parallel_state
 
+        _refuse_not_modelled(config)
         state = init_parallel_state(config)  # the library builds its parallel state itself
         distributed = config.distributed
-        if distributed.ulysses_parallel_size > 1:  # CP comes before module patches, as there
-            cp_plan = getattr(distributed, "cp_plan", None)
-            if not hasattr(cp_plan, "ulysses_function_patches"):
-                raise NotImplementedError(
-                    "stand-in fsdp_turbo: Ulysses is reproduced for the function-patch layout only"
-                )
-            from fsdp_turbo_standin_ulysses import apply_function_patches
-
-            apply_function_patches(cp_plan, state.get_ulysses_group())
+        _apply_context_parallel(distributed, state)
         for spec in config.module_patches or []:
             if not _apply_module_patch(model, spec):
                 raise RuntimeError(
                     f"Configured module patch did not match the model: target={spec['target']!r}."
                 )
-        plan = distributed.fsdp_plan
-        if plan is None or plan.apply_modules is None:
-            raise ValueError("distributed.fsdp_plan.apply_modules must be set")
-        units = _matching(model, plan.apply_modules, "fsdp_plan.apply_modules")
-        if plan.hook_modules:
-            _matching(model, plan.hook_modules, "fsdp_plan.hook_modules")
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-        hsdp = state.get_dp_group_size() > 1
-        mesh = state.device_mesh_map["dp_fsdp"] if hsdp else state.get_fsdp_device_mesh()
-        policy = MixedPrecisionPolicy(
-            param_dtype=DTYPES.get(plan.param_dtype), reduce_dtype=DTYPES.get(plan.reduce_dtype)
-        )
-        for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        factor = plan.gradient_divide_factor
-        if factor != dist.get_world_size():
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.set_gradient_divide_factor(float(factor))
+        _recompute(model, config.memory)
+        _fully_shard(model, distributed.fsdp_plan, state)
         self.model = model
 
 
 def clip_grad_norm(model, max_norm: float, norm_type: float = 2.0, group=None) -> float:
+    """Clips in place, returns the total norm as a float. Without a group the norm comes from the
+    DTensor gradients' own meshes; with one, each rank's local gradient shards are summed over
+    that group (a group that misses ranks holding shards gives a smaller norm, as it would)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=False)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if group is None:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=False)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+    if norm_type == float("inf"):
+        total = torch.stack([g.detach().abs().max() for g in local]).max().float()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    else:
+        total = sum(g.detach().float().norm(norm_type) ** norm_type for g in local)
+        total = torch.as_tensor(total, dtype=torch.float32)
+        dist.all_reduce(total, group=group)
+        total = total ** (1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in local:
+        grad.mul_(coefficient.to(grad.dtype))
+    return float(total)

@@ -365,6 +365,43 @@ def apply_function_patches(cp_plan, group) -> None:
                     _rebind_loss_mapping(original, wrapped)
 
 
+def apply_core_attention(cp_plan, group) -> None:
+    """The middle layout's Ulysses: each function ulysses_core_attention_function names (a string
+    or a list; none: no Ulysses, silently, as there) is replaced in its module by its wrapper for
+    ulysses_attention_type: "default" (middle_layout_attention), a callable (called with the
+    function and the group), "with_compressor" (its compressed-KV exchange is not modelled here);
+    any other value raises as the library raises."""
+    from fsdp_turbo_standin_core import NotModelledByStandIn
+
+    functions = cp_plan.ulysses_core_attention_function or []
+    functions = [functions] if isinstance(functions, str) else list(functions)
+    kind = cp_plan.ulysses_attention_type
+    if kind == "default":
+        wrap = middle_layout_attention
+    elif callable(kind):
+        wrap = kind
+    elif kind == "with_compressor":
+        raise NotModelledByStandIn(
+            "distributed.cp_plan.ulysses_attention_type = 'with_compressor': not modelled by the "
+            "stand-in"
+        )
+    else:
+        raise ValueError(
+            f"[Context Parallel] Invalid ulysses_attention_type: {kind!r}. Expected 'default', "
+            "'with_compressor', or a callable."
+        )
+    for path in functions:
+        if "." not in path:
+            raise ValueError(f"Invalid function path {path!r}")
+        module_path, name = path.rsplit(".", 1)
+        module = importlib.import_module(module_path)
+        if not hasattr(module, name):
+            raise AttributeError(
+                f"[Context Parallel] Function {name!r} not found in module {module_path!r}."
+            )
+        setattr(module, name, wrap(getattr(module, name), group))
+
+
 def _rebind_loss_mapping(original, wrapped) -> None:
     """A model reaches its loss through transformers' LOSS_MAPPING (`model.loss_function`), which
     holds the function object itself: replacing the module attribute alone would never reach a

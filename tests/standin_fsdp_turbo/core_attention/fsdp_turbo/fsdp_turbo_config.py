@@ -8,6 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp_turbo_standin_core import (  # noqa: E402
+    NOT_MODELLED,  # noqa: F401 - what the stand-in refuses, read by the harness's inspection
     DistributedConfigBase,
     FSDPTurboConfigBase,
     _dict_to_dataclass,  # noqa: F401
