@@ -586,6 +586,33 @@ def test_verl_engine_as_shipped_passes(ppo_run):
         assert checks.check_all(in_mode(result, mode)).not_applicable() == ["d: no replicas"]
 
 
+@pytest.mark.verl  # verl's own engines: where the verl extra is installed
+@pytest.mark.devices(4)
+def test_a_downstream_subclass_of_verls_turbo_engine_runs_under_its_own_name(ppo_run):
+    """A downstream repository's subclass of verl's FSDP-Turbo engine, registered in verl's registry
+    under its own name and announced with its capabilities, runs the verl NPU target's mode (SP 2,
+    bf16, a single twin, verl's default turbo_config) on the stand-in: every check judges it as it
+    judges verl's own engine, and what it declares reaches the ranks."""
+    result = ppo_run(
+        "tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-twin",
+        backend="verl:acme_fsdp_turbo",
+        engine_modules=[
+            "verl:acme_fsdp_turbo = downstream_verl_turbo [sp, turbo_config, own_loop, always_packs]"
+        ],
+        pythonpath=[str(HERE)],
+    )
+    checks.check_completed(result)
+    assert checks.check_all(result).not_applicable() == ["d: no replicas"]
+    assert set(result.spec().engine.capabilities) == {
+        "sp",
+        "turbo_config",
+        "own_loop",
+        "always_packs",
+    }
+    assert result.spec().engine.turbo_config["memory"]["recompute"] is True
+    assert "AcmeFSDPTurboEngine: initializing" in result.folder.log(0).read_text()
+
+
 NEVER_FORWARD_CASE = (
     "tiny-qwen3_5-fsdp_turbo-fsdp2-sp2-deferred-twin"  # bf16, fp32 reduce, deferred
 )

@@ -147,3 +147,71 @@ def test_standin_attention_follows_the_published_middle_layout(tmp_path):
     for layout in ("bhsd", "bshd"):
         assert found[f"newest/{layout}/output"] <= 1e-6, (layout, found)
         assert found[f"newest/{layout}/kwargs_passed_through"], layout
+
+
+@pytest.mark.devices(2)
+def test_standin_applies_or_refuses_every_setting_as_the_library_does(tmp_path):
+    """Each fsdp_plan and memory setting verl's turbo_config passes, on a sharded model over two gloo
+    ranks, against the library's published behaviour (its FSDPTurbo, fsdp and recompute modules,
+    read 2026-12-05): recompute checkpoints exactly the recompute_plan's matches; cpu_offload is
+    torch's CPUOffloadPolicy(pin_memory); output_dtype and cast_forward_inputs reach the mixed
+    precision policy; ignored_modules' parameters stay out of FSDP; each unit prefetches the next
+    (forward) and previous (backward) units in module order; per-module options are fully_shard's
+    keyword arguments; the dtype names, patterns and implementations the library refuses are
+    refused with its words; what the stand-in cannot apply on CPU is refused by name."""
+    from pytest_fsdp_turbo.launching.warm import run_module
+
+    env = {**ALLOW_CPU, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(STANDIN)}
+    done = run_module("settings_probe", [str(tmp_path / "store")], timeout_s=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["recompute"] == [2, 2] and found["no_recompute"] == [1, 1]
+    assert found["recompute_nothing_matches"] == (
+        "RuntimeError: [Recompute] No module named ['blocks.{*}']."
+    )
+    assert found["recompute_without_plan"] == "RuntimeError: [Recompute] No module named []."
+    assert found["bf16_params"] == {"unit_input": "torch.bfloat16", "unit_output": "torch.bfloat16"}
+    assert found["bf16_params_fp32_output"]["unit_output"] == "torch.float32"
+    assert found["inputs_not_cast"].startswith("RuntimeError: mat1 and mat2 must have the same")
+    assert found["offload"] == "CPUOffloadPolicy(pin_memory=False)"
+    assert found["no_offload"] == "OffloadPolicy(pin_memory=None)"
+    not_modelled = "not modelled by the stand-in"
+    assert found["pinned_offload_on_cpu"].startswith("NotModelledByStandIn: turbo_config.")
+    assert found["ignored_head_is_dtensor"] is False and found["kept_layer_is_dtensor"] is True
+    assert found["ignored_nothing_matches"] is True  # the library checks no ignored pattern
+    assert found["prefetch"] == {
+        "layers.0": {"forward": ["layers.1"], "backward": []},
+        "layers.1": {"forward": ["head"], "backward": ["layers.0"]},
+        "head": {"forward": [], "backward": ["layers.1"]},
+    }
+    assert all(v == {"forward": [], "backward": []} for v in found["no_prefetch"].values())
+    assert found["per_module_keeps_unsharded"] is True and found["default_reshards"] is True
+    assert "unexpected keyword argument 'param_dtype'" in found["per_module_unknown_key"]
+    assert found["dtype_bfloat16"] == "ValueError: Unsupported dtype: bfloat16"
+    assert found["apply_modules_list"] == "AttributeError: 'list' object has no attribute 'items'"
+    assert found["reversed_range"] == "ValueError: Invalid range: 1-0 (low > high)"
+    assert found["non_integer_range"] == "ValueError: Non-integer in range: a-b"
+    assert found["bare_number"] == "ValueError: Unrecognized brace pattern: {3}"
+    assert found["double_dot_only"].startswith("RuntimeError: [FSDP2] No module named")
+    assert found["unknown_fsdp"] == (
+        "ValueError: Unknown FSDP implementation: fast. Supported: ['custom', 'native']"
+    )
+    for key in ("custom_fsdp", "tensor_parallel", "expert_parallel", "chunk_batch"):
+        assert found[key].startswith("NotModelledByStandIn: ") and not_modelled in found[key]
+    assert found["clip"] == {"without_group": 3.0, "over_the_group": 5.0}  # sqrt(3² + 4²)
+    assert found["meshes"] == {"cp": 1, "ep": [2, 1, 1], "dp_fsdp": [1, 2], "edp_efsdp": [2, 1]}
+
+
+def test_a_setting_the_standin_cannot_apply_skips_the_case_naming_it(ppo_run):
+    """Refused before any rank starts, through the checkout's declared NOT_MODELLED table: the
+    case skips with the key and "not modelled by the stand-in", never passes without it."""
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        ppo_run(
+            "tiny-qwen3_5-fsdp2-deferred",
+            backend="fsdp_turbo",
+            turbo_config={"distributed": {"tensor_parallel_size": 2}},
+        )
+    assert str(skipped.value.msg).endswith(
+        "turbo_config.distributed.tensor_parallel_size = 2: tensor parallel, not modelled by the "
+        "stand-in"
+    ), skipped.value.msg
