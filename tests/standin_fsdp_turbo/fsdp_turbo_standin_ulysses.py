@@ -483,6 +483,8 @@ def qwen3_5_model_forward(
     )
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    if hasattr(modeling, "Qwen3_5ModelOutputWithPast"):  # up to transformers 5.23
+    if hasattr(modeling, "Qwen3_5ModelOutputWithPast"):  # up to transformers 5.22
         return modeling.Qwen3_5ModelOutputWithPast(**outputs, rope_deltas=self.rope_deltas)
-    return modeling.MultimodalBaseModelOutputWithPast(**outputs)
+    if hasattr(modeling, "MultimodalBaseModelOutputWithPast"):  # from 5.24
+        return modeling.MultimodalBaseModelOutputWithPast(**outputs)
+    return outputs  # 5.23: the model returns its language model's output as it is
