@@ -251,7 +251,8 @@ def test_the_mutation_suite_runs_in_the_cpu_workflow_and_its_proofs_on_every_sta
     assert proofs <= ran["cpu.yml:version-range"], sorted(proofs - ran["cpu.yml:version-range"])
     ci = (REPO / ".ci" / "run").read_text()
     tox = (REPO / "tox.ini").read_text()
-    expression = re.search(r'-m "(\(\(cpu_e2e[^"]*)"', ci).group(1)
+    expression = re.search(r'RANGE_MARKERS="([^"]*)"', ci).group(1)
+    assert ci.count('-m "$RANGE_MARKERS"') == 2  # the range stages and the middle-layout run
     assert "e2e/test_mutations.py" in ci.split("RANGE_TESTS=")[1].split(")")[0]
     for env in ("latest", "oldest"):
         section = tox.split(f"[testenv:{env}]")[1].split("[testenv:")[0]
