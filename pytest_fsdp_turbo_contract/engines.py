@@ -82,13 +82,14 @@ def _built_in(module: str, backend: str, *declares: str) -> EngineEntry:
 
 _VERL = (Capability.SP, Capability.OWN_LOOP, Capability.ALWAYS_PACKS)
 BUILT_INS = (
-    _built_in("pytest_fsdp_turbo_engine.fsdp_engine", "fsdp"),
+    _built_in("pytest_fsdp_turbo_engine.fsdp_engine", "fsdp", Capability.GUARDS_IDLE_UNITS),
     _built_in(
         "pytest_fsdp_turbo_engine.fsdp_turbo_engine",
         "fsdp_turbo",
         Capability.SP,
         Capability.TURBO_CONFIG,
         Capability.PACKING,
+        Capability.GUARDS_IDLE_UNITS,
     ),
     _built_in(VERL_ENGINES, "verl:fsdp", *_VERL),
     _built_in(VERL_ENGINES, "verl:fsdp2", *_VERL),

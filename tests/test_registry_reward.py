@@ -120,10 +120,18 @@ def test_an_entry_point_names_its_backend_and_a_module_that_does_not_register_it
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: downstream-rl\nVersion: 1.0\n")
     entry_points = dist / "entry_points.txt"
-    entry_points.write_text("[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_mod\n")
+    entry_points.write_text(
+        "[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_mod\n"
+        "ep_sp_engine = ep_engines_mod [sp, cuda]\n"  # capabilities ride in the value's brackets
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     catalog = engine_catalog(env={})
     assert "ep_engine" in catalog.backends and not catalog.is_open
+    declared = catalog.capabilities("ep_sp_engine")
+    assert declared.capabilities == ("sp",) and declared.devices == {"cuda"}
+    assert "entry point ep_sp_engine: ep_sp_engine = ep_engines_mod [cuda, sp]" in (
+        declared.announced_by
+    )
     assert "ep_engines_mod" not in sys.modules
     registry.load_engines(EngineCatalog.from_ranks(catalog.for_ranks()), "ep_engine")
     assert registry.lookup("llama", "ep_engine", "cpu").__name__ == "FromEntryPoint"
