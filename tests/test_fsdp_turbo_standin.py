@@ -147,6 +147,19 @@ def test_standin_attention_follows_the_published_middle_layout(tmp_path):
     for layout in ("bhsd", "bshd"):
         assert found[f"newest/{layout}/output"] <= 1e-6, (layout, found)
         assert found[f"newest/{layout}/kwargs_passed_through"], layout
+    # the middle layout's FSDPTurbo applies its attention-type rules itself
+    assert found["rules/gdn"] == (
+        "ValueError: [Context Parallel] Invalid ulysses_attention_type: 'GDN'. Expected "
+        "'default', 'with_compressor', or a callable."
+    )
+    assert found["rules/compressor"].startswith("NotModelledByStandIn: ")
+    assert "not modelled by the stand-in" in found["rules/compressor"]
+    assert found["rules/no_function"] == "built" and found["rules/untouched_without_function"]
+    assert found["rules/missing_function"] == (
+        "AttributeError: [Context Parallel] Function 'nowhere' not found in module "
+        "'attention_layout_probe'."
+    )
+    assert found["rules/default"] == "built" and found["rules/default_replaced"]
 
 
 @pytest.mark.devices(2)

@@ -106,10 +106,67 @@ def probe(rank: int) -> dict:
         out = out if name == "bhsd" else out.transpose(1, 2)
         found[f"newest/{name}/output"] = worst(out, expected)
         found[f"newest/{name}/kwargs_passed_through"] = seen["marker_is_callers"]
+    found.update(middle_layout_rules())
+    return found
+
+
+def core_attention(module, query, key, value, mask, **kwargs):
+    """What a middle-layout config names as its core-attention function (this module's)."""
+    return attention_bhsd(module, query, key, value, mask, seen={})
+
+
+def middle_layout_rules() -> dict:
+    """The middle layout's FSDPTurbo itself (not its wrapper alone) on ulysses_attention_type:
+    "default" replaces the named function in its module, any other string is refused with the
+    library's words, "with_compressor" is named as not modelled, no function means no Ulysses."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "core_attention"))
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+    from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig, _dict_to_dataclass
+
+    this = sys.modules["attention_layout_probe"]  # registered under its name by main()
+    original = this.core_attention
+
+    def build(cp_plan: dict):
+        config = _dict_to_dataclass(
+            FSDPTurboConfig,
+            {
+                "distributed": {
+                    "fully_shard_parallel_size": 1,
+                    "ulysses_parallel_size": WORLD,
+                    "cp_plan": cp_plan,
+                    "fsdp_plan": {"apply_modules": {"0": {}}},
+                }
+            },
+        )
+        try:
+            FSDPTurbo(config, torch.nn.Sequential(torch.nn.Linear(DIM, DIM)))
+            return "built"
+        except Exception as exc:  # noqa: BLE001 - the refusal is what is reported
+            return f"{type(exc).__name__}: {exc}"
+
+    target = "attention_layout_probe.core_attention"
+    found = {
+        "rules/gdn": build(
+            {"ulysses_core_attention_function": target, "ulysses_attention_type": "GDN"}
+        ),
+        "rules/compressor": build(
+            {"ulysses_core_attention_function": target, "ulysses_attention_type": "with_compressor"}
+        ),
+        "rules/no_function": build({}),
+        "rules/untouched_without_function": this.core_attention is original,
+        "rules/missing_function": build(
+            {"ulysses_core_attention_function": "attention_layout_probe.nowhere"}
+        ),
+        "rules/default": build({"ulysses_core_attention_function": target}),
+    }
+    found["rules/default_replaced"] = this.core_attention is not original
     return found
 
 
 def main() -> None:
+    sys.modules.setdefault("attention_layout_probe", sys.modules[__name__])
     child = os.fork()  # rank 1, forked after the imports
     rank = 1 if child == 0 else 0
     status = 0

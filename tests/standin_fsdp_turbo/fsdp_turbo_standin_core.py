@@ -19,7 +19,11 @@ wired and tested end to end on CPU:
 - the loader coerces strings to an annotated int or float (never bool), keeping what fails;
 - the gradient divide factor from WORLD_SIZE;
 - clip_grad_norm(model, max_norm, norm_type, group) returning a Python float;
-- no accelerator, no start: it refuses a CPU box unless FSDP_TURBO_STANDIN_ALLOW_CPU=1.
+- no accelerator, no start: it refuses a CPU box unless FSDP_TURBO_STANDIN_ALLOW_CPU=1;
+- every fsdp_plan and memory setting applied as the library applies it (recompute, CPU offload,
+  mixed precision with output dtype and input casting, ignored modules, prefetch, per-module
+  fully_shard options), the library's refusals with its words, and what cannot run on gloo refused
+  by name (NOT_MODELLED, also read by the harness before any rank starts).
 
 Ulysses (function-patch layout; the middle layout raises for SP > 1): FSDPTurbo wraps each target
 cp_plan names by its type (full_attention, gated_delta_net, causal_lm_loss), in place, before the
@@ -82,6 +86,10 @@ NOT_MODELLED = [
     {"when": {"distributed.expert_parallel_size": "above_one"}, "why": "expert parallel"},
     {"when": {"quantization.quantization_plan.quant_recipe": "truthy"}, "why": "quantization"},
     {"when": {"memory.chunk_batch": "truthy"}, "why": "chunk-batch forward"},
+    {
+        "when": {"distributed.cp_plan.ulysses_attention_type": "with_compressor"},
+        "why": "the middle layout's compressed-KV Ulysses exchange",
+    },
     {
         "when": {"distributed.fsdp_plan.fsdp_implementation": "custom"},
         "why": "the library's custom fully_shard (its source is not published)",
