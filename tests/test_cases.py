@@ -58,6 +58,7 @@ def test_repository_matrix_is_valid_and_complete():
         ("fsdp_turbo", "every_micro_batch", True, ("cpu", "npu")),
         ("fsdp_turbo", "deferred", False, ("cpu", "npu")),
         ("verl:fsdp_turbo", "every_micro_batch", True, ("cpu", "npu")),
+        ("verl:fsdp_turbo", "every_micro_batch", False, ("cpu", "npu")),  # the NPU target's mode
         (
             "verl:fsdp_turbo",
             "deferred",
@@ -434,7 +435,7 @@ def test_the_target_cases_declare_what_exercises_the_checks():
         for c in cases
         if not c.is_tiny or c.is_verl or c.id == "tiny-qwen3_5-fsdp_turbo-fsdp2-sp2-deferred-twin"
     ]
-    assert len(targets) == 9, [c.id for c in targets]
+    assert len(targets) == 10, [c.id for c in targets]
     for case in targets:
         assert case.updates >= 2 and case.grad_clip < 1.0, case.id
         assert case.kl_reference_shift > 0 and case.adam_beta2 != 0.999, case.id
@@ -442,5 +443,6 @@ def test_the_target_cases_declare_what_exercises_the_checks():
     assert {c.id for c in targets if c.clip_not_exercised} == {
         "tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-deferred",
         "tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-every_micro_batch",
+        "tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-twin",
     }
     assert all(c.max_new_tokens >= 20 for c in cases if c.sp_size > 1)

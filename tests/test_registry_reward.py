@@ -187,8 +187,8 @@ def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path
     assert str(malformed.value) == (
         "ini fsdp_turbo_engine_modules: expected MODULE or BACKEND = MODULE [CAPABILITY, ...] (a "
         "dotted module name; a backend of letters, digits and '_', or verl:<name>; capabilities "
-        "among sp, turbo_config, packing, always_packs, own_loop, cpu, cuda, npu); got "
-        "'my engines = x'"
+        "among sp, turbo_config, packing, always_packs, own_loop, guards_idle_units, cpu, cuda, "
+        "npu); got 'my engines = x'"
     )
 
 

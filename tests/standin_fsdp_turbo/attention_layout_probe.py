@@ -9,14 +9,13 @@ equals its chunk of plain attention over the whole sequence.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from fsdp_turbo_standin_ulysses import full_attention, middle_layout_attention
+from two_ranks import run_on_two_ranks
 
 WORLD, BATCH, SEQ, DIM = 2, 2, 8, 4
 
@@ -167,22 +166,7 @@ def middle_layout_rules() -> dict:
 
 def main() -> None:
     sys.modules.setdefault("attention_layout_probe", sys.modules[__name__])
-    child = os.fork()  # rank 1, forked after the imports
-    rank = 1 if child == 0 else 0
-    status = 0
-    try:
-        found = probe(rank)
-    except Exception as exc:  # reported by rank 0's exit code and stderr
-        print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        status = 1
-    if child == 0:
-        sys.stderr.flush()
-        os._exit(status)
-    _, child_status = os.waitpid(child, 0)
-    if status == 0 and child_status == 0:
-        print(json.dumps(found))
-    sys.stdout.flush()
-    os._exit(0 if status == 0 and child_status == 0 else 1)
+    run_on_two_ranks(probe)
 
 
 if __name__ == "__main__":

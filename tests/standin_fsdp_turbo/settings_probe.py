@@ -6,7 +6,6 @@ and each refusal as "ExceptionType: message".
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from fsdp_turbo.fsdp_turbo import FSDPTurbo  # noqa: E402
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig, _dict_to_dataclass  # noqa: E402
 from fsdp_turbo.training.clip_grads import clip_grad_norm  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+from two_ranks import run_on_two_ranks  # noqa: E402
 
 WORLD = 2
 
@@ -199,22 +199,7 @@ def meshes() -> dict:
 
 
 def main() -> None:
-    child = os.fork()  # rank 1, forked after the imports
-    rank = 1 if child == 0 else 0
-    status = 0
-    try:
-        found = probe(rank)
-    except Exception as exc:  # reported by rank 0's exit code and stderr
-        print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        status = 1
-    if child == 0:
-        sys.stderr.flush()
-        os._exit(status)
-    _, child_status = os.waitpid(child, 0)
-    if status == 0 and child_status == 0:
-        print(json.dumps(found))
-    sys.stdout.flush()
-    os._exit(0 if status == 0 and child_status == 0 else 1)
+    run_on_two_ranks(probe)
 
 
 if __name__ == "__main__":

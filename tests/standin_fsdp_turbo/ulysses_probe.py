@@ -10,14 +10,13 @@ parameter gradients.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from fsdp_turbo_standin_ulysses import full_attention, gated_delta_net
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+from two_ranks import run_on_two_ranks
 
 from pytest_fsdp_turbo_engine.hf_model import from_config
 from pytest_fsdp_turbo_engine.tiny_models import load_spec, tiny_config
@@ -122,20 +121,7 @@ def whole_model(model, rank: int, chunk: slice) -> dict:
 
 
 def main() -> None:
-    # rank 1 is forked from rank 0 after the imports (this module runs forked from the harness's
-    # warm parent, which has no threads): two ranks for the price of no interpreter start
-    child = os.fork()
-    rank = 1 if child == 0 else 0
-    try:
-        found = probe(rank)
-    finally:
-        if child == 0:
-            os._exit(0)
-    _, status = os.waitpid(child, 0)
-    if rank == 0 and status == 0:
-        print(json.dumps(found))
-    sys.stdout.flush()
-    os._exit(0 if status == 0 else 1)  # no interpreter teardown with gloo threads about
+    run_on_two_ranks(probe)
 
 
 def probe(rank: int) -> dict:
