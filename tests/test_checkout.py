@@ -256,3 +256,52 @@ def test_git_runs_only_the_transports_the_harness_means(tmp_path, monkeypatch):
     with pytest.raises(CheckoutUnavailable, match="git clone failed"):
         _clone_once(f"ext::sh -c touch% {marker}", None, tmp_path / "scratch", 30)
     assert not marker.exists()
+
+
+def test_an_edited_cache_entry_is_cloned_again(upstream, tmp_path):
+    """The marker and HEAD are not enough: a tracked file changed (or a file added) after the
+    clone makes the entry stale, and the next resolve clones it afresh."""
+    cache = tmp_path / "cache"
+    first = clone_cached(request(upstream["url"], "v1", cache))
+    (first.path / "fsdp_turbo/__init__.py").write_text("import os  # edited\n")
+    again = clone_cached(request(upstream["url"], "v1", cache))
+    assert (again.path / "fsdp_turbo/__init__.py").read_text() == "VERSION = 1\n"
+    (again.path / "fsdp_turbo/extra.py").write_text("planted = True\n")
+    third = clone_cached(request(upstream["url"], "v1", cache))
+    assert not (third.path / "fsdp_turbo/extra.py").exists()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_a_cache_entry_another_user_owns_is_refused_even_with_safe_directory_star(
+    upstream, tmp_path, monkeypatch
+):
+    cache = tmp_path / "cache"
+    got = clone_cached(request(upstream["url"], "v1", cache))
+    os.chown(got.path / "fsdp_turbo/__init__.py", 12345, 12345)
+    monkeypatch.setenv("GIT_CONFIG_COUNT", "1")  # safe.directory=*, as many CI images set it
+    monkeypatch.setenv("GIT_CONFIG_KEY_0", "safe.directory")
+    monkeypatch.setenv("GIT_CONFIG_VALUE_0", "*")
+    with pytest.raises(CheckoutUnavailable) as refused:
+        clone_cached(request(upstream["url"], "v1", cache))
+    message = str(refused.value)
+    assert f"FSDPTurbo cache entry {got.path} is not this user's: " in message
+    assert "is owned by uid 12345, not by this user (uid 0)" in message and "\n" not in message
+
+
+def test_the_harness_git_ignores_the_git_variables_of_a_hook(upstream, tmp_path, monkeypatch):
+    """Run from a pre-commit hook of `git commit -a`, the environment names the user's index and
+    repository; the harness's git must neither touch them nor read the checkout through them."""
+    user = tmp_path / "user-repo"
+    user.mkdir()
+    git("init", "-q", cwd=user)
+    (user / "a.txt").write_text("a\n")
+    git("add", "a.txt", cwd=user)
+    index = user / ".git" / "index"
+    before = index.read_bytes()
+    monkeypatch.setenv("GIT_INDEX_FILE", str(index))
+    monkeypatch.setenv("GIT_DIR", str(user / ".git"))
+    monkeypatch.setenv("GIT_WORK_TREE", str(user))
+    got = clone_cached(request(upstream["url"], "v1", tmp_path / "cache"))
+    assert (got.path / "fsdp_turbo/__init__.py").read_text() == "VERSION = 1\n"
+    assert clone_cached(request(upstream["url"], "v1", tmp_path / "cache")).path == got.path
+    assert index.read_bytes() == before

@@ -55,8 +55,18 @@ class Checkout:
         return str(self.path)
 
 
+def git_environment() -> dict[str, str]:
+    """This process's environment without any GIT_* variable: run from a hook (`git commit -a`
+    sets GIT_INDEX_FILE, GIT_DIR and friends), the harness's git would otherwise act on the
+    user's repository instead of the checkout it was pointed at. Then the harness's own."""
+    return {
+        **{name: value for name, value in os.environ.items() if not name.startswith("GIT_")},
+        **_GIT_ENV,
+    }
+
+
 def _git(args: list[str], cwd: Path | None, timeout_s: float) -> str:
-    env = {**os.environ, **_GIT_ENV}
+    env = git_environment()
     try:
         done = subprocess.run(
             ["git", "-c", "credential.helper=", "-c", "core.askPass=", *args],
@@ -140,14 +150,38 @@ def _clone_once(repo: str, ref: str | None, scratch: Path, timeout_s: float) -> 
     return commit
 
 
+def _foreign_owner(final: Path) -> str | None:
+    """A cache entry (or anything in it) another user owns: git's safe.directory=* would let the
+    harness use it as if it were its own clone. One line naming the path and its owner."""
+    me = os.getuid()
+    for path in (final, *final.rglob("*")):
+        owner = path.lstat().st_uid
+        if owner != me:
+            return f"{path} is owned by uid {owner}, not by this user (uid {me})"
+    return None
+
+
 def _verified_cached(final: Path, ref: str | None) -> str | None:
+    """The commit of a complete, unedited, own cache entry; None: clone it again."""
     marker = final / COMPLETE_MARKER
     if not marker.is_file() or not _has_package(final):
         return None
+    if foreign := _foreign_owner(final):
+        raise CheckoutUnavailable(
+            f"FSDPTurbo cache entry {final} is not this user's: {foreign}; remove it or set "
+            "XDG_CACHE_HOME to a cache of your own"
+        )
     commit = marker.read_text().strip()
     if _FULL_SHA.match(ref or "") and commit != ref:
         return None
-    return commit if _commit_of(final) == commit else None
+    if _commit_of(final) != commit:
+        return None
+    try:  # files edited after the clone (tracked ones changed, or new ones added)
+        edited = _git(["status", "--porcelain", "--ignored=no"], final, 60)
+    except CheckoutUnavailable:
+        return None
+    changed = [line for line in edited.splitlines() if line[3:] != COMPLETE_MARKER]
+    return None if changed else commit
 
 
 def clone_cached(request: CheckoutRequest, clone: bool = True) -> Checkout:
