@@ -222,19 +222,28 @@ _CLOSED_SETS = {name: e for name, hint in _HINTS.items() if (e := _closed_set(hi
 
 def engine_module_source(module: str, pythonpath: Iterable[str] = ()) -> Path | None:
     """Where a named engine module's source is, as the ranks will look (ppo_run's `pythonpath`
-    first, then this process's path), found without importing it; None: nowhere."""
-    import importlib.machinery
+    first, then this process's path), found by walking folders: nothing is imported, not even a
+    parent package's `__init__.py` (the engines run only in the ranks); None: nowhere."""
     import importlib.util
+    import sys
 
-    paths = [str(p) for p in pythonpath]
-    try:
-        spec = importlib.machinery.PathFinder.find_spec(module, paths) if paths else None
-        spec = spec or importlib.util.find_spec(module)
+    top, *rest = module.split(".")
+    roots = [Path(root or ".") for root in (*pythonpath, *sys.path)]
+    try:  # a top-level name is found without importing anything (editable installs' finders too)
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
-        return None
-    if spec is None or not (spec.origin or "").endswith(".py"):
-        return None
-    return Path(spec.origin)
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        roots += [Path(p).parent for p in spec.submodule_search_locations]
+    elif spec is not None and spec.origin and not rest:
+        roots.append(Path(spec.origin).parent)
+    for root in roots:
+        folder = root.joinpath(top, *rest[:-1]) if rest else root
+        name = rest[-1] if rest else top
+        for candidate in (folder / f"{name}.py", folder / name / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
 
 
 def tiny_spec_dirs(extra: Path | None = None, fixtures_dir: Path = FIXTURES_DIR) -> list[Path]:

@@ -320,3 +320,23 @@ def test_what_a_case_asks_of_its_engine_is_read_from_the_catalog_entry(tmp_path)
     assert EngineEntry.parse(entry.text, "spec") == EngineEntry(
         "acme.engine", "verl:acme_turbo", "spec", entry.declares
     )
+
+
+def test_finding_an_engine_module_imports_nothing_of_its_package(tmp_path):
+    """The pytest process looks for an engine module's source without running its package's
+    `__init__.py` (engines are imported only in the ranks): a package that would write a file
+    when imported writes none, and its module is still found."""
+    import sys
+
+    from pytest_fsdp_turbo.cases import engine_module_source
+
+    package = tmp_path / "noisy_engines"
+    package.mkdir()
+    touched = tmp_path / "imported"
+    (package / "__init__.py").write_text(f"open({str(touched)!r}, 'w').close()\n")
+    (package / "mod.py").write_text("")
+    found = engine_module_source("noisy_engines.mod", [str(tmp_path)])
+    assert found == package / "mod.py"
+    assert not touched.exists() and "noisy_engines" not in sys.modules
+    assert engine_module_source("noisy_engines.absent", [str(tmp_path)]) is None
+    assert engine_module_source("pytest_fsdp_turbo_engine.fsdp_engine") is not None
