@@ -1,4 +1,5 @@
 import math
+import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -138,3 +139,37 @@ def test_a_failed_run_raises_its_own_failure_before_any_golden(tmp_path):
         with pytest.raises(CheckFailure, match="^case c: rank 1 failed first in phase train"):
             goldens.check_or_record(crashed, Case(), "cpu", tmp_path, record=record)
     assert not any(tmp_path.iterdir())
+
+
+def test_recording_never_writes_through_a_link_or_outside_the_goldens_folder(tmp_path):
+    """A committed golden that is a symbolic link (or a case folder that links elsewhere) is
+    refused in one line and its target is left as it was; a folder that cannot be written is one
+    line too, never a traceback."""
+    root = tmp_path / "goldens"
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious\n")
+    path = goldens.golden_path("c", "cpu", "fp32", 2, root)
+    path.parent.mkdir(parents=True)
+    path.symlink_to(outside)
+    with pytest.raises(CheckFailure) as linked:
+        goldens.record_golden(path, METRICS, root)
+    assert str(linked.value) == (
+        f"check g: refusing to record golden {path}: it is a symbolic link the goldens folder {root}"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / "d").symlink_to(elsewhere, target_is_directory=True)
+    moved = goldens.golden_path("d", "cpu", "fp32", 2, root)
+    with pytest.raises(CheckFailure, match="it resolves outside the goldens folder"):
+        goldens.record_golden(moved, METRICS, root)
+    assert outside.read_text() == "precious\n" and not any(elsewhere.iterdir())
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        target = goldens.golden_path("c", "cpu", "fp32", 2, locked / "goldens")
+        if os.getuid() != 0:  # root writes anywhere: the refusal is for everyone else
+            with pytest.raises(CheckFailure, match=r"refusing to record golden .*: Permission"):
+                goldens.record_golden(target, METRICS, locked / "goldens")
+    finally:
+        locked.chmod(0o700)

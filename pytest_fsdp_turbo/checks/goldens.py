@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,13 +60,27 @@ def within(tier: str, expected: float, actual: float, relative: float = RELATIVE
     return abs(actual - expected) <= max(relative * abs(expected), ABSOLUTE_FLOOR)
 
 
-def record_golden(path: Path, metrics: dict) -> None:
+def record_golden(path: Path, metrics: dict, root: Path | None = None) -> None:
+    """Write a golden under `root`, never through a symbolic link (a committed golden that links
+    elsewhere would have the recording overwrite its target outside the repository); every
+    refusal is one line and writes nothing."""
+    refused = f"check g: refusing to record golden {path}"
     values = {key: metrics[key] for key in GOLDEN_KEYS if key in metrics}
     for key, value in values.items():
         if not math.isfinite(value):
-            raise CheckFailure(f"check g: refusing to record golden {path}: {key} = {value}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(values, indent=1, sort_keys=True) + "\n")
+            raise CheckFailure(f"{refused}: {key} = {value}")
+    if root is not None:
+        inside = path.parent.resolve().is_relative_to(root.resolve())
+        if not inside or path.is_symlink():
+            what = "is a symbolic link" if path.is_symlink() else "resolves outside"
+            raise CheckFailure(f"{refused}: it {what} the goldens folder {root}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        with os.fdopen(os.open(path, flags, 0o644), "w") as out:
+            out.write(json.dumps(values, indent=1, sort_keys=True) + "\n")
+    except OSError as exc:
+        raise CheckFailure(f"{refused}: {exc.strerror} ({exc.filename or path})") from None
 
 
 def read_golden(path: Path) -> dict[str, float]:
@@ -128,7 +143,7 @@ def check_or_record(
         return GoldenOutcome(GoldenStatus.NOT_COMPARED)
     path = golden_path(case.id, kind, case.dtype_on(kind), case.world_size, root)
     if record:
-        record_golden(path, result.metrics)
+        record_golden(path, result.metrics, root)
         return GoldenOutcome(GoldenStatus.RECORDED, path)
     if not path.is_file() and strict:
         raise CheckFailure(
