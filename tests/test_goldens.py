@@ -154,7 +154,8 @@ def test_recording_never_writes_through_a_link_or_outside_the_goldens_folder(tmp
     with pytest.raises(CheckFailure) as linked:
         goldens.record_golden(path, METRICS, root)
     assert str(linked.value) == (
-        f"check g: refusing to record golden {path}: it is a symbolic link the goldens folder {root}"
+        f"check g: refusing to record golden {path}: it is a symbolic link, in the goldens "
+        f"folder {root}"
     )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -72,7 +72,7 @@ def record_golden(path: Path, metrics: dict, root: Path | None = None) -> None:
     if root is not None:
         inside = path.parent.resolve().is_relative_to(root.resolve())
         if not inside or path.is_symlink():
-            what = "is a symbolic link" if path.is_symlink() else "resolves outside"
+            what = "is a symbolic link, in" if path.is_symlink() else "resolves outside"
             raise CheckFailure(f"{refused}: it {what} the goldens folder {root}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
