@@ -44,6 +44,10 @@ VERL_NAME = re.compile(r"^verl:[A-Za-z0-9_]+$")
 # Ids become test ids and folder names (goldens, artifacts): no separators, no "..", no spaces.
 CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # whole id (fullmatch: no trailing newline)
 CASE_ID_MAX = 100  # a folder name under the artifacts and goldens, with room for suffixes
+# a model is a folder inside the models folder (an organisation's subfolder allowed), never a path
+# out of it; each part starts with a letter or digit, so ".." and hidden folders cannot appear
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
+MODEL_MAX = 200
 DEFAULT_CASES = Path("e2e") / "cases.toml"  # under the rootdir, unless an option or ini names one
 MAX_UPDATES = 4  # each update is another forward, backward and step: a few prove the point
 MAX_KL_REFERENCE_SHIFT = 1.0  # nats per token: a reference a step away, not another model
@@ -324,6 +328,14 @@ def validate_case(
         raise where.error(unknown[0], "a known field (" + ", ".join(_FIELDS) + ")", raw[unknown[0]])
     if "model" not in raw:
         raise where.error("model", "a tiny spec (tiny-...) or a local model name", None)
+    model = raw["model"]
+    if not (isinstance(model, str) and MODEL_NAME.fullmatch(model) and len(model) <= MODEL_MAX):
+        raise where.error(
+            "model",
+            "a tiny spec (tiny-...) or a folder inside the models folder: names of letters, "
+            f"digits, '.', '_' and '-' joined by '/', no '..', at most {MODEL_MAX} characters",
+            model if not isinstance(model, str) or len(model) <= MODEL_MAX else model[:60] + "...",
+        )
     values = {name: _coerce(where, name, value) for name, value in raw.items()}
     for name in set(values) & set(_CLOSED_SETS):
         if values[name] is not None:

@@ -26,6 +26,7 @@ from pytest_fsdp_turbo.private_dirs import private_dir
 BUILDER_MODULE = "pytest_fsdp_turbo_engine.tiny_models"
 BUILD_TIMEOUT_S = 300
 REQUIRED_FILES = ("config.json",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class ModelUnavailable(LookupError):
@@ -99,11 +100,18 @@ def local_model_dir(name: str, models_dir: Path | None) -> Path:
             "to the folder that holds it"
         )
     path = models_dir / name
+    if not path.resolve().is_relative_to(models_dir.resolve()):
+        raise ModelUnavailable(
+            f"model {name!r}: {path} resolves outside the models folder {models_dir}; a model is "
+            "a folder inside it"
+        )
     if not path.is_dir():
         raise ModelUnavailable(f"model directory {path} does not exist")
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         missing.append("weights (*.safetensors)")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        missing.append(f"a tokenizer (one of {', '.join(TOKENIZER_FILES)})")
     if missing:
         raise ModelUnavailable(
             f"model directory {path} is incomplete: missing {', '.join(missing)}"
@@ -113,9 +121,15 @@ def local_model_dir(name: str, models_dir: Path | None) -> Path:
 
 def model_type_of(path: Path) -> str:
     try:
-        return json.loads((path / "config.json").read_text()).get("model_type", "*")
-    except (OSError, json.JSONDecodeError) as exc:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelUnavailable(f"{path / 'config.json'}: unreadable: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelUnavailable(
+            f"{path / 'config.json'}: expected a JSON object (a model config); got a "
+            f"{type(config).__name__}"
+        )
+    return str(config.get("model_type", "*"))
 
 
 def resolve_model(

@@ -446,3 +446,46 @@ def test_the_target_cases_declare_what_exercises_the_checks():
         "tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-twin",
     }
     assert all(c.max_new_tokens >= 20 for c in cases if c.sp_size > 1)
+
+
+@pytest.mark.parametrize(
+    "model", ["../elsewhere/m", "/opt/models/m", "a/../../m", ".hidden", "M" * 300, "a//b"]
+)
+def test_a_model_is_a_folder_inside_the_models_folder(tmp_path, model):
+    """A case's model never names a path out of --fsdp-turbo-models (strict mode included): one
+    line at collection naming the field; a 300-character name is cut in the line."""
+    path = write(tmp_path, GOOD.replace('model = "tiny-qwen3"', f'model = "{model}"'))
+    with pytest.raises(ConfigError) as refused:
+        load_cases(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: case 'ok': field 'model': expected a tiny spec ")
+    assert "\n" not in message and len(message) < 600
+
+
+def test_a_local_model_resolving_outside_its_folder_or_without_a_tokenizer_is_unavailable(
+    tmp_path,
+):
+    from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir, model_type_of
+
+    models, elsewhere = tmp_path / "models", tmp_path / "elsewhere"
+    models.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("{}")
+    (models / "Linked").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(ModelUnavailable, match=r"resolves outside the models folder"):
+        local_model_dir("Linked", models)
+    half = models / "NoTokenizer"
+    half.mkdir()
+    (half / "config.json").write_text('{"model_type": "qwen3"}')
+    (half / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ModelUnavailable) as untokenized:
+        local_model_dir("NoTokenizer", models)
+    assert str(untokenized.value) == (
+        f"model directory {half} is incomplete: missing a tokenizer (one of tokenizer.json, "
+        "tokenizer.model, vocab.json)"
+    )
+    (half / "config.json").write_text("[1, 2]")
+    with pytest.raises(
+        ModelUnavailable, match=r"expected a JSON object \(a model config\); got a list"
+    ):
+        model_type_of(half)
