@@ -6,6 +6,7 @@ Every problem is a ConfigError naming the file, the case id, the field and what 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import typing
@@ -39,6 +40,7 @@ from pytest_fsdp_turbo_contract.vocab import (
 )
 
 FIXTURES_DIR = DATA_DIR
+PROMPT_SET = DATA_DIR / "prompts" / "nearest_char.jsonl"  # the prompts every case samples from
 TINY_PREFIX = "tiny-"
 VERL_NAME = re.compile(r"^verl:[A-Za-z0-9_]+$")
 # Ids become test ids and folder names (goldens, artifacts): no separators, no "..", no spaces.
@@ -224,6 +226,11 @@ _TYPES = {name: _base_type(hint) for name, hint in _HINTS.items()}
 _CLOSED_SETS = {name: e for name, hint in _HINTS.items() if (e := _closed_set(hint)) is not None}
 
 
+@functools.cache
+def prompt_count() -> int:
+    return sum(1 for line in PROMPT_SET.read_text().splitlines() if line.strip())
+
+
 def engine_module_source(module: str, pythonpath: Iterable[str] = ()) -> Path | None:
     """Where a named engine module's source is, as the ranks will look (ppo_run's `pythonpath`
     first, then this process's path), found by walking folders: nothing is imported, not even a
@@ -278,6 +285,8 @@ class _Where:
 def _coerce(where: _Where, name: str, value: Any) -> Any:
     kind = _TYPES[name]
     if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise where.error(name, "a finite number", value)
         return float(value)
     if kind is int and isinstance(value, int) and not isinstance(value, bool):
         return value
@@ -427,6 +436,13 @@ def validate_case(
             f"divisible by the data-parallel size {case.data_parallel_size}",
             case.num_prompts,
         )
+    available = prompt_count()
+    if case.num_prompts > available:
+        raise where.error(
+            "num_prompts", f"at most the {available} prompts of {PROMPT_SET.name}", case.num_prompts
+        )
+    if not case.lr > 0:
+        raise where.error("lr", "a finite number > 0", case.lr)
     rows = case.num_prompts // case.data_parallel_size * case.n
     if case.micro_batches > rows:
         raise where.error(

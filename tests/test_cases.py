@@ -489,3 +489,20 @@ def test_a_local_model_resolving_outside_its_folder_or_without_a_tokenizer_is_un
         ModelUnavailable, match=r"expected a JSON object \(a model config\); got a list"
     ):
         model_type_of(half)
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ("num_prompts = 1000\n", "field 'num_prompts': expected at most the 26 prompts of"),
+        ("lr = nan\n", "field 'lr': expected a finite number; got nan"),
+        ("lr = 0.0\n", "field 'lr': expected a finite number > 0; got 0.0"),
+        ("memory_budget_mb = nan\n", "field 'memory_budget_mb': expected a finite number; got nan"),
+        ("timeout = inf\n", "field 'timeout': expected a finite number; got inf"),
+    ],
+)
+def test_numbers_a_case_cannot_run_with_are_refused_by_name(tmp_path, fields, said):
+    path = write(tmp_path, GOOD + fields)
+    with pytest.raises(ConfigError) as refused:
+        load_cases(path)
+    assert said in str(refused.value) and "\n" not in str(refused.value)

@@ -340,3 +340,23 @@ def test_finding_an_engine_module_imports_nothing_of_its_package(tmp_path):
     assert not touched.exists() and "noisy_engines" not in sys.modules
     assert engine_module_source("noisy_engines.absent", [str(tmp_path)]) is None
     assert engine_module_source("pytest_fsdp_turbo_engine.fsdp_engine") is not None
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("pythonpath", "str"),
+        ("engine_modules", "str"),
+        ("pythonpath", [1]),
+        ("extra_env", {"X": 1}),
+    ],
+)
+def test_ppo_run_options_of_the_wrong_shape_are_one_line(ppo_run, option, value):
+    """A string where a list is expected would be read character by character (a module 'p');
+    an environment value that is not a string fails in the forked rank. Both are refused before
+    any rank starts."""
+    with pytest.raises(pytest.fail.Exception) as refused:
+        ppo_run("tiny-qwen3-single-rank", **{option: value})
+    message = str(refused.value.msg)
+    assert message.startswith(f"ppo_run {option}: expected a ")
+    assert "\n" not in message

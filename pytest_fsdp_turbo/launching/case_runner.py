@@ -95,6 +95,15 @@ class CaseRunner:
         checkout: Checkout | None = None,
         **overrides: object,
     ) -> RunResult:
+        for option, value in (("engine_modules", engine_modules), ("pythonpath", pythonpath)):
+            _refuse_unless_strings(option, value)
+        if extra_env is not None and not (
+            isinstance(extra_env, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in extra_env.items())
+        ):
+            raise ConfigError(
+                f"ppo_run extra_env: expected a dict of str to str; got {_shown(extra_env)}"
+            )
         engines = self.settings.engines(engine_modules)
         resolved = self.resolve(case, engines, overrides)
         model, found = self.gate(resolved, checkout)
@@ -112,6 +121,19 @@ class CaseRunner:
             progress=self.progress,
         )
         return self.launch(request)
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _refuse_unless_strings(option: str, value: object) -> None:
+    """A list of strings, never a string (which would be taken character by character)."""
+    if isinstance(value, str | bytes) or not (
+        isinstance(value, list | tuple) and all(isinstance(v, str | Path) for v in value)
+    ):
+        raise ConfigError(f"ppo_run {option}: expected a list of strings; got {_shown(value)}")
 
 
 def _refuse_unimportable(case: Case, engines: EngineCatalog, pythonpath: Sequence[str]) -> None:
