@@ -1,5 +1,6 @@
 """The launcher on real rank processes: fast failure, timeouts with stacks, no leaked processes."""
 
+import os
 import sys
 import textwrap
 
@@ -118,3 +119,20 @@ def test_a_log_without_newlines_gives_a_tail_bounded_in_bytes(tmp_path):
     tail = RankResult(rank=0, exit_code=1, duration_s=1.0, log_path=log).log_tail()
     assert tail.endswith("the last line")
     assert len(tail) <= LOG_TAIL_BYTES + 60
+
+
+def test_a_pytest_inside_a_torchrun_job_keeps_the_agents_variables_from_its_ranks(
+    ppo_run, monkeypatch
+):
+    """Started under torchrun, the session inherits TORCHELASTIC_USE_AGENT_STORE (and the agent's
+    group variables): handed on, every rank waits on an agent store nobody serves until the
+    collective timeout. The ranks get an environment without them, and the case runs."""
+    from pytest_fsdp_turbo.launching.supervisor import rank_env
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer-job")
+    monkeypatch.setenv("GROUP_RANK", "3")
+    env = rank_env(dict(os.environ), 0, 2)
+    assert not [n for n in env if n.startswith("TORCHELASTIC_") or n == "GROUP_RANK"]
+    result = ppo_run("tiny-qwen3-single-rank", collective_timeout=20.0, timeout=60.0)
+    assert result.ok, result.failure_text()

@@ -31,8 +31,19 @@ WATCH_EVERY_S = 0.5
 LAUNCHED_AT_VAR = Env.LAUNCHED_AT  # wall clock at launch: start-up time per rank
 
 
+# what a torchrun agent sets for its own workers: inherited by a pytest started inside a torchrun
+# job, TORCHELASTIC_USE_AGENT_STORE has every rank wait on an agent store nobody serves
+AGENT_VARIABLES = ("GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
+AGENT_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
+
+
 def rank_env(base: Mapping[str, str], rank: int, world_size: int) -> dict[str, str]:
-    env = dict(base)
+    """A rank's environment: `base` without a torchrun agent's variables, plus its own."""
+    env = {
+        name: value
+        for name, value in base.items()
+        if name not in AGENT_VARIABLES and not name.startswith(AGENT_PREFIXES)
+    }
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
