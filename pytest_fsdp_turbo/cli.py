@@ -323,12 +323,15 @@ def compare(args: argparse.Namespace) -> int:
         print(line)
     if args.timeline and not args.png:
         raise ConfigError("compare --timeline: also give --png FILE to draw the timeline into")
-    if args.png and args.timeline:
-        write_timeline_png([(label_a, Path(args.a)), (label_b, Path(args.b))], Path(args.png))
-        print(f"timeline: {args.png}")
-    elif args.png:
-        write_png(rows, label_a, label_b, Path(args.png))
-        print(f"chart: {args.png}")
+    try:
+        if args.png and args.timeline:
+            write_timeline_png([(label_a, Path(args.a)), (label_b, Path(args.b))], Path(args.png))
+            print(f"timeline: {args.png}")
+        elif args.png:
+            write_png(rows, label_a, label_b, Path(args.png))
+            print(f"chart: {args.png}")
+    except OSError as exc:
+        raise ConfigError(f"compare --png: cannot write {args.png}: {exc.strerror}") from None
     differs = [r for r in rows if r.verdict.startswith(("differs", "only in"))]
     return 1 if differs and args.fail_on_diff else 0
 
@@ -349,7 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also show the per-node env a multi-node rank on the node with this address gets",
     )
     doc.set_defaults(func=doctor)
-    one = verbs.add_parser("run", help="run one case outside pytest and print its metrics")
+    one = verbs.add_parser(
+        "run",
+        help="run one case outside pytest and print its metrics",
+        description="Run one case outside pytest, with the options and fsdp_turbo_* ini values "
+        "pytest would read from the rootdir's configuration (pytest.ini, pyproject.toml, ...): "
+        "its case file, engine modules, models folder and strictness.",
+    )
     one.add_argument("case_id")
     one.add_argument("--cases", help="case file (default e2e/cases.toml)")
     one.add_argument("--device", help="override detection: cpu|cuda|npu[:N]")

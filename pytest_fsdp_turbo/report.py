@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import hashlib
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,9 +49,22 @@ COLUMNS = (
 )
 
 
+ARTIFACT_NAME_MAX = 150
+
+
 def artifact_name(nodeid: str) -> str:
-    name = nodeid.split("::")[-1]
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
+    """One folder per test node id, the same on every machine: the module's path (folders joined
+    by '.', without .py), then the test and its parameters, e.g.
+    `e2e.test_ppo_e2e.test_ppo_one_step-tiny-qwen3-cpu`; two modules with a test of the same name
+    never share a folder. A name too long for a folder keeps its start and a digest of the id."""
+    module, _, test = nodeid.partition("::")
+    module = module.removesuffix(".py").replace("/", ".").replace("\\", ".")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{module}.{test}" if test else module)
+    name = re.sub(r"\.{2,}", ".", name).strip("-.")
+    if len(name) > ARTIFACT_NAME_MAX:
+        digest = hashlib.sha256(nodeid.encode()).hexdigest()[:12]
+        name = f"{name[: ARTIFACT_NAME_MAX - 13]}-{digest}"
+    return name or "test"
 
 
 JUNIT_METRICS = (
@@ -250,5 +264,6 @@ def read_case_artifacts(folder: Path) -> dict:
     run = RunFolder(folder)
     ranks = []
     while (path := run.metrics(len(ranks))).is_file():
-        ranks.append(json.loads(path.read_text()))
+        metrics = read_json(path)  # a file cut short reads as missing, never a traceback
+        ranks.append(metrics if isinstance(metrics, dict) else {})
     return {"case": read_json(run.case) or {}, "spec": read_json(run.spec) or {}, "ranks": ranks}

@@ -506,3 +506,19 @@ def test_numbers_a_case_cannot_run_with_are_refused_by_name(tmp_path, fields, sa
     with pytest.raises(ConfigError) as refused:
         load_cases(path)
     assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_two_modules_with_a_test_of_the_same_name_never_share_an_artifact_folder():
+    """Under -n 2 both would pass and one run's logs and metrics would be gone; the folder is
+    named by the whole node id (module path first), the same on every machine."""
+    from pytest_fsdp_turbo.report import ARTIFACT_NAME_MAX, artifact_name
+
+    a = artifact_name("tests/a/test_x.py::test_case[tiny-qwen3-cpu]")
+    b = artifact_name("tests/b/test_x.py::test_case[tiny-qwen3-cpu]")
+    assert a == "tests.a.test_x.test_case-tiny-qwen3-cpu" and a != b
+    assert artifact_name("e2e/test_ppo_e2e.py::test_ppo_one_step[c-cpu]") == (
+        "e2e.test_ppo_e2e.test_ppo_one_step-c-cpu"
+    )
+    long_a = artifact_name("t.py::test[" + "x" * 400 + "a]")
+    long_b = artifact_name("t.py::test[" + "x" * 400 + "b]")
+    assert len(long_a) <= ARTIFACT_NAME_MAX and long_a != long_b

@@ -133,14 +133,35 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
     )
     assert any(LossRecord.key("pg_loss") in line and "differs (relative)" in line for line in lines)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # one case id in two folders of one side: refused, never a silent pick
-    shutil.copytree(tmp_path / "b" / "tiny-qwen3-single-rank-cpu", tmp_path / "b" / "again")
+    # the README's flow: one case in several test folders on each machine pairs by folder name
+    for side in ("a", "b"):
+        shutil.copytree(
+            tmp_path / side / "tiny-qwen3-single-rank-cpu", tmp_path / side / "e2e.test_x.test_y"
+        )
+    paired = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert paired.returncode == 0, paired.stderr
+    assert {line.split()[0] for line in paired.stdout.splitlines()[1:]} == {
+        "e2e.test_x.test_y",
+        "tiny-qwen3-single-rank-cpu",
+    }
+    # a real ambiguity: the case in two folders of one side, neither named as on the other
+    shutil.rmtree(tmp_path / "a" / "e2e.test_x.test_y")
+    (tmp_path / "a" / "tiny-qwen3-single-rank-cpu").rename(tmp_path / "a" / "elsewhere")
     twice = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"))
     assert twice.returncode == 2
     assert (
-        "holds case tiny-qwen3-single-rank in 2 folders (again, tiny-qwen3-single-rank-cpu); "
-        "name one of them"
+        "holds case tiny-qwen3-single-rank in 2 folders that match none on the other side "
+        "(e2e.test_x.test_y, tiny-qwen3-single-rank-cpu); name one of them"
     ) in twice.stderr
+    # a metrics file cut short reads as missing; a case.json without an id is one line
+    metrics_b.write_text(metrics_b.read_text()[:40])
+    cut = cli("compare", str(tmp_path / "a" / "elsewhere"), str(tmp_path / "b" / "again"))
+    (tmp_path / "b" / "e2e.test_x.test_y" / "case.json").write_text("{}")
+    no_id = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert no_id.returncode == 2 and "expected the case as a JSON object with an id" in (
+        no_id.stderr
+    )
+    assert "Traceback" not in cut.stderr + no_id.stderr
 
 
 def test_run_unknown_case_and_compare_empty_folder(tmp_path):
@@ -380,3 +401,21 @@ def test_doctor_names_the_cases_known_to_crash_on_this_torch():
 
     if Version(metadata.version("torch").split("+")[0]) < Version("2.15"):
         assert f"known-bad: {verl}cpu: torch " in done.stdout, done.stdout
+
+
+def test_compare_into_an_unwritable_png_and_run_help_says_it_reads_the_ini(tmp_path):
+    help_text = cli("run", "--help").stdout
+    assert "ini values" in help_text and "rootdir" in help_text
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "case.json").write_text('{"id": "c"}')
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        done = cli("compare", str(folder), str(folder), "--png", str(locked / "x.png"))
+    finally:
+        locked.chmod(0o700)
+    if os.getuid() != 0:  # root writes anywhere
+        assert done.returncode == 2 and "compare --png: cannot write" in done.stderr
+    assert "Traceback" not in done.stderr

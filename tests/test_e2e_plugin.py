@@ -63,7 +63,7 @@ def test_record_golden_then_check_and_junit_properties(tmp_path):
     assert len([n for n in props if "/" in n]) <= 12
     assert props["fsdp_turbo/golden"].startswith("recorded ")
     assert "fsdp-turbo e2e runs" in first.stdout and "one" in first.stdout
-    assert (tmp_path / "art" / "test_ppo_one_step-one-cpu" / "rank0.log").is_file()
+    assert (tmp_path / "art" / "test_ppo_e2e.test_ppo_one_step-one-cpu" / "rank0.log").is_file()
     # a matching golden passes in every e2e case of the main suite; here: a tampered one fails
     golden.write_text(
         golden.read_text().replace(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pytest_fsdp_turbo.checks.goldens import GOLDEN_KEYS, within
 from pytest_fsdp_turbo.report import read_case_artifacts
-from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.records import PerfRecord, TrainRecord
 from pytest_fsdp_turbo_contract.vocab import GoldenTier
@@ -33,8 +33,19 @@ class Row:
     verdict: str
 
 
-def _case_folders(root: Path) -> dict[str, Path]:
-    """A run folder holds case folders; a case folder alone is a run of one case."""
+def _case_id(folder: Path) -> str:
+    case = read_json(RunFolder(folder).case)
+    if not isinstance(case, dict) or not isinstance(case.get("id"), str):
+        raise ConfigError(
+            f"compare: {RunFolder(folder).case}: expected the case as a JSON object with an id "
+            "(written by the run); it is unreadable or has none"
+        )
+    return case["id"]
+
+
+def _case_folders(root: Path) -> dict[str, tuple[str, Path]]:
+    """{folder name: (case id, folder)}: a run folder holds one folder per test and call (named
+    by the test's node id, the same on every machine); a case folder alone is a run of one case."""
     if not root.is_dir():
         raise ConfigError(f"compare: {root} is not a folder of run artifacts")
     folders = (
@@ -44,34 +55,48 @@ def _case_folders(root: Path) -> dict[str, Path]:
     )
     if not folders:
         raise ConfigError(f"compare: {root} holds no case artifacts (no case.json found)")
-    by_id: dict[str, list[Path]] = {}
-    for folder in folders:
-        by_id.setdefault(read_case_artifacts(folder)["case"]["id"], []).append(folder)
-    for case_id, same in sorted(by_id.items()):
-        if len(same) > 1:  # which one to compare is the user's choice, never a silent pick
+    return {folder.name: (_case_id(folder), folder) for folder in folders}
+
+
+def pair_runs(a: Path, b: Path) -> dict[str, tuple[Path | None, Path | None]]:
+    """Label -> (A's folder, B's folder). Folders pair by name (test and case, as both machines
+    name them); what is left pairs by case id when the id is in one folder on each side. Two
+    single case folders compare as given. Only a case left in several unpaired folders on a side
+    is ambiguous, and refused naming them."""
+    left, right = _case_folders(a), _case_folders(b)
+    if len(left) == len(right) == 1:
+        (na, (ida, fa)), (nb, (idb, fb)) = next(iter(left.items())), next(iter(right.items()))
+        return {ida if ida == idb else f"{ida} vs {idb}": (fa, fb)}
+    pairs: dict[str, tuple[Path | None, Path | None]] = {}
+    for name in sorted(set(left) & set(right)):
+        pairs[name] = (left[name][1], right[name][1])
+    rest_a = {n: v for n, v in left.items() if n not in right}
+    rest_b = {n: v for n, v in right.items() if n not in left}
+    for case_id in sorted({i for i, _ in rest_a.values()} | {i for i, _ in rest_b.values()}):
+        in_a = [f for i, f in rest_a.values() if i == case_id]
+        in_b = [f for i, f in rest_b.values() if i == case_id]
+        if len(in_a) > 1 and in_b or len(in_b) > 1 and in_a:
+            root, same = (a, in_a) if len(in_a) > 1 else (b, in_b)
             raise ConfigError(
-                f"compare: {root} holds case {case_id} in {len(same)} folders "
-                f"({', '.join(p.name for p in same)}); name one of them"
+                f"compare: {root} holds case {case_id} in {len(same)} folders that match none "
+                f"on the other side ({', '.join(p.name for p in same)}); name one of them"
             )
-    return {case_id: same[0] for case_id, same in by_id.items()}
+        if in_a and in_b:
+            pairs[case_id] = (in_a[0], in_b[0])
+        else:
+            for folder in in_a or in_b:
+                pairs[folder.name] = (folder, None) if in_a else (None, folder)
+    return pairs
 
 
 def compare_runs(a: Path, b: Path) -> tuple[list[Row], str, str]:
-    left, right = _case_folders(a), _case_folders(b)
-    if len(left) == len(right) == 1 and set(left) != set(
-        right
-    ):  # two single cases, compared as given
-        (ida, fa), (idb, fb) = next(iter(left.items())), next(iter(right.items()))
-        left, right = {f"{ida} vs {idb}": fa}, {f"{ida} vs {idb}": fb}
     rows: list[Row] = []
     label_a = label_b = "?"
-    for case_id in sorted(set(left) | set(right)):
-        if case_id not in left or case_id not in right:
-            rows.append(
-                Row(case_id, "(case)", None, None, f"only in {'A' if case_id in left else 'B'}")
-            )
+    for label, (fa, fb) in pair_runs(a, b).items():
+        if fa is None or fb is None:
+            rows.append(Row(label, "(case)", None, None, f"only in {'A' if fa else 'B'}"))
             continue
-        ra, rb = read_case_artifacts(left[case_id]), read_case_artifacts(right[case_id])
+        ra, rb = read_case_artifacts(fa), read_case_artifacts(fb)
         label_a = ra["spec"].get("device_kind", "A")
         label_b = rb["spec"].get("device_kind", "B")
         tier = ra["case"].get("golden_tier", "relative")
@@ -86,7 +111,7 @@ def compare_runs(a: Path, b: Path) -> tuple[list[Row], str, str]:
                 verdict = "info"
             else:
                 verdict = "match" if within(tier, float(va), float(vb)) else f"differs ({tier})"
-            rows.append(Row(case_id, key, va, vb, verdict))
+            rows.append(Row(label, key, va, vb, verdict))
     return rows, label_a, label_b
 
 
@@ -124,7 +149,8 @@ def write_timeline_png(runs: list[tuple[str, Path]], path: Path) -> None:
 
     panels = []
     for label, root in runs:
-        for case_id, folder in sorted(_case_folders(root).items()):
+        for name, (_, folder) in sorted(_case_folders(root).items()):
+            case_id = name
             timeline = RunFolder(folder).timeline
             if not timeline.is_file():
                 raise ConfigError(f"compare --timeline: {timeline} does not exist")
