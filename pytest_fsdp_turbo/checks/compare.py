@@ -65,7 +65,7 @@ def pair_runs(a: Path, b: Path) -> dict[str, tuple[Path | None, Path | None]]:
     is ambiguous, and refused naming them."""
     left, right = _case_folders(a), _case_folders(b)
     if len(left) == len(right) == 1:
-        (na, (ida, fa)), (nb, (idb, fb)) = next(iter(left.items())), next(iter(right.items()))
+        (ida, fa), (idb, fb) = next(iter(left.values())), next(iter(right.values()))
         return {ida if ida == idb else f"{ida} vs {idb}": (fa, fb)}
     pairs: dict[str, tuple[Path | None, Path | None]] = {}
     for name in sorted(set(left) & set(right)):
