@@ -6,8 +6,8 @@ Rows travel in each test report's user_properties, so the table is complete unde
 from __future__ import annotations
 
 import dataclasses
-import json
 import hashlib
+import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
