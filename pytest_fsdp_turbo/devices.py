@@ -6,9 +6,11 @@ the vendor CLIs and /dev answer the same question for free.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -105,15 +107,28 @@ def _run_tool(tool: str, args: list[str], env: Mapping[str, str]) -> tuple[str |
     exe = shutil.which(tool, path=env.get("PATH", os.defpath))
     if exe is None:
         return None, f"{tool} not on PATH"
-    try:
-        done = subprocess.run(
-            [exe, *args], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=False
+    try:  # its own session: a tool cut off at the timeout goes with whatever it started
+        tool_process = subprocess.Popen(
+            [exe, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except OSError as exc:
         return None, f"{tool} failed: {exc}"
-    if done.returncode != 0:
-        return None, f"{tool} exited {done.returncode}: {done.stderr.strip()[:200]}"
-    return done.stdout, f"{tool} {' '.join(args)}"
+    try:
+        out, err = tool_process.communicate(timeout=TOOL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(tool_process.pid, signal.SIGKILL)
+        tool_process.communicate()
+        return None, f"{tool} did not answer within {TOOL_TIMEOUT_S:g}s"
+    # a driver tool may print bytes that are not UTF-8 (a localised name): read, never refused
+    stdout, stderr = (data.decode("utf-8", errors="replace") for data in (out, err))
+    if tool_process.returncode != 0:
+        return None, f"{tool} exited {tool_process.returncode}: {stderr.strip()[:200]}"
+    return stdout, f"{tool} {' '.join(args)}"
 
 
 def _narrow(

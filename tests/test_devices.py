@@ -98,3 +98,42 @@ def test_override_beats_detection(tmp_path):
     assert detect("npu:4", env=env, root=tmp_path).count == 4
     missing = detect("npu", env=env, root=Path(tmp_path / "nothing"))
     assert missing.count == 0 and "none found" in missing.source
+
+
+def test_an_nvidia_smi_printing_bytes_that_are_not_utf8_is_still_read(tmp_path):
+    """A localised GPU name in Latin-1 once made every session's start an INTERNALERROR."""
+    fake_tool(tmp_path / "bin", "nvidia-smi", "")
+    (tmp_path / "bin" / "nvidia-smi.out").write_bytes(
+        b"GPU 0: NVIDIA H200 \xe9\xff (UUID: GPU-0000-fake)\nGPU 1: NVIDIA H200 (UUID: GPU-0001-fake)\n"
+    )
+    accel = detect(env=env_with_path(tmp_path / "bin"), root=tmp_path)
+    assert (accel.kind, accel.count) == ("cuda", 2)
+
+
+def test_a_hung_vendor_tool_is_cut_off_with_everything_it_started(tmp_path, monkeypatch):
+    """The tool and the helper it started are both gone when detection gives up on it."""
+    import time
+
+    import psutil
+
+    from pytest_fsdp_turbo import devices
+
+    monkeypatch.setattr(devices, "TOOL_TIMEOUT_S", 1.0)
+    marker = tmp_path / "helper.pid"
+    tool = tmp_path / "bin" / "npu-smi"
+    tool.parent.mkdir()
+    tool.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > '{marker}'\nsleep 300\n")
+    tool.chmod(0o755)
+    out, said = devices._run_tool("npu-smi", ["info"], env_with_path(tmp_path / "bin"))
+    assert out is None and said == "npu-smi did not answer within 1s"
+    helper = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(helper) and time.monotonic() < deadline:
+        try:
+            if psutil.Process(helper).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    alive = psutil.pid_exists(helper) and psutil.Process(helper).status() != "zombie"
+    assert not alive, f"the tool's helper {helper} outlived it"
