@@ -531,6 +531,8 @@ def load_cases(
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per level of nesting
+        raise ConfigError(f"{path}: a value nested deeper than a case file needs") from None
     rows = data.get("case", [])
     if not isinstance(rows, list) or not (rows or data.get("trainer_case")):
         raise ConfigError(f"{path}: expected one or more [[case]] or [[trainer_case]] tables")

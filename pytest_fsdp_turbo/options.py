@@ -9,6 +9,8 @@ from collections.abc import Mapping
 
 import pytest
 
+from pytest_fsdp_turbo_contract.errors import ConfigError
+
 DEFAULT_REPO = "https://gitcode.com/Ascend/FSDPTurbo.git"
 KIND_BY_MARKER = {"cpu_e2e": "cpu", "gpu_e2e": "cuda", "npu_e2e": "npu"}
 MARKER_BY_KIND = {kind: marker for marker, kind in KIND_BY_MARKER.items()}
@@ -134,8 +136,17 @@ INI_DEFAULTS = {
 
 
 def ini_values(config) -> dict[str, object]:
-    """Every ini key the plugin reads, as pytest's getini gives it (`config`: a pytest.Config)."""
-    return {name: config.getini(name) for name in INI_DEFAULTS}
+    """Every ini key the plugin reads, as pytest's getini gives it (`config`: a pytest.Config);
+    a value pytest cannot read as its type (`maybe` for a bool) is one line naming the key."""
+    values = {}
+    for name in INI_DEFAULTS:
+        try:
+            values[name] = config.getini(name)
+        except (ValueError, pytest.UsageError) as exc:  # pytest names the value, not the key
+            kind = next((k.type for k in INI_KEYS if k.name == name), "string")
+            expected = "true or false" if kind == "bool" else f"a {kind}"
+            raise ConfigError(f"ini {name}: expected {expected} ({exc})") from None
+    return values
 
 
 def ini_given(ini: Mapping[str, object]) -> bool:

@@ -81,7 +81,10 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     values = {opt.dest: config.getoption(opt.dest) for opt in OPTIONS}
-    ini = ini_values(config)
+    try:
+        ini = ini_values(config)
+    except ConfigError as exc:
+        raise pytest.UsageError(str(exc)) from None
     if any(values.values()) or env_given() or ini_given(ini):
         # validated now, so bad input fails the session at start-up in one line; with nothing
         # given, settings_of() builds the defaults on first use and a suite that never asks

@@ -108,6 +108,14 @@ def _set(table: dict, key: str, value, where: str) -> None:
     table[key] = value
 
 
+def _table(parent: dict, key: str, where: str) -> dict:
+    """A nested table the harness fills in, created when absent; anything else there is one line."""
+    table = parent.setdefault(key, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"turbo_config.{where}{key}: expected a table; got {table!r}")
+    return table
+
+
 def _ulysses(config: dict, cp_plan: dict, family: str, layout: str) -> None:
     if layout == FUNCTION_PATCHES:
         entries = [{"target_functions": [t], "type": k} for t, k in ULYSSES_FUNCTIONS[family]]
@@ -139,10 +147,10 @@ def build_turbo_config(
     """The exact turbo_config for `case` on device `kind`, for library `layout` and model `modules`
     (without `modules` the FSDP module plan is left out: it needs the model's module tree)."""
     config = copy.deepcopy(case.turbo_config)
-    dist = config.setdefault("distributed", {})
+    dist = _table(config, "distributed", "")
     _set(dist, "fully_shard_parallel_size", case.shard_size, "distributed.")
     _set(dist, "ulysses_parallel_size", case.sp_size, "distributed.")
-    plan = dist.setdefault("fsdp_plan", {})
+    plan = _table(dist, "fsdp_plan", "distributed.")
     _set(plan, "param_dtype", DTYPE_NAMES[case.dtype_on(kind)], "distributed.fsdp_plan.")
     plan.setdefault("reduce_dtype", "fp32")
     if modules is not None:
@@ -156,7 +164,7 @@ def build_turbo_config(
                 f"case {case.id!r}: sp_size {case.sp_size} needs Ulysses patches, and none are known "
                 f"for model {case.model!r} (known: {', '.join(ULYSSES_FUNCTIONS)})"
             )
-        _ulysses(config, dist.setdefault("cp_plan", {}), family, layout)
+        _ulysses(config, _table(dist, "cp_plan", "distributed."), family, layout)
     return config
 
 

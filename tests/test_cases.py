@@ -522,3 +522,22 @@ def test_two_modules_with_a_test_of_the_same_name_never_share_an_artifact_folder
     long_a = artifact_name("t.py::test[" + "x" * 400 + "a]")
     long_b = artifact_name("t.py::test[" + "x" * 400 + "b]")
     assert len(long_a) <= ARTIFACT_NAME_MAX and long_a != long_b
+
+
+def test_a_case_file_too_deeply_nested_or_a_turbo_config_table_of_the_wrong_type_is_one_line(
+    tmp_path,
+):
+    deep = tmp_path / "deep.toml"
+    deep.write_text("x = " + "[" * 100000 + "]" * 100000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep.toml: a value nested deeper than a case file"):
+        load_cases(deep)
+    wrong = write(
+        tmp_path,
+        GOOD.replace("world_size = 2", 'world_size = 2\nbackend = "fsdp_turbo"')
+        + "[case.turbo_config]\ndistributed = 3\n",
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_cases(wrong)
+    assert str(refused.value).endswith(
+        "field 'turbo_config': turbo_config.distributed: expected a table; got 3"
+    )

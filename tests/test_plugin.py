@@ -353,6 +353,10 @@ def test_every_fixture_in_the_fixtures_module_is_registered_through_the_plugin(p
             "fsdp_turbo_quiet_s = nan",
             "ini fsdp_turbo_quiet_s: expected a number in [0, 86400]; got 'nan'",
         ),
+        (
+            "fsdp_turbo_env_guard = maybe",
+            "ini fsdp_turbo_env_guard: expected true or false (",
+        ),
     ],
 )
 def test_a_bad_progress_ini_value_is_one_line_also_under_xdist(pytester, ini, said):
