@@ -18,6 +18,7 @@ LOG_TAIL_LINES = 30
 LOG_TAIL_BYTES = 8192  # a rank that printed megabytes without a newline still gets a short tail
 FOLLOWER_CHARS = 160  # a rank that failed after the first one: its exception line, cut
 LAST_LINES = 3  # a rank that ended without an error report: its log's last words, in the head
+MESSAGE_CHARS = 2000  # an exception message shown in a failure (one of 20 MB is cut, not printed)
 # what a rank's collective says when a peer it waits on died (gloo, NCCL, HCCL, the store)
 PEER_GONE = (
     "Connection closed by peer",
@@ -130,6 +131,13 @@ class RankResult:
         return tail
 
 
+def bounded(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """A message as shown: its start, and how much was cut when it is longer than `limit`."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]} (... {len(text) - limit} characters cut)"
+
+
 @dataclass
 class RunResult:
     case_id: str
@@ -238,7 +246,8 @@ class RunResult:
         group_failed = self.failure or self.timed_out
         first_error = first.error if first is not None and not group_failed else None
         if first_error is not None:  # the first rank's cause, before anything else
-            head += f" in phase {first_error.phase}: {first_error.type}: {first_error.message}"
+            message = bounded(first_error.message)
+            head += f" in phase {first_error.phase}: {first_error.type}: {message}"
         elif first is not None and not group_failed:  # a signal, an abort: its last words
             said = "\n".join(f"  {line}" for line in first.last_lines())
             head += f": {first.ending()} without an error report; its log ends:\n{said}"
@@ -268,7 +277,8 @@ class RunResult:
             trace = error.traceback.rstrip().splitlines()
             if trace and error.message and trace[-1].endswith(error.message):
                 trace = trace[:-1]  # the exception line: its message is in the head line
-            cause = f"phase {error.phase}: {error.type}: {error.message}"
+            trace = [bounded(line) for line in trace]
+            cause = f"phase {error.phase}: {error.type}: {bounded(error.message)}"
             shown = [] if first_error is error else [cause]  # the head has the first one
             parts.append("\n".join([*shown, *trace]))
             parts.append("log tail:\n" + rank.log_tail(without=error.traceback))

@@ -123,3 +123,21 @@ def test_a_rank_error_file_reads_back_or_is_none_when_unreadable(tmp_path):
     assert RankError.from_json(json.loads(path.read_text())) == error
     assert RankError.from_json({"rank": 1}) is None  # half a file: no fields to report
     assert RankError.from_json(None) is None
+
+
+def test_a_twenty_megabyte_exception_message_is_cut_in_the_failure(tmp_path):
+    """The head line names the cause; it never prints a message whole when it is megabytes."""
+    from pytest_fsdp_turbo_contract.results import MESSAGE_CHARS, RankError, RankResult, RunResult
+
+    huge = "x" * 20_000_000
+    error = RankError(0, "train", "RuntimeError", huge, f"Traceback\nRuntimeError: {huge}")
+    log = tmp_path / "rank0.log"
+    log.write_text("started\n")
+    result = RunResult(
+        "c", 1, [RankResult(0, 1, 1.0, log, error=error)], tmp_path, 1.0, first_failure=0
+    )
+    text = result.failure_text()
+    head = text.splitlines()[0]
+    assert head.startswith("case c: rank 0 failed first in phase train: RuntimeError: xxx")
+    assert head.endswith(f"(... {len(huge) - MESSAGE_CHARS} characters cut)")
+    assert len(text) < 20_000
