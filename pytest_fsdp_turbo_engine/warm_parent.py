@@ -117,8 +117,27 @@ def fork_unsafe_reason() -> str | None:
 
 
 def _child(request: Fork, inherited: list[int]) -> None:
-    """In the forked rank: its own session, log, environment, folder and thread count, then the
-    worker. The parent's sockets are closed first, so a client sees EOF when the parent dies."""
+    """In the forked rank, which never returns into the parent's server code: whatever fails,
+    even before the worker's own error handling is set up, ends this process with exit 1 and the
+    cause on its stderr (its log, once opened)."""
+    code = 1
+    try:
+        code = _rank(request, inherited)
+    except BaseException as exc:  # noqa: BLE001 - reported, then this process ends
+        with contextlib.suppress(Exception):
+            os.write(
+                2, f"warm fork: setting up the rank failed: {type(exc).__name__}: {exc}\n".encode()
+            )
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _rank(request: Fork, inherited: list[int]) -> int:
+    """Its own session, log, environment, folder and thread count, then the worker. The parent's
+    sockets are closed first, so a client sees EOF when the parent dies."""
     for fd in inherited:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -140,23 +159,19 @@ def _child(request: Fork, inherited: list[int]) -> None:
             sys.path.insert(0, entry)
     import torch
 
-    torch.set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "1"))))
+    threads = env.get("OMP_NUM_THREADS", "1")
+    if not (threads.isdigit() and int(threads) > 0):
+        raise ValueError(f"OMP_NUM_THREADS: expected a positive integer; got {threads!r}")
+    torch.set_num_threads(int(threads))
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-    code = 1
-    try:
-        if request.module is not None:
-            code = _run_module(request.module, request.argv)
-        else:
-            from pytest_fsdp_turbo_engine import worker
+    if request.module is not None:
+        return _run_module(request.module, request.argv)
+    from pytest_fsdp_turbo_engine import worker
 
-            preloaded = sorted({name.partition(".")[0] for name in sys.modules} & set(PRELOADS))
-            print(f"[warm fork] stacks already imported: {', '.join(preloaded) or 'none'}")
-            code = worker.main([str(request.spec)])
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    preloaded = sorted({name.partition(".")[0] for name in sys.modules} & set(PRELOADS))
+    print(f"[warm fork] stacks already imported: {', '.join(preloaded) or 'none'}")
+    return worker.main([str(request.spec)])
 
 
 def _run_module(module: str, argv: list[str]) -> int:

@@ -208,3 +208,32 @@ def test_every_xdist_worker_forks_from_the_controllers_one_warm_parent(fsdp_turb
     parent, why = warm_parent(fsdp_turbo_lease_book.state_dir)
     assert parent is session_processes().warm and isinstance(parent, SharedWarmParent), why
     assert psutil.Process(parent.pid).ppid() == os.getppid()  # the controller's child
+
+
+def test_a_fork_that_fails_setting_itself_up_ends_alone_and_the_parent_serves_on(tmp_path):
+    """A forked rank that fails before its own error handling (here a thread count that is not a
+    number) exits 1 with the cause in its output; it never unwinds into the parent's server code,
+    so the parent lives on, keeps its socket and serves the next fork."""
+    from pytest_fsdp_turbo.launching import warm
+
+    outer, why = warm.warm_parent(tmp_path / "state")
+    assert outer is not None, why
+    env = {"PYTHONPATH": PROBES, "OMP_NUM_THREADS": "abc"}
+    failed = warm.run_module("helper_probe", ["a"], timeout_s=60, env=env)
+    assert failed.returncode == 1
+    assert (
+        "warm fork: setting up the rank failed: ValueError: OMP_NUM_THREADS: expected a "
+        "positive integer; got 'abc'"
+    ) in failed.stderr
+    assert outer.alive and Path(outer.socket).exists()
+    again = warm.run_module("helper_probe", ["a"], timeout_s=60, env={"PYTHONPATH": PROBES})
+    assert again.returncode == 3 and json.loads(again.stdout)["parent"] == outer.pid
+
+
+def test_a_thread_count_that_is_not_a_number_is_one_line_before_any_rank(ppo_run):
+    with pytest.raises(pytest.fail.Exception) as refused:
+        ppo_run("tiny-qwen3-single-rank", extra_env={"OMP_NUM_THREADS": "abc"})
+    assert str(refused.value.msg) == (
+        "ppo_run extra_env OMP_NUM_THREADS: expected a positive integer (threads per rank); got "
+        "'abc'"
+    )

@@ -128,6 +128,13 @@ def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[st
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update(request.extra_env)
+    threads = env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    if not (threads.isdigit() and int(threads) > 0):  # every rank would die setting it up
+        where = "ppo_run extra_env" if "OMP_NUM_THREADS" in request.extra_env else "environment"
+        raise ConfigError(
+            f"{where} OMP_NUM_THREADS: expected a positive integer (threads per rank); got "
+            f"{threads!r}"
+        )
     return env
 
 
