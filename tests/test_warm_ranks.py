@@ -237,3 +237,32 @@ def test_a_thread_count_that_is_not_a_number_is_one_line_before_any_rank(ppo_run
         "ppo_run extra_env OMP_NUM_THREADS: expected a positive integer (threads per rank); got "
         "'abc'"
     )
+
+
+def test_a_stopped_warm_parent_costs_seconds_and_the_case_runs_on_spawned_ranks(
+    pytester, monkeypatch
+):
+    """A warm parent that no longer answers (stopped with SIGSTOP here) is given up after the
+    fork timeout: the case's ranks are spawned as fresh interpreters and it runs, saying why;
+    the silent parent is never asked again."""
+    from pytest_fsdp_turbo.launching import warm
+
+    monkeypatch.delenv(warm.SOCKET_VAR, raising=False)  # its own parent, not this session's
+    pytester.makeini(f"[pytest]\nfsdp_turbo_cases = {REPO_CASES}\n")
+    pytester.makepyfile(
+        "import os, signal\n"
+        "from pathlib import Path\n"
+        "from pytest_fsdp_turbo.launching import warm\n"
+        "def test_stopped(ppo_run, fsdp_turbo_lease_book):\n"
+        "    parent, why = warm.warm_parent(fsdp_turbo_lease_book.state_dir)\n"
+        "    assert parent is not None and parent.fork_safe, why\n"
+        "    warm.FORK_TIMEOUT_S = 2.0\n"
+        "    os.kill(parent.pid, signal.SIGSTOP)\n"
+        "    result = ppo_run('tiny-qwen3-single-rank')\n"
+        "    assert result.ok, result.failure_text()\n"
+        "    (note,) = [n for n in result.notes if 'did not answer within 2s' in n]\n"
+        "    assert note.startswith('ranks spawned as fresh interpreters: the warm parent')\n"
+        "    assert not parent.alive\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)

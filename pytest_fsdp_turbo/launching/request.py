@@ -291,18 +291,29 @@ def _leased(request: RunRequest, book: LeaseBook, timeout_s: float):
 def _launch_once(request: RunRequest, ids, ranges, port: int, parent, progress) -> RunResult:
     """One launch of the case's ranks on `port`, its environment kept in env.json."""
     case, out = request.case, request.artifacts_dir
+    from pytest_fsdp_turbo.launching.warm import WarmParentSilent
+
     env = {**os.environ, **_env_overrides(request, ids, port, ranges)}
     RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
-    return launch_local(
-        case_id=case.id,
-        world_size=case.world_size,
-        env=env,
-        artifacts_dir=out,
-        timeout_s=case.timeout,
-        warm_parent=parent,
-        preload=f"verl:{request.accelerator.kind}" if case.is_verl else None,
-        watch=progress.tick if progress else None,
-    )
+
+    def launch(warm_parent) -> RunResult:
+        return launch_local(
+            case_id=case.id,
+            world_size=case.world_size,
+            env=env,
+            artifacts_dir=out,
+            timeout_s=case.timeout,
+            warm_parent=warm_parent,
+            preload=f"verl:{request.accelerator.kind}" if case.is_verl else None,
+            watch=progress.tick if progress else None,
+        )
+
+    try:
+        return launch(parent)
+    except WarmParentSilent as silent:  # no rank of this launch ran: spawn them all instead
+        result = launch(None)
+        result.notes.append(f"ranks spawned as fresh interpreters: {silent}")
+        return result
 
 
 def _retrying_port_clashes(

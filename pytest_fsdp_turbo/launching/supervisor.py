@@ -292,8 +292,8 @@ def launch_local(
     except BaseException as exc:
         for handle in handles:
             handle.kill()
-        if warm_parent is None or warm_parent.alive:
-            raise
+        if warm_parent is None or warm_parent.alive or getattr(warm_parent, "silent", False):
+            raise  # a silent parent: the caller spawns the ranks instead
         return RunResult.launcher_failed(
             case_id, world_size, artifacts_dir, _warm_parent_died(warm_parent, exc)
         )

@@ -44,7 +44,7 @@ WARM_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
 NO_FORK_VAR = Env.NO_FORK
 SOCKET_VAR = Env.WARM_SOCKET
 READY_TIMEOUT_S = 300.0
-FORK_TIMEOUT_S = 60.0
+FORK_TIMEOUT_S = 10.0  # a fork is answered in milliseconds; silence this long: stopped or stuck
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -64,12 +64,17 @@ def fork_unavailable_reason() -> str | None:
     return None
 
 
+class WarmParentSilent(RuntimeError):
+    """The warm parent did not answer a fork (stopped, or stuck): ranks are spawned instead."""
+
+
 class _Conversation:
     """Typed messages with a warm parent (pytest_fsdp_turbo_contract/warm_protocol.py): Fork out;
     Ready and Forked replies, Exited and ZygoteStarted news in, read by one thread."""
 
     pid: int
     log_path: Path
+    silent = False  # it once left a fork unanswered: never asked again
 
     def _start_reading(self, lines) -> None:
         self.exits: dict[int, int] = {}
@@ -143,7 +148,17 @@ class _Conversation:
     def _request(self, request: Fork, what: str) -> int:
         with self._lock:
             self._write(encode(request))
-            reply = self._reply(FORK_TIMEOUT_S, what)
+            try:
+                reply = self._reply(FORK_TIMEOUT_S, what)
+            except RuntimeError:
+                if not self.alive:
+                    raise
+                self.silent = True  # from now on not alive: the session starts or spawns anew
+                self.close()
+                raise WarmParentSilent(
+                    f"the warm parent (pid {self.pid}) did not answer within "
+                    f"{FORK_TIMEOUT_S:g}s ({what}; stopped?); its log: {self.log_path}"
+                ) from None
         if not isinstance(reply, Forked):
             raise RuntimeError(f"warm parent answered {reply} to {what}; see {self.log_path}")
         return reply.pid
@@ -173,7 +188,7 @@ class _Conversation:
 
     @property
     def alive(self) -> bool:
-        return not self._ended.is_set()
+        return not self.silent and not self._ended.is_set()
 
     @property
     def exit_code(self) -> int | None:
@@ -224,7 +239,7 @@ class WarmParent(_Conversation):
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return not self.silent and self.proc.poll() is None
 
     @property
     def exit_code(self) -> int | None:
