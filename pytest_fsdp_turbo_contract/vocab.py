@@ -88,6 +88,7 @@ class Env:
     FAULT = "PYTEST_FSDP_TURBO_FAULT"
     FAULT_STALL_S = "PYTEST_FSDP_TURBO_FAULT_STALL_S"  # how long a stall fault sleeps
     LAUNCHED_AT = "PYTEST_FSDP_TURBO_LAUNCHED_AT"
+    CASE_TOKEN = "PYTEST_FSDP_TURBO_CASE_TOKEN"  # inherited by all a case starts: reaped by it
     NO_FORK = "PYTEST_FSDP_TURBO_NO_FORK"
     WARM_SOCKET = "PYTEST_FSDP_TURBO_WARM_SOCKET"  # set by the harness for its descendants
     VLLM_MEMORY = "PYTEST_FSDP_TURBO_VLLM_MEMORY"

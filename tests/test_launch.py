@@ -3,6 +3,7 @@
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,23 @@ def test_a_pytest_inside_a_torchrun_job_keeps_the_agents_variables_from_its_rank
     assert not [n for n in env if n.startswith("TORCHELASTIC_") or n == "GROUP_RANK"]
     result = ppo_run("tiny-qwen3-single-rank", collective_timeout=20.0, timeout=60.0)
     assert result.ok, result.failure_text()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_nothing_a_case_started_outlives_it(ppo_run, tmp_path, fails):
+    """A helper an engine starts in a session of its own (out of the rank's process tree, re-
+    parented once the rank exits) is gone when the case ends, whether the case passed or not."""
+    import psutil
+
+    pids = tmp_path / "helpers"
+    result = ppo_run(
+        "tiny-qwen3-single-rank",
+        backend="fsdp_with_helper",
+        engine_modules=["fsdp_with_helper = helper_starter"],
+        pythonpath=[str(Path(__file__).parent / "warm_probes")],
+        extra_env={"HELPER_PIDS": str(pids), "HELPER_THEN_FAIL": "1" if fails else "0"},
+    )
+    assert result.ok is not fails
+    (helper,) = [int(line) for line in pids.read_text().split()]
+    alive = psutil.pid_exists(helper) and psutil.Process(helper).status() != psutil.STATUS_ZOMBIE
+    assert not alive, f"helper {helper} outlived its case"

@@ -465,12 +465,15 @@ def test_a_full_disk_at_the_timeline_keeps_the_ranks_own_failure(ppo_run, monkey
 def test_an_artifacts_folder_that_cannot_be_made_is_one_line(pytester, tmp_path):
     """Below a regular file, or a symlink: one line naming the folder, before any rank starts."""
     repo = Path(__file__).resolve().parent.parent
-    pytester.makepyfile("def test_run(ppo_run):\n    ppo_run('tiny-qwen3-single-rank')\n")
+    module = pytester.makepyfile("def test_run(ppo_run):\n    ppo_run('tiny-qwen3-single-rank')\n")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
+    from pytest_fsdp_turbo.report import artifact_name
+
     linked = tmp_path / "runs"
-    (linked / "test_run").parent.mkdir()
-    (linked / "test_run").symlink_to(tmp_path)  # the test's run folder is a link
+    linked.mkdir()
+    folder = artifact_name(f"{module.name}::test_run")
+    (linked / folder).symlink_to(tmp_path)  # the test's run folder is a link
     for root, said in ((blocker / "below", "cannot write"), (linked, "is a symlink")):
         result = pytester.runpytest(
             "-p", "no:cacheprovider", "--fsdp-turbo-device=cpu",

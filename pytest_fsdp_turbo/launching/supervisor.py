@@ -2,7 +2,9 @@
 
 One log file per rank; one timeout for the group. A rank that fails stops the others at once; a group
 that times out dumps every rank's Python stacks (faulthandler, SIGUSR1) into its log first. Nothing
-the group started outlives it: every process tree is killed through psutil.
+the group started outlives it, passed or failed: every process tree is killed through psutil, then
+`reap_case` kills what escaped the trees (a helper in the rank's session or process group, or one
+that left both and re-parented, found by the case token in its environment).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -29,6 +32,7 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 STACK_DUMP_WAIT_S = 1.0
 WATCH_EVERY_S = 0.5
 LAUNCHED_AT_VAR = Env.LAUNCHED_AT  # wall clock at launch: start-up time per rank
+CASE_TOKEN_VAR = Env.CASE_TOKEN
 
 
 # what a torchrun agent sets for its own workers: inherited by a pytest started inside a torchrun
@@ -68,6 +72,33 @@ def kill_pid_tree(pid: int) -> None:
     for proc in reversed(_process_tree(pid)):
         with contextlib.suppress(psutil.Error):
             proc.kill()
+
+
+def case_processes(token: str, sessions: set[int]) -> list[psutil.Process]:
+    """This user's processes a case started, wherever they went: in a rank's session or process
+    group, or carrying the case's token in their environment (a helper that started a session of
+    its own and re-parented)."""
+    me, uid = os.getpid(), os.getuid()
+    found = []
+    for proc in psutil.process_iter(["uids"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            pid = proc.pid
+            in_a_rank = os.getsid(pid) in sessions or os.getpgid(pid) in sessions
+            if in_a_rank or proc.environ().get(CASE_TOKEN_VAR) == token:
+                found.append(proc)
+    return found
+
+
+def reap_case(token: str, sessions: set[int]) -> list[int]:
+    """Kill what a case left behind; the pids killed (nothing, for a case that cleaned up)."""
+    left = case_processes(token, sessions)
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(left, timeout=5)
+    return [proc.pid for proc in left]
 
 
 def kill_trees(children: Sequence[subprocess.Popen]) -> None:
@@ -110,6 +141,7 @@ class LocalRank:
                 start_new_session=True,
                 preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
+        self.pid = self.proc.pid
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -278,30 +310,40 @@ def launch_local(
     artifacts_dir.mkdir(parents=True, exist_ok=True)
     completed = None if command else wrote_results(artifacts_dir)
     command = list(command or worker_command(artifacts_dir))
-    handles: list[RankHandle] = []
+    handles: list[LocalRank | ForkedRank] = []
+    token = f"{os.getpid()}-{uuid.uuid4().hex}"
     start = time.monotonic()
     try:
-        for rank in range(world_size):
-            log_path = RunFolder(artifacts_dir).log(rank)
-            rank_vars = {**rank_env(env, rank, world_size), LAUNCHED_AT_VAR: f"{time.time():.6f}"}
-            if warm_parent is not None:
-                spec = RunFolder(artifacts_dir).spec
-                handles.append(ForkedRank(warm_parent, rank, rank_vars, spec, log_path, preload))
-            else:
-                handles.append(LocalRank(rank, command, rank_vars, log_path))
-    except BaseException as exc:
-        for handle in handles:
-            handle.kill()
-        if warm_parent is None or warm_parent.alive or getattr(warm_parent, "silent", False):
-            raise  # a silent parent: the caller spawns the ranks instead
-        return RunResult.launcher_failed(
-            case_id, world_size, artifacts_dir, _warm_parent_died(warm_parent, exc)
-        )
-    outcome = supervise(handles, timeout_s, poll_s, watch, completed)
-    result = collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)
-    if warm_parent is not None and not warm_parent.alive:
-        result.failure = _warm_parent_died(warm_parent)
-    return result
+        try:
+            for rank in range(world_size):
+                log_path = RunFolder(artifacts_dir).log(rank)
+                rank_vars = {
+                    **rank_env(env, rank, world_size),
+                    LAUNCHED_AT_VAR: f"{time.time():.6f}",
+                    CASE_TOKEN_VAR: token,
+                }
+                if warm_parent is not None:
+                    spec = RunFolder(artifacts_dir).spec
+                    handles.append(
+                        ForkedRank(warm_parent, rank, rank_vars, spec, log_path, preload)
+                    )
+                else:
+                    handles.append(LocalRank(rank, command, rank_vars, log_path))
+        except BaseException as exc:
+            for handle in handles:
+                handle.kill()
+            if warm_parent is None or warm_parent.alive or getattr(warm_parent, "silent", False):
+                raise  # a silent parent: the caller spawns the ranks instead
+            return RunResult.launcher_failed(
+                case_id, world_size, artifacts_dir, _warm_parent_died(warm_parent, exc)
+            )
+        outcome = supervise(handles, timeout_s, poll_s, watch, completed)
+        result = collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)
+        if warm_parent is not None and not warm_parent.alive:
+            result.failure = _warm_parent_died(warm_parent)
+        return result
+    finally:  # each rank leads its own session: its pid names its session and process group
+        reap_case(token, {handle.pid for handle in handles})
 
 
 def _warm_parent_died(parent, exc: BaseException | None = None) -> str:
