@@ -157,3 +157,13 @@ def test_nothing_a_case_started_outlives_it(ppo_run, tmp_path, fails):
     (helper,) = [int(line) for line in pids.read_text().split()]
     alive = psutil.pid_exists(helper) and psutil.Process(helper).status() != psutil.STATUS_ZOMBIE
     assert not alive, f"helper {helper} outlived its case"
+
+
+def test_a_gloo_interface_this_host_lacks_is_one_line_naming_the_variable(ppo_run):
+    with pytest.raises(pytest.fail.Exception) as refused:
+        ppo_run("tiny-qwen3-single-rank", extra_env={"GLOO_SOCKET_IFNAME": "nosuch0"})
+    message = str(refused.value.msg)
+    assert message.startswith(
+        "ppo_run extra_env GLOO_SOCKET_IFNAME: expected network interfaces of this host ("
+    )
+    assert message.endswith("; nosuch0 is not one") and "lo" in message

@@ -138,6 +138,21 @@ def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[st
     return env
 
 
+def _refuse_missing_interfaces(env: dict[str, str], given: dict[str, str]) -> None:
+    """GLOO_SOCKET_IFNAME naming an interface this host lacks: gloo's own error names neither the
+    variable nor the interfaces there are; said here, before any rank starts."""
+    import psutil
+
+    wanted = [name for name in env.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    present = sorted(psutil.net_if_addrs())
+    if missing := [name for name in wanted if name not in present]:
+        where = "ppo_run extra_env" if "GLOO_SOCKET_IFNAME" in given else "environment"
+        raise ConfigError(
+            f"{where} GLOO_SOCKET_IFNAME: expected network interfaces of this host "
+            f"({', '.join(present)}); {', '.join(missing)} is not one"
+        )
+
+
 def _set_aside(out: Path, folder: Path) -> None:
     folder.mkdir()
     for path in out.glob(RunFolder.RANK_FILES):
@@ -294,6 +309,7 @@ def _launch_once(request: RunRequest, ids, ranges, port: int, parent, progress) 
     from pytest_fsdp_turbo.launching.warm import WarmParentSilent
 
     env = {**os.environ, **_env_overrides(request, ids, port, ranges)}
+    _refuse_missing_interfaces(env, request.extra_env)  # this host's: the ranks run here
     RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
 
     def launch(warm_parent) -> RunResult:
