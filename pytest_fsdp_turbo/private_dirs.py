@@ -18,10 +18,16 @@ SHARED_BITS = stat.S_IWGRP | stat.S_IWOTH
 
 def private_dir(path: Path, what: str, set_by: str) -> Path:
     """`path`, created 0o700 when missing; `what` names the folder, `set_by` what moves it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    info = os.lstat(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        info = os.lstat(path)
+    except OSError as exc:  # a read-only or full disk: one line, never a traceback
+        raise ConfigError(
+            f"{what} {path}: cannot create it ({exc.strerror}); point {set_by} at a folder you "
+            "can write"
+        ) from None
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         problem = "is a symbolic link" if stat.S_ISLNK(info.st_mode) else "is not a folder"
     elif info.st_uid != os.getuid():
@@ -39,9 +45,14 @@ def private_dir(path: Path, what: str, set_by: str) -> Path:
 def write_private(path: Path, text: str) -> None:
     """Replace `path` atomically through a fresh temporary file that is never a symlink."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.replace(tmp, path)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full or read-only disk: one line naming the file
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ConfigError(f"{path}: cannot write it ({exc.strerror})") from None

@@ -315,3 +315,47 @@ def test_ctrl_c_during_a_case_ends_with_pytests_own_summary_and_cleans_up(
     gone, alive = psutil.wait_procs(ranks, timeout=10)
     assert not alive, [p.pid for p in alive]
     assert all(not rows for rows in LeaseBook(state).holders().values())
+
+
+def test_a_full_or_read_only_state_disk_is_one_line_naming_the_path(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Writing the lease state on a full disk, or making a cache under a read-only folder, is a
+    ConfigError naming the path and the system's reason, never a traceback."""
+    import errno
+
+    from pytest_fsdp_turbo.private_dirs import private_dir, write_private
+    from pytest_fsdp_turbo_contract.errors import ConfigError
+
+    state = private_dir(tmp_path / "state", "lease state folder", "PYTEST_FSDP_TURBO_STATE_DIR")
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, fd):
+            self.handle = real_fdopen(fd, "w")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Full(fd))
+    with pytest.raises(ConfigError) as full:
+        write_private(state / "leases.json", "{}")
+    monkeypatch.undo()
+    assert str(full.value) == f"{state / 'leases.json'}: cannot write it (No space left on device)"
+    assert not list(state.glob(".leases.json.*"))  # the half-written file is gone
+    monkeypatch.setattr(
+        os,
+        "mkdir",
+        lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EROFS, "Read-only file system")),
+    )
+    with pytest.raises(ConfigError) as read_only:
+        private_dir(tmp_path / "cache" / "models", "tiny model cache", "XDG_CACHE_HOME")
+    assert "tiny model cache" in str(read_only.value) and "Read-only file system" in str(
+        read_only.value
+    )
