@@ -22,9 +22,11 @@ from pytest_fsdp_turbo.cases import (
 )
 from pytest_fsdp_turbo.launching.warm import run_module
 from pytest_fsdp_turbo.private_dirs import private_dir
+from pytest_fsdp_turbo_contract.errors import ConfigError
 
 BUILDER_MODULE = "pytest_fsdp_turbo_engine.tiny_models"
 BUILD_TIMEOUT_S = 300
+SPEC_ERROR_EXIT = 2  # the builder's exit code for a spec that is wrong (pytest_fsdp_turbo_engine)
 REQUIRED_FILES = ("config.json",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -84,6 +86,9 @@ def build_tiny_model(
             timeout_s=BUILD_TIMEOUT_S,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
         )
+        if done.returncode == SPEC_ERROR_EXIT:  # the spec is wrong: one line, and a failure
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise ConfigError((done.stderr.strip().splitlines() or ["(no output)"])[-1])
         if done.returncode != 0:
             shutil.rmtree(scratch, ignore_errors=True)
             tail = "\n".join(done.stderr.strip().splitlines()[-15:])

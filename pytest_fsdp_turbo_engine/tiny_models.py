@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from pytest_fsdp_turbo_fixtures import DATA_DIR
@@ -104,12 +105,53 @@ def build_tiny_model(name: str, out_dir: Path, spec_dir: Path | None = None) -> 
     return out_dir
 
 
+TINY_BYTES_MAX = 1 << 30  # fp32 weights a tiny spec may hold: far above any test's, far below RAM
+SPEC_ERROR_EXIT = 2  # the spec itself is wrong (said in one line), not the machine
+
+
+class SpecError(ValueError):
+    """A tiny spec that cannot build a model, or one too big to be tiny."""
+
+
+def check_spec(name: str, spec_dir: Path | None = None) -> None:
+    """The spec's model built on the meta device (no memory): its fields are what transformers
+    accepts and its weights fit TINY_BYTES_MAX, before anything is allocated."""
+    import torch
+
+    from pytest_fsdp_turbo_engine.hf_model import from_config
+
+    path = (spec_dir or SPECS_DIR) / f"{name}.json"
+    try:
+        spec = load_spec(name, spec_dir)
+        if not isinstance(spec, dict) or not isinstance(spec.get("config"), dict):
+            raise SpecError("expected a JSON object with a 'config' table")
+        config = tiny_config(spec, 260)
+        with torch.device("meta"):
+            model = from_config(config, dtype=torch.float32)
+    except SpecError as exc:
+        raise SpecError(f"tiny model spec {path}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' own words, in one line
+        said = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise SpecError(f"tiny model spec {path}: {type(exc).__name__}: {said}") from None
+    size = sum(p.numel() for p in model.parameters()) * 4
+    if size > TINY_BYTES_MAX:
+        raise SpecError(
+            f"tiny model spec {path}: its weights would take {size / 2**30:.1f} GiB in fp32; a "
+            f"tiny spec stays under {TINY_BYTES_MAX / 2**30:.0f} GiB"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="build a tiny HF model from a fixtures spec")
     parser.add_argument("name")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--spec-dir", type=Path, help=f"where NAME.json is (default {SPECS_DIR})")
     args = parser.parse_args()
+    try:
+        check_spec(args.name, args.spec_dir)
+    except (SpecError, OSError, json.JSONDecodeError) as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(SPEC_ERROR_EXIT)
     print(build_tiny_model(args.name, args.out_dir, args.spec_dir))
 
 

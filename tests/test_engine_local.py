@@ -227,3 +227,47 @@ def test_sp_boundaries_count_response_tokens_a_chunk_starts_on():
     assert sp_boundaries_in_responses(batch(3), sp=2, micro_batches=1, packed=True) == 1
     assert sp_boundaries_in_responses(batch(6), sp=2, micro_batches=2, packed=True) == 2
     assert sp_boundaries_in_responses(batch(1), sp=4, micro_batches=1, packed=False) == 2
+
+
+@pytest.mark.parametrize(
+    ("config", "said"),
+    [
+        (
+            {
+                "hidden_size": 65536,
+                "intermediate_size": 262144,
+                "num_hidden_layers": 64,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "head_dim": 1024,
+            },
+            "its weights would take ",
+        ),
+        ({"hidden_size": 64, "num_attention_heads": 4, "head_dim": "wide"}, "head_dim"),
+        (None, "expected a JSON object with a 'config' table"),
+    ],
+)
+def test_a_tiny_spec_too_big_or_wrong_is_one_line_before_anything_is_allocated(
+    tmp_path, config, said
+):
+    """Checked on the meta device first: a spec of about 100 GiB is refused by its size, a field
+    transformers refuses is named in transformers' words, each in one line naming the spec file."""
+    from pytest_fsdp_turbo.models import build_tiny_model as build
+    from pytest_fsdp_turbo_contract.errors import ConfigError
+
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    spec = {"model_type": "qwen3", "seed": 1} | ({"config": config} if config else {})
+    (specs / "tiny-bad.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError) as refused:
+        build("tiny-bad", tmp_path / "cache", tiny_models=specs)
+    message = str(refused.value)
+    assert message.startswith(f"tiny model spec {specs / 'tiny-bad.json'}: ") and said in message
+    assert "\n" not in message and not list((tmp_path / "cache").glob("tiny-bad*/config.json"))
+
+
+def test_every_shipped_tiny_spec_passes_the_check():
+    from pytest_fsdp_turbo_engine.tiny_models import SPECS_DIR, check_spec
+
+    for path in sorted(SPECS_DIR.glob("*.json")):
+        check_spec(path.stem)
