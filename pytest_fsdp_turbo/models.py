@@ -121,7 +121,27 @@ def local_model_dir(name: str, models_dir: Path | None) -> Path:
         raise ModelUnavailable(
             f"model directory {path} is incomplete: missing {', '.join(missing)}"
         )
+    for weights in sorted(path.glob("*.safetensors")):
+        if problem := safetensors_problem(weights):
+            raise ModelUnavailable(f"model directory {path}: {weights.name} {problem}")
     return path
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file's header (its length, then a JSON object), read
+    without loading a tensor; None when it reads."""
+    try:
+        with open(path, "rb") as weights:
+            size = os.fstat(weights.fileno()).st_size
+            length = int.from_bytes(weights.read(8), "little")
+            if size < 8 or not 2 <= length <= size - 8:
+                return f"is not a safetensors file (header of {length} bytes in {size})"
+            header = json.loads(weights.read(length))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"is not a safetensors file ({exc})"
+    return (
+        None if isinstance(header, dict) else "is not a safetensors file (its header is no object)"
+    )
 
 
 def model_type_of(path: Path) -> str:

@@ -541,3 +541,21 @@ def test_a_case_file_too_deeply_nested_or_a_turbo_config_table_of_the_wrong_type
     assert str(refused.value).endswith(
         "field 'turbo_config': turbo_config.distributed: expected a table; got 3"
     )
+
+
+def test_a_garbage_safetensors_file_is_named_with_its_folder(tmp_path):
+    from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir
+
+    model = tmp_path / "models" / "Garbage"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ModelUnavailable) as refused:
+        local_model_dir("Garbage", tmp_path / "models")
+    assert str(refused.value).startswith(
+        f"model directory {model}: model.safetensors is not a safetensors file"
+    )
+    header = b'{"__metadata__": {}}'
+    (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    assert local_model_dir("Garbage", tmp_path / "models") == model
