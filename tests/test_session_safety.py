@@ -298,6 +298,9 @@ def test_ctrl_c_during_a_case_ends_with_pytests_own_summary_and_cleans_up(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--fsdp-turbo-device=cpu",
          f"--fsdp-turbo-cases={REPO / 'e2e' / 'cases.toml'}", f"--fsdp-turbo-artifacts={artifacts}"],
         cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # SIGINT as a terminal gives it, even when this suite runs from a background job (which
+        # starts with SIGINT ignored, and a child inherits that)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while not list(artifacts.glob("*/rank0.phases.jsonl")) and time.monotonic() < deadline:
@@ -312,6 +315,10 @@ def test_ctrl_c_during_a_case_ends_with_pytests_own_summary_and_cleans_up(
     out, _ = session.communicate(timeout=60)
     assert session.returncode == pytest.ExitCode.INTERRUPTED, out[-3000:]
     assert "KeyboardInterrupt" in out and "AttributeError" not in out, out[-3000:]
+    (said,) = [line for line in out.splitlines() if "fsdp-turbo: interrupted during case" in line]
+    assert said.endswith(
+        f"; its logs so far: {artifacts}/test_interrupted.test_a_case_interrupted"
+    ), said
     gone, alive = psutil.wait_procs(ranks, timeout=10)
     assert not alive, [p.pid for p in alive]
     assert all(not rows for rows in LeaseBook(state).holders().values())

@@ -34,6 +34,16 @@ class PPORun:
         name = artifact_name(self.request.node.nodeid)
         return name + (f"-{self.calls}" if self.calls > 1 else "")
 
+    def interrupted(self, case: Case | CaseParam | str, folder: Path) -> None:
+        case_id = case if isinstance(case, str) else case.id
+        line = f"fsdp-turbo: interrupted during case {case_id}; its logs so far: {folder}"
+        reporter = self.request.config.pluginmanager.get_plugin("terminalreporter")
+        capture = self.request.config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            if reporter is not None:
+                reporter.ensure_newline()
+                reporter.write_line(line)
+
     def record(self, result: RunResult, options: dict) -> None:
         from pytest_fsdp_turbo.report import note_run
 
@@ -45,8 +55,14 @@ class PPORun:
     def __call__(self, case: Case | CaseParam | str, **options: object) -> RunResult:
         from pytest_fsdp_turbo.launching.case_runner import Unavailable
 
+        name = self.artifact_name()
         try:
-            result = self.runner.run(case, self.artifact_name(), **options)
+            result = self.runner.run(case, name, **options)
+        except (
+            KeyboardInterrupt
+        ):  # pytest's summary follows: say which case and where its files are
+            self.interrupted(case, self.runner.artifacts_root / name)
+            raise
         except Unavailable as why:
             skip_or_fail(self.runner.settings.strict, str(why))
         except (ConfigError, LeaseTimeout) as exc:
