@@ -186,6 +186,8 @@ def run_cause(result: RunResult) -> str:
     if result.failure:
         return result.failure[:CAUSE_CHARS]
     first = result.first_failed()
+    if first is not None and first.error is not None and result.hung_in_a_collective:
+        return f"rank {first.rank} {first.error.phase}: timed out in a collective"
     if first is not None and first.error is not None:
         return f"rank {first.rank} {first.error.phase}: {first.error.type}"
     return f"rank {result.first_failure} {first.ending() if first else 'failed'}"

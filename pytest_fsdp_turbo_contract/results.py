@@ -18,6 +18,7 @@ LOG_TAIL_LINES = 30
 LOG_TAIL_BYTES = 8192  # a rank that printed megabytes without a newline still gets a short tail
 FOLLOWER_CHARS = 160  # a rank that failed after the first one: its exception line, cut
 LAST_LINES = 3  # a rank that ended without an error report: its log's last words, in the head
+HANG_MARKS = ("timed out", "timeout")  # how gloo, NCCL and HCCL say a collective waited too long
 MESSAGE_CHARS = 2000  # an exception message shown in a failure (one of 20 MB is cut, not printed)
 # what a rank's collective says when a peer it waits on died (gloo, NCCL, HCCL, the store)
 PEER_GONE = (
@@ -205,12 +206,16 @@ class RunResult:
         """Whether the ranks that failed after the first get one line each: not after a hang
         (the case's timeout, or a collective that timed out), where every rank's stacks are the
         story, nor when the group as a whole failed."""
-        hang = (
-            first is not None
-            and first.error is not None
-            and ("timed out" in first.error.message.lower())
-        )
-        return not (self.timed_out or self.failure or hang or first is None)
+        return not (self.timed_out or self.failure or self.hung_in_a_collective or first is None)
+
+    @property
+    def hung_in_a_collective(self) -> bool:
+        """The first failure is a collective that timed out (gloo's "Timed out waiting", NCCL's
+        watchdog, HCCL's timeout): a hang, ended by the collective timeout."""
+        first = self.first_failed()
+        if first is None or first.error is None:
+            return False
+        return any(mark in first.error.message.lower() for mark in HANG_MARKS)
 
     def _follower_line(self, rank: RankResult, told: dict) -> str:
         """One line for a rank that failed after the first: a peer that only lost its connection

@@ -53,6 +53,12 @@ def test_quick_case_prints_nothing_and_a_stall_warns_once(tmp_path):
         "fsdp-turbo: stall: case c rank 0 has been in phase load for 20"
     )
     assert "over 0.5 of the 300s timeout" in lines[0] and stalled.warnings == lines
+    # a hang in a collective fails at the collective timeout: the warning comes before it
+    lines.clear()
+    write_phase(tmp_path, 0, "train", time.time() - 70)
+    hung = Progress("c", 1, 300, tmp_path, None, lines.append, quiet_s=10, collective_timeout_s=120)
+    hung.tick(5.0)
+    assert len(lines) == 1 and "over 0.5 of the 120s collective timeout" in lines[0]
 
 
 def test_a_slowed_case_shows_its_phases_and_a_stall_warning_then_a_timeline(pytester, tmp_path):

@@ -41,6 +41,9 @@ def test_hang_in_a_collective_is_reported_with_every_rank_stack(ppo_run, no_leak
     assert "Timed out waiting 6000ms" in text  # rank 0: where it waited, and for how long
     assert "in at_phase" in text and "phase rollout" in text  # rank 1: its dumped Python stack
     assert "--- rank 0" in text and "--- rank 1" in text
+    from pytest_fsdp_turbo.report import run_cause
+
+    assert run_cause(result).endswith("timed out in a collective"), run_cause(result)
 
 
 def test_nan_in_one_rank_skips_the_update_everywhere(ppo_run):

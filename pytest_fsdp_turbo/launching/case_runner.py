@@ -218,7 +218,9 @@ def standalone_runner(settings: Settings, accelerator: Accelerator) -> CaseRunne
     )
 
 
-def _stderr_progress(case_id: str, world_size: int, timeout_s: float, out: Path):
+def _stderr_progress(
+    case_id: str, world_size: int, timeout_s: float, out: Path, collective_timeout_s=None
+):
     """Live status on stderr for `pytest-fsdp-turbo run`: rewritten in place on a terminal."""
     import sys
 
@@ -231,8 +233,15 @@ def _stderr_progress(case_id: str, world_size: int, timeout_s: float, out: Path)
     def line(text: str) -> None:
         sys.stderr.write(text + "\n")
 
+    interactive = live if sys.stderr.isatty() else None
     return Progress(
-        case_id, world_size, timeout_s, out, live if sys.stderr.isatty() else None, line
+        case_id,
+        world_size,
+        timeout_s,
+        out,
+        interactive,
+        line,
+        collective_timeout_s=collective_timeout_s,
     )
 
 

@@ -96,10 +96,20 @@ def terminal_progress(config: pytest.Config):
         with uncaptured():
             reporter.write_line(text)
 
-    def make(case_id: str, world_size: int, timeout_s: float, out: Path) -> Progress:
+    def make(
+        case_id: str, world_size: int, timeout_s: float, out: Path, collective_timeout_s=None
+    ) -> Progress:
         interactive = live if getattr(reporter, "isatty", False) else None
         return Progress(
-            case_id, world_size, timeout_s, out, interactive, line, stall_share=share, quiet_s=quiet
+            case_id,
+            world_size,
+            timeout_s,
+            out,
+            interactive,
+            line,
+            stall_share=share,
+            quiet_s=quiet,
+            collective_timeout_s=collective_timeout_s,
         )
 
     return make

@@ -4,7 +4,8 @@ Ranks append {"phase", "t"} lines to rankN.phases.jsonl as they enter each phase
 supervision loop calls `Progress.tick` and this module follows those files. On a terminal the
 status is one line rewritten in place; elsewhere (CI logs) a plain line when a phase changes, at
 most every `every_s`. A case quicker than `quiet_s` prints nothing. A rank that stays in one phase
-longer than `stall_share` of the case timeout gets one warning line, before the timeout kills it.
+longer than `stall_share` of the collective timeout (a rank waiting in a collective fails at that
+timeout, so a warning after it would come too late) gets one warning line.
 After the case, `timeline` turns the files into (rank, phase, start, end) rows for the artifacts.
 """
 
@@ -79,6 +80,7 @@ class Progress:
     stall_share: float = 0.5
     quiet_s: float = 10.0
     every_s: float = 30.0
+    collective_timeout_s: float | None = None  # the stall limit's base (default: timeout_s)
     warnings: list[str] = field(default_factory=list)
     _last: tuple[str, float] = ("", 0.0)
     _warned: set = field(default_factory=set)
@@ -94,7 +96,8 @@ class Progress:
     def tick(self, elapsed: float) -> None:
         now = time.time()
         phases = self.current()
-        limit = self.stall_share * self.timeout_s
+        base = min(self.collective_timeout_s or self.timeout_s, self.timeout_s)
+        limit = self.stall_share * base
         # a rank already in a later phase than another is waiting for it, not stalled itself
         behind = min((_order(phase) for phase, _ in phases.values()), default=0)
         for rank, (phase, since) in phases.items():
@@ -107,7 +110,7 @@ class Progress:
                 message = (
                     f"fsdp-turbo: stall: case {self.case_id} rank {rank} has been in phase "
                     f"{phase} for {now - since:.0f}s (over {self.stall_share:g} of the "
-                    f"{self.timeout_s:g}s timeout)"
+                    f"{base:g}s {'collective ' if base < self.timeout_s else ''}timeout)"
                 )
                 self.warnings.append(message)
                 self.line(message)
@@ -192,6 +195,7 @@ class ArtifactWatcher:
             self.line,
             stall_share=self.stall_share,
             quiet_s=self.quiet_s,
+            collective_timeout_s=float(case.get("collective_timeout") or case["timeout"]),
         )
         self.running[folder] = progress
         return progress

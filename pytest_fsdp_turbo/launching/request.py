@@ -205,7 +205,7 @@ def _progress(request: RunRequest, out: Path) -> Progress | None:
     if request.progress is None:
         return None
     case = request.case
-    return request.progress(case.id, case.world_size, case.timeout, out)
+    return request.progress(case.id, case.world_size, case.timeout, out, case.collective_timeout)
 
 
 def _finish(progress: Progress | None, result: RunResult) -> RunResult:
