@@ -36,7 +36,8 @@ INI = "ini fsdp_turbo_engine_modules"
 GIVEN = "ppo_run engine_modules"
 ANNOUNCED_WHERE = (
     f"engines are announced by the {ENTRY_POINT_GROUP} entry points, the ini "
-    f"fsdp_turbo_engine_modules or {Env.ENGINE_MODULES}"
+    f"fsdp_turbo_engine_modules or {Env.ENGINE_MODULES}; an entry point exists once the "
+    "repository declaring it is installed (pip install -e .)"
 )
 
 

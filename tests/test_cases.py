@@ -559,3 +559,16 @@ def test_a_garbage_safetensors_file_is_named_with_its_folder(tmp_path):
     header = b'{"__metadata__": {}}'
     (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     assert local_model_dir("Garbage", tmp_path / "models") == model
+
+
+def test_docs_list_every_case_field():
+    """docs/cases.md is where a user learns the schema: every field has its row."""
+    from pytest_fsdp_turbo.cases import _FIELDS
+
+    text = (REPO / "docs" / "cases.md").read_text()
+    rows = {
+        line.split("|")[1].strip().strip("`")
+        for line in text.splitlines()
+        if line.startswith("| `")
+    }
+    assert rows == set(_FIELDS), sorted(rows ^ set(_FIELDS))
