@@ -19,6 +19,8 @@ LOG_TAIL_BYTES = 8192  # a rank that printed megabytes without a newline still g
 FOLLOWER_CHARS = 160  # a rank that failed after the first one: its exception line, cut
 LAST_LINES = 3  # a rank that ended without an error report: its log's last words, in the head
 HANG_MARKS = ("timed out", "timeout")  # how gloo, NCCL and HCCL say a collective waited too long
+# a rank that cannot write its error report (a full disk) exits with this plus the errno
+UNWRITABLE_REPORT = 64
 MESSAGE_CHARS = 2000  # an exception message shown in a failure (one of 20 MB is cut, not printed)
 # what a rank's collective says when a peer it waits on died (gloo, NCCL, HCCL, the store)
 PEER_GONE = (
@@ -95,6 +97,9 @@ class RankResult:
                 return f"killed by {signal.Signals(-code).name}"
             except ValueError:
                 return f"killed by signal {-code}"
+        if code is not None and UNWRITABLE_REPORT < code <= UNWRITABLE_REPORT + 191:
+            why = os.strerror(code - UNWRITABLE_REPORT)
+            return f"exited {code}: it could not write its report to its folder ({why})"
         return "still running" if code is None else f"exited {code}"
 
     def last_lines(self, count: int = LAST_LINES) -> list[str]:

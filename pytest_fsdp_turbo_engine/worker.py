@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import PARTIAL_METRICS_ATTR
-from pytest_fsdp_turbo_contract.results import RankError
+from pytest_fsdp_turbo_contract.results import UNWRITABLE_REPORT, RankError
 from pytest_fsdp_turbo_contract.spec import RankSpec
 
 
@@ -71,12 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure must be reported, then exit
         text = traceback.format_exc()
         error = RankError(rank, phase.name, type(exc).__name__, str(exc), text, time.time())
-        _write_json(folder.error(rank), error.to_json())
-        partial = getattr(exc, PARTIAL_METRICS_ATTR, None)
-        if partial is not None and partial.to_json():
-            _write_json(folder.partial_metrics(rank), partial.to_json())
-        print(text, file=sys.stderr, flush=True)
-        sys.stdout.flush()
+        try:
+            _write_json(folder.error(rank), error.to_json())
+            partial = getattr(exc, PARTIAL_METRICS_ATTR, None)
+            if partial is not None and partial.to_json():
+                _write_json(folder.partial_metrics(rank), partial.to_json())
+            print(text, file=sys.stderr, flush=True)
+            sys.stdout.flush()
+        except OSError as unwritable:  # a full disk: the exit code says why, nothing else can
+            os._exit(UNWRITABLE_REPORT + min(unwritable.errno or 5, 191))
         os._exit(1)
 
 

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,8 @@ from pytest_fsdp_turbo_contract.records import (
 from pytest_fsdp_turbo_contract.results import RankError
 from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def metric_keys() -> list[str]:
@@ -141,3 +144,45 @@ def test_a_twenty_megabyte_exception_message_is_cut_in_the_failure(tmp_path):
     assert head.startswith("case c: rank 0 failed first in phase train: RuntimeError: xxx")
     assert head.endswith(f"(... {len(huge) - MESSAGE_CHARS} characters cut)")
     assert len(text) < 20_000
+
+
+def test_a_rank_that_cannot_write_its_report_says_why_through_its_exit_code(tmp_path, monkeypatch):
+    """On a full disk the rank's error report cannot be written: it exits with 64 + errno, and the
+    failure reads "No space left on device" instead of a bare exit 1."""
+    import errno
+    import os
+
+    from pytest_fsdp_turbo.cases import load_cases
+    from pytest_fsdp_turbo_contract.results import UNWRITABLE_REPORT, RankResult
+    from pytest_fsdp_turbo_engine import faults, worker
+
+    case = next(
+        c for c in load_cases(REPO / "e2e" / "cases.toml") if c.id == "tiny-qwen3-single-rank"
+    )
+    spec_path = tmp_path / "spec.json"
+    case.rank_spec("cpu", model_path=str(tmp_path), model_type="qwen3").write(spec_path)
+    monkeypatch.setenv("RANK", "0")
+    for name in ("TRANSFORMERS_VERBOSITY", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.setenv(name, "1")  # the worker sets them for itself; put back after
+
+    def full(path, payload):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def failing_fault(spec):
+        raise RuntimeError("the step failed")
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(worker.faulthandler, "register", lambda *args, **kwargs: None)
+    monkeypatch.setattr(worker, "_write_json", full)
+    monkeypatch.setattr(faults.Fault, "of", staticmethod(failing_fault))
+    monkeypatch.setattr(os, "_exit", exit_now)
+    with pytest.raises(SystemExit) as ended:
+        worker.main([str(spec_path)])
+    assert ended.value.code == UNWRITABLE_REPORT + errno.ENOSPC
+    rank = RankResult(0, ended.value.code, 1.0, tmp_path / "rank0.log")
+    assert rank.ending() == (
+        f"exited {UNWRITABLE_REPORT + errno.ENOSPC}: it could not write its report to its folder "
+        "(No space left on device)"
+    )
