@@ -65,7 +65,7 @@ def test_a_slowed_case_shows_its_phases_and_a_stall_warning_then_a_timeline(pyte
     pytester.makeini(
         f"[pytest]\nfsdp_turbo_cases = {REPO / 'e2e' / 'cases.toml'}\nfsdp_turbo_stall_share = 0.1\nfsdp_turbo_quiet_s = 2\n"
     )
-    pytester.makepyfile(
+    module = pytester.makepyfile(
         "from pytest_fsdp_turbo import checks\n"
         "def test_slow(ppo_run):\n"
         "    r = ppo_run('tiny-llama-fsdp2-deferred', timeout=20.0, collective_timeout=15.0,\n"
@@ -83,7 +83,10 @@ def test_a_slowed_case_shows_its_phases_and_a_stall_warning_then_a_timeline(pyte
     assert status and any("r1 rollout" in line for line in status), out[-3000:]
     # (a quick case's silence is test_quick_case_prints_nothing_and_a_stall_warns_once's, without
     # the wall clock of a loaded box deciding it)
-    rows = json.loads((tmp_path / "art" / "test_slow" / "timeline.json").read_text())
+    from pytest_fsdp_turbo.report import artifact_name
+
+    folder = tmp_path / "art" / artifact_name(f"{module.name}::test_slow")
+    rows = json.loads((folder / "timeline.json").read_text())
     stalled = [r for r in rows if r["rank"] == 1 and r["phase"] == "rollout"]
     assert stalled and stalled[0]["end"] - stalled[0]["start"] >= 3.5
 
