@@ -65,6 +65,8 @@ LONGEST_FIRST = (
     "e2e/test_ppo_e2e.py::test_ppo_one_step[tiny-qwen3_5-fsdp_turbo",
     "e2e/test_mutations.py::test_check_catches_broken_engine[broken_turbo",
     "e2e/test_mutations.py::test_verl",
+    "e2e/test_mutations.py::test_a_downstream_subclass",
+    "tests/test_warm_ranks.py::test_a_stopped_warm_parent",
     "e2e/test_mutations.py::test_sp_loss",
     "e2e/test_mutations.py::test_packed_rows",
     "e2e/test_mutations.py::test_units_that_never",

@@ -251,19 +251,26 @@ def test_a_tiny_spec_too_big_or_wrong_is_one_line_before_anything_is_allocated(
     tmp_path, config, said
 ):
     """Checked on the meta device first: a spec of about 100 GiB is refused by its size, a field
-    transformers refuses is named in transformers' words, each in one line naming the spec file."""
+    transformers refuses is named in transformers' words, each in one line naming the spec file;
+    through the builder the pytest side gets exactly that line, as a failure (the first case)."""
     from pytest_fsdp_turbo.models import build_tiny_model as build
     from pytest_fsdp_turbo_contract.errors import ConfigError
+    from pytest_fsdp_turbo_engine.tiny_models import SpecError, check_spec
 
     specs = tmp_path / "specs"
     specs.mkdir()
     spec = {"model_type": "qwen3", "seed": 1} | ({"config": config} if config else {})
     (specs / "tiny-bad.json").write_text(json.dumps(spec))
-    with pytest.raises(ConfigError) as refused:
-        build("tiny-bad", tmp_path / "cache", tiny_models=specs)
-    message = str(refused.value)
+    with pytest.raises(SpecError) as checked:
+        check_spec("tiny-bad", specs)
+    message = str(checked.value)
     assert message.startswith(f"tiny model spec {specs / 'tiny-bad.json'}: ") and said in message
-    assert "\n" not in message and not list((tmp_path / "cache").glob("tiny-bad*/config.json"))
+    assert "\n" not in message
+    if "weights would take" in said:  # the whole path once: builder subprocess, exit code, line
+        with pytest.raises(ConfigError) as refused:
+            build("tiny-bad", tmp_path / "cache", tiny_models=specs)
+        assert str(refused.value) == message
+        assert not list((tmp_path / "cache").glob("tiny-bad*/config.json"))
 
 
 def test_every_shipped_tiny_spec_passes_the_check():
