@@ -14,6 +14,7 @@ which only its ranks can tell; such a backend declares no capability.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -106,6 +107,7 @@ class Capabilities:
 
     declares: frozenset[str] = frozenset()
     announced_by: str = ""  # the entries, for messages
+    any_device: bool = False  # an entry declaring the backend names no device kind: all of them
 
     def __contains__(self, capability: str) -> bool:
         return capability in self.declares
@@ -113,7 +115,7 @@ class Capabilities:
     @property
     def devices(self) -> frozenset[str]:
         named = self.declares & frozenset(DeviceKind)
-        return named or frozenset(DeviceKind)
+        return named if named and not self.any_device else frozenset(DeviceKind)
 
     @property
     def capabilities(self) -> tuple[str, ...]:
@@ -147,7 +149,11 @@ class EngineCatalog:
             undeclared = UNDECLARED_VERL if backend.startswith(VERL_PREFIX) else frozenset()
             return Capabilities(undeclared, "no entry declares it")
         declares = frozenset().union(*(e.declares for e in declaring))
-        return Capabilities(declares, "; ".join(f"{e.where}: {e.text}" for e in declaring))
+        if backend.startswith(VERL_PREFIX):  # what the adapter gives every verl engine stays
+            declares |= UNDECLARED_VERL
+        any_device = any(not e.declares & frozenset(DeviceKind) for e in declaring)
+        said = "; ".join(f"{e.where}: {e.text}" for e in declaring)
+        return Capabilities(declares, said, any_device)
 
     def serving(self, backend: str) -> list[EngineEntry]:
         """What a rank imports to run `backend`: the entries declaring it, and every bare module
@@ -163,6 +169,19 @@ class EngineCatalog:
         return cls((*BUILT_INS, *(EngineEntry.parse(t, "spec engine_modules") for t in texts)))
 
 
+def _entries_of(text: str) -> list[str]:
+    """Comma-separated entries, a comma inside an entry's [capabilities] not splitting it."""
+    entries, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            entries.append(current)
+            current = ""
+        else:
+            current += char
+    return [*entries, current]
+
+
 def engine_catalog(
     announced: Iterable[tuple[str, Iterable[str]]] = (),
     env: Mapping[str, str] | None = None,
@@ -174,12 +193,17 @@ def engine_catalog(
     env = os.environ if env is None else env
     entries = list(BUILT_INS)
     for point in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        where = f"entry point {point.name}"
-        entries.append(EngineEntry.parse(f"{point.name} = {point.value}", where))
-    variable = [t for t in env.get(Env.ENGINE_MODULES, "").split(",") if t.strip()]
+        where = f"entry point {point.name}"  # its module (an `:attr` is not ours to read), extras
+        declared = f" [{', '.join(point.extras)}]" if point.extras else ""
+        entries.append(EngineEntry.parse(f"{point.name} = {point.module}{declared}", where))
+    variable = [t for t in _entries_of(env.get(Env.ENGINE_MODULES, "")) if t.strip()]
     for origin, texts in (*announced, (Env.ENGINE_MODULES, variable)):
         entries += [EngineEntry.parse(t, origin) for t in texts if t.strip()]
     unique: dict[tuple[str, str | None], EngineEntry] = {}
-    for entry in entries:  # an entry announced twice keeps its first announcement
-        unique.setdefault((entry.module, entry.backend), entry)
+    for entry in entries:  # announced twice: its first announcement, with both declarations
+        first = unique.setdefault((entry.module, entry.backend), entry)
+        if first is not entry and entry.declares - first.declares:
+            unique[(entry.module, entry.backend)] = dataclasses.replace(
+                first, declares=first.declares | entry.declares
+            )
     return EngineCatalog(tuple(unique.values()))

@@ -164,3 +164,25 @@ def test_a_gloo_interface_this_host_lacks_is_one_line_naming_the_variable(ppo_ru
         "ppo_run extra_env GLOO_SOCKET_IFNAME: expected network interfaces of this host ("
     )
     assert message.endswith("; nosuch0 is not one") and "lo" in message
+
+
+def test_reaping_never_touches_a_session_whose_leader_took_a_dead_ranks_pid():
+    """Reaping matches sessions by the rank's pid; once a rank is gone its pid may name another
+    process's session. A leader alive with another start time is not the rank: left alone."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from pytest_fsdp_turbo.launching.supervisor import case_processes
+
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        started = psutil.Process(other.pid).create_time()
+        assert [p.pid for p in case_processes("x", {other.pid: started})] == [other.pid]
+        assert case_processes("x", {other.pid: started - 100}) == []  # a recycled pid
+    finally:
+        other.kill()
+        other.wait()

@@ -123,10 +123,12 @@ def test_an_entry_point_names_its_backend_and_a_module_that_does_not_register_it
     entry_points.write_text(
         "[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_mod\n"
         "ep_sp_engine = ep_engines_mod [sp, cuda]\n"  # capabilities ride in the value's brackets
+        "ep_attr_engine = ep_engines_mod:register\n"  # an :attr, as entry points often have
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     catalog = engine_catalog(env={})
     assert "ep_engine" in catalog.backends and not catalog.is_open
+    assert "ep_attr_engine" in catalog.backends
     declared = catalog.capabilities("ep_sp_engine")
     assert declared.capabilities == ("sp",) and declared.devices == {"cuda"}
     assert "entry point ep_sp_engine: ep_sp_engine = ep_engines_mod [cuda, sp]" in (
@@ -315,6 +317,13 @@ def test_what_a_case_asks_of_its_engine_is_read_from_the_catalog_entry(tmp_path)
         EngineEntry.parse("mine = mine.engine [warp_drive]", "ini")
     with pytest.raises(ConfigError, match=r"expected MODULE or BACKEND = MODULE"):
         EngineEntry.parse("mine.engine [sp]", "ini")  # a bare module declares no backend
+    variable = {"PYTEST_FSDP_TURBO_ENGINE_MODULES": "mine = mine.engine [sp, packing],other.mod"}
+    listed = engine_catalog(env=variable)
+    assert listed.capabilities("mine").capabilities == ("packing", "sp") and listed.is_open
+    widened = engine_catalog([(INI, ["fsdp_turbo = extra.engine [npu]"])], env={})
+    assert widened.capabilities("fsdp_turbo").devices == {"cpu", "cuda", "npu"}  # built-in: all
+    devices_only = engine_catalog([(INI, ["verl:acme = acme.engine [cuda]"])], env={})
+    assert {"own_loop", "always_packs"} <= set(devices_only.capabilities("verl:acme").capabilities)
     entry = EngineEntry.parse("verl:acme_turbo=acme.engine[turbo_config,sp]", "entry point x")
     assert entry.text == "verl:acme_turbo = acme.engine [sp, turbo_config]"
     assert EngineEntry.parse(entry.text, "spec") == EngineEntry(

@@ -324,6 +324,8 @@ def _launch_once(request: RunRequest, ids, ranges, port: int, parent, progress) 
             watch=progress.tick if progress else None,
         )
 
+    if parent is not None and getattr(parent, "silent", False):
+        parent = None  # given up on an earlier attempt (a port retry): spawn, as that one did
     try:
         return launch(parent)
     except WarmParentSilent as silent:  # no rank of this launch ran: spawn them all instead

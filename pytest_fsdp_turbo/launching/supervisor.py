@@ -74,24 +74,46 @@ def kill_pid_tree(pid: int) -> None:
             proc.kill()
 
 
-def case_processes(token: str, sessions: set[int]) -> list[psutil.Process]:
+def case_processes(token: str, sessions: Mapping[int, float]) -> list[psutil.Process]:
     """This user's processes a case started, wherever they went: in a rank's session or process
-    group, or carrying the case's token in their environment (a helper that started a session of
-    its own and re-parented)."""
+    group (`sessions`: each rank's pid, which names both, and when it started), or carrying the
+    case's token in their environment (a helper that started a session of its own and re-parented).
+    A session whose leader is alive but started at another time is another process's, which got
+    a dead rank's pid: never touched; nor is anything that started before the ranks."""
     me, uid = os.getpid(), os.getuid()
+    earliest = min(sessions.values(), default=0.0)
     found = []
-    for proc in psutil.process_iter(["uids"]):
+    for proc in psutil.process_iter(["uids", "create_time"]):
         with contextlib.suppress(psutil.Error, OSError):
             if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != uid:
                 continue
+            if proc.info["create_time"] < earliest - 1.0:
+                continue
             pid = proc.pid
-            in_a_rank = os.getsid(pid) in sessions or os.getpgid(pid) in sessions
+            leaders = {os.getsid(pid), os.getpgid(pid)} & set(sessions)
+            in_a_rank = any(_still_the_rank(leader, sessions[leader]) for leader in leaders)
             if in_a_rank or proc.environ().get(CASE_TOKEN_VAR) == token:
                 found.append(proc)
     return found
 
 
-def reap_case(token: str, sessions: set[int]) -> list[int]:
+def _still_the_rank(pid: int, started: float) -> bool:
+    """The session (group) leader `pid` is the rank itself, or gone: not a process that took
+    the pid since."""
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 0.5
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _create_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return time.time()  # gone already: nothing of it to match later
+
+
+def reap_case(token: str, sessions: Mapping[int, float]) -> list[int]:
     """Kill what a case left behind; the pids killed (nothing, for a case that cleaned up)."""
     left = case_processes(token, sessions)
     for proc in left:
@@ -142,6 +164,7 @@ class LocalRank:
                 preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         self.pid = self.proc.pid
+        self.started = _create_time(self.pid)
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -169,6 +192,7 @@ class ForkedRank:
     ):
         self.parent, self.rank, self.log_path = parent, rank, log_path
         self.pid = parent.fork(rank, env, spec, log_path, preload)
+        self.started = _create_time(self.pid)
 
     def poll(self) -> int | None:
         code = self.parent.exits.get(self.pid)
@@ -343,7 +367,7 @@ def launch_local(
             result.failure = _warm_parent_died(warm_parent)
         return result
     finally:  # each rank leads its own session: its pid names its session and process group
-        reap_case(token, {handle.pid for handle in handles})
+        reap_case(token, {handle.pid: handle.started for handle in handles})
 
 
 def _warm_parent_died(parent, exc: BaseException | None = None) -> str:

@@ -44,7 +44,10 @@ WARM_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
 NO_FORK_VAR = Env.NO_FORK
 SOCKET_VAR = Env.WARM_SOCKET
 READY_TIMEOUT_S = 300.0
-FORK_TIMEOUT_S = 10.0  # a fork is answered in milliseconds; silence this long: stopped or stuck
+# a fork is answered in milliseconds, but the first one for a stack (verl) waits for its zygote's
+# imports, and every other request waits behind it: silence this long means stopped or stuck
+FORK_TIMEOUT_S = 60.0
+SILENT_SOCKETS: set[str] = set()  # shared parents that once left a fork unanswered: not adopted
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -147,6 +150,8 @@ class _Conversation:
 
     def _request(self, request: Fork, what: str) -> int:
         with self._lock:
+            if self.silent:
+                raise WarmParentSilent(f"the warm parent (pid {self.pid}) was given up earlier")
             self._write(encode(request))
             try:
                 reply = self._reply(FORK_TIMEOUT_S, what)
@@ -154,6 +159,8 @@ class _Conversation:
                 if not self.alive:
                     raise
                 self.silent = True  # from now on not alive: the session starts or spawns anew
+                if getattr(self, "path", None):
+                    SILENT_SOCKETS.add(self.path)
                 self.close()
                 raise WarmParentSilent(
                     f"the warm parent (pid {self.pid}) did not answer within "
@@ -260,6 +267,7 @@ class SharedWarmParent(_Conversation):
     forks for this process are killed when this process disconnects or dies."""
 
     def __init__(self, socket_path: str):
+        self.path = socket_path
         self.log_path = Path(socket_path).with_suffix(".log")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(CONNECT_TIMEOUT_S)
@@ -287,7 +295,7 @@ class SharedWarmParent(_Conversation):
 def _shared_parent() -> SharedWarmParent | None:
     """An ancestor's warm parent this process may fork from, if one is advertised and fits."""
     path = os.environ.get(SOCKET_VAR)
-    if not path:
+    if not path or path in SILENT_SOCKETS:
         return None
     try:
         parent = SharedWarmParent(path)
@@ -321,7 +329,8 @@ def run_module(
     if parent is None:
         parent = _adopt_shared_parent()
     if parent is not None and parent.alive:
-        return parent.run_module(module, argv, env, timeout_s)
+        with contextlib.suppress(WarmParentSilent):  # given up: a fresh interpreter below
+            return parent.run_module(module, argv, env, timeout_s)
     return subprocess.run(
         [sys.executable, "-m", module, *argv],
         capture_output=True,
