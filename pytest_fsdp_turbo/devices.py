@@ -122,7 +122,8 @@ def _run_tool(tool: str, args: list[str], env: Mapping[str, str]) -> tuple[str |
     except subprocess.TimeoutExpired:
         with contextlib.suppress(OSError):
             os.killpg(tool_process.pid, signal.SIGKILL)
-        tool_process.communicate()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a helper that left the group
+            tool_process.communicate(timeout=5)  # may hold the pipes: not waited on for ever
         return None, f"{tool} did not answer within {TOOL_TIMEOUT_S:g}s"
     # a driver tool may print bytes that are not UTF-8 (a localised name): read, never refused
     stdout, stderr = (data.decode("utf-8", errors="replace") for data in (out, err))

@@ -22,13 +22,13 @@ from pytest_fsdp_turbo.cases import (
 )
 from pytest_fsdp_turbo.launching.warm import run_module
 from pytest_fsdp_turbo.private_dirs import private_dir
-from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.errors import SPEC_ERROR_EXIT, ConfigError
 
 BUILDER_MODULE = "pytest_fsdp_turbo_engine.tiny_models"
 BUILD_TIMEOUT_S = 300
-SPEC_ERROR_EXIT = 2  # the builder's exit code for a spec that is wrong (pytest_fsdp_turbo_engine)
 REQUIRED_FILES = ("config.json",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+SAFETENSORS_HEADER_MAX = 100 << 20  # safetensors' own bound on a header
 
 
 class ModelUnavailable(LookupError):
@@ -131,7 +131,7 @@ def safetensors_problem(path: Path) -> str | None:
         with open(path, "rb") as weights:
             size = os.fstat(weights.fileno()).st_size
             length = int.from_bytes(weights.read(8), "little")
-            if size < 8 or not 2 <= length <= size - 8:
+            if size < 8 or not 2 <= length <= min(size - 8, SAFETENSORS_HEADER_MAX):
                 return f"is not a safetensors file (header of {length} bytes in {size})"
             header = json.loads(weights.read(length))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

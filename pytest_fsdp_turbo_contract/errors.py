@@ -16,3 +16,7 @@ class LeaseTimeout(TimeoutError):
 
 class CheckoutUnavailable(RuntimeError):
     """The FSDPTurbo checkout could not be provided; the message names the source and git's error."""
+
+
+# the tiny-model builder's exit code for a spec that is wrong (said on its last stderr line)
+SPEC_ERROR_EXIT = 2

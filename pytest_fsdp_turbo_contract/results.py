@@ -18,7 +18,9 @@ LOG_TAIL_LINES = 30
 LOG_TAIL_BYTES = 8192  # a rank that printed megabytes without a newline still gets a short tail
 FOLLOWER_CHARS = 160  # a rank that failed after the first one: its exception line, cut
 LAST_LINES = 3  # a rank that ended without an error report: its log's last words, in the head
-HANG_MARKS = ("timed out", "timeout")  # how gloo, NCCL and HCCL say a collective waited too long
+# how gloo ("Timed out waiting ... for recv operation"), NCCL's watchdog ("collective operation
+# timeout") and HCCL ("... timeout ..." naming hccl) say a collective waited too long
+HANG_MARKS = ("timed out waiting", "collective operation timeout", "hccl")
 # a rank that cannot write its error report (a full disk) exits with this plus the errno
 UNWRITABLE_REPORT = 64
 MESSAGE_CHARS = 2000  # an exception message shown in a failure (one of 20 MB is cut, not printed)
@@ -220,7 +222,9 @@ class RunResult:
         first = self.first_failed()
         if first is None or first.error is None:
             return False
-        return any(mark in first.error.message.lower() for mark in HANG_MARKS)
+        said = first.error.message.lower()
+        hccl_timeout = "hccl" in said and "timeout" in said
+        return hccl_timeout or any(mark in said for mark in HANG_MARKS[:2])
 
     def _follower_line(self, rank: RankResult, told: dict) -> str:
         """One line for a rank that failed after the first: a peer that only lost its connection

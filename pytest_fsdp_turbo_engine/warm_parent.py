@@ -159,7 +159,7 @@ def _rank(request: Fork, inherited: list[int]) -> int:
             sys.path.insert(0, entry)
     import torch
 
-    threads = env.get("OMP_NUM_THREADS", "1")
+    threads = env.get("OMP_NUM_THREADS", "1").split(",")[0]  # "4,2": nested levels, 4 here
     if not (threads.isdigit() and int(threads) > 0):
         raise ValueError(f"OMP_NUM_THREADS: expected a positive integer; got {threads!r}")
     torch.set_num_threads(int(threads))

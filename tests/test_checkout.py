@@ -305,3 +305,12 @@ def test_the_harness_git_ignores_the_git_variables_of_a_hook(upstream, tmp_path,
     assert (got.path / "fsdp_turbo/__init__.py").read_text() == "VERSION = 1\n"
     assert clone_cached(request(upstream["url"], "v1", tmp_path / "cache")).path == got.path
     assert index.read_bytes() == before
+
+
+def test_what_imports_leave_in_a_cached_checkout_keeps_it(upstream, tmp_path):
+    cache = tmp_path / "cache"
+    first = clone_cached(request(upstream["url"], "v1", cache))
+    (first.path / "fsdp_turbo" / "__pycache__").mkdir()
+    (first.path / "fsdp_turbo" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
+    again = clone_cached(request(upstream["url"], "v1", cache))
+    assert "cached" in again.source  # used as it is, not cloned again under running ranks

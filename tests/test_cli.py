@@ -155,7 +155,12 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
     ) in twice.stderr
     # a metrics file cut short reads as missing; a case.json without an id is one line
     metrics_b.write_text(metrics_b.read_text()[:40])
-    cut = cli("compare", str(tmp_path / "a" / "elsewhere"), str(tmp_path / "b" / "again"))
+    cut = cli("compare", str(tmp_path / "a" / "elsewhere"), str(metrics_b.parent))
+    assert cut.returncode == 0, cut.stderr
+    assert any(
+        OptimizerRecord.key("grad_norm") in line and line.rstrip().endswith("missing")
+        for line in cut.stdout.splitlines()
+    ), cut.stdout
     (tmp_path / "b" / "e2e.test_x.test_y" / "case.json").write_text("{}")
     no_id = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"))
     assert no_id.returncode == 2 and "expected the case as a JSON object with an id" in (

@@ -256,6 +256,7 @@ def test_a_stopped_warm_parent_costs_seconds_and_the_case_runs_on_spawned_ranks(
         "def test_stopped(ppo_run, fsdp_turbo_lease_book):\n"
         "    parent, why = warm.warm_parent(fsdp_turbo_lease_book.state_dir)\n"
         "    assert parent is not None and parent.fork_safe, why\n"
+        "    assert ppo_run('tiny-qwen3-single-rank').ok  # its model and inspection: ready\n"
         "    warm.FORK_TIMEOUT_S = 2.0\n"
         "    os.kill(parent.pid, signal.SIGSTOP)\n"
         "    result = ppo_run('tiny-qwen3-single-rank')\n"

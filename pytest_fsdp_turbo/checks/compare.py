@@ -82,7 +82,8 @@ def pair_runs(a: Path, b: Path) -> dict[str, tuple[Path | None, Path | None]]:
                 f"on the other side ({', '.join(p.name for p in same)}); name one of them"
             )
         if in_a and in_b:
-            pairs[case_id] = (in_a[0], in_b[0])
+            label = case_id if case_id not in pairs else f"{case_id} ({in_a[0].name})"
+            pairs[label] = (in_a[0], in_b[0])
         else:
             for folder in in_a or in_b:
                 pairs[folder.name] = (folder, None) if in_a else (None, folder)
@@ -149,8 +150,7 @@ def write_timeline_png(runs: list[tuple[str, Path]], path: Path) -> None:
 
     panels = []
     for label, root in runs:
-        for name, (_, folder) in sorted(_case_folders(root).items()):
-            case_id = name
+        for case_id, (_, folder) in sorted(_case_folders(root).items()):
             timeline = RunFolder(folder).timeline
             if not timeline.is_file():
                 raise ConfigError(f"compare --timeline: {timeline} does not exist")

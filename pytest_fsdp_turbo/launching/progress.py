@@ -69,6 +69,9 @@ def _order(phase: str) -> int:
     return PHASES.index(phase) if phase in PHASES else -1
 
 
+UNCOLLECTIVE_PHASES = ("starting", "init", "load", "rollout")
+
+
 @dataclass
 class Progress:
     case_id: str
@@ -96,13 +99,15 @@ class Progress:
     def tick(self, elapsed: float) -> None:
         now = time.time()
         phases = self.current()
-        base = min(self.collective_timeout_s or self.timeout_s, self.timeout_s)
-        limit = self.stall_share * base
+        collective = min(self.collective_timeout_s or self.timeout_s, self.timeout_s)
         # a rank already in a later phase than another is waiting for it, not stalled itself
         behind = min((_order(phase) for phase, _ in phases.values()), default=0)
         for rank, (phase, since) in phases.items():
             if _order(phase) > behind:
                 continue
+            # loading and generating wait on no collective: they are held to the case timeout
+            base = self.timeout_s if phase in UNCOLLECTIVE_PHASES else collective
+            limit = self.stall_share * base
             if since and now - since > limit and (rank, phase) not in self._warned:
                 self._warned.add((rank, phase))
                 if self._shown and self.live is not None:

@@ -129,13 +129,18 @@ def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[st
         env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update(request.extra_env)
     threads = env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-    if not (threads.isdigit() and int(threads) > 0):  # every rank would die setting it up
+    if not _thread_counts(threads):  # every rank would die setting it up
         where = "ppo_run extra_env" if "OMP_NUM_THREADS" in request.extra_env else "environment"
         raise ConfigError(
             f"{where} OMP_NUM_THREADS: expected a positive integer (threads per rank); got "
             f"{threads!r}"
         )
     return env
+
+
+def _thread_counts(text: str) -> bool:
+    """OpenMP's form: a positive count, or a comma list of them for nested levels ("4,2")."""
+    return all(part.isdigit() and int(part) > 0 for part in text.split(","))
 
 
 def _refuse_missing_interfaces(env: dict[str, str], given: dict[str, str]) -> None:
@@ -192,7 +197,7 @@ def _prepare(request: RunRequest, *, local: bool) -> Path:
         out.mkdir(parents=True)
         folder = RunFolder(out)
         spec.write(folder.spec)
-        folder.case.write_text(json.dumps(asdict(request.case), indent=1, default=list))
+        folder.case.write_text(json.dumps(asdict(request.case), indent=1, default=sorted))
     except OSError as exc:  # below a regular file, not writable, the disk full
         where = exc.filename or out
         raise ConfigError(

@@ -55,14 +55,33 @@ class Checkout:
         return str(self.path)
 
 
+# the variables that point git at a repository (`git rev-parse --local-env-vars`, less the
+# configuration ones a CI image sets on purpose: safe.directory, CA bundles)
+_REPOSITORY_VARS = (
+    "GIT_ALTERNATE_OBJECT_DIRECTORIES",
+    "GIT_COMMON_DIR",
+    "GIT_DIR",
+    "GIT_GRAFT_FILE",
+    "GIT_IMPLICIT_WORK_TREE",
+    "GIT_INDEX_FILE",
+    "GIT_NO_REPLACE_OBJECTS",
+    "GIT_OBJECT_DIRECTORY",
+    "GIT_PREFIX",
+    "GIT_REPLACE_REF_BASE",
+    "GIT_SHALLOW_FILE",
+    "GIT_WORK_TREE",
+    "GIT_QUARANTINE_PATH",
+    "GIT_NAMESPACE",
+)
+
+
 def git_environment() -> dict[str, str]:
-    """This process's environment without any GIT_* variable: run from a hook (`git commit -a`
-    sets GIT_INDEX_FILE, GIT_DIR and friends), the harness's git would otherwise act on the
-    user's repository instead of the checkout it was pointed at. Then the harness's own."""
-    return {
-        **{name: value for name, value in os.environ.items() if not name.startswith("GIT_")},
-        **_GIT_ENV,
-    }
+    """This process's environment without the variables that locate a repository: run from a
+    hook (`git commit -a` sets GIT_INDEX_FILE, GIT_DIR and friends), the harness's git would
+    otherwise act on the user's repository instead of the checkout it was pointed at. Then the
+    harness's own."""
+    kept = {k: v for k, v in os.environ.items() if k not in _REPOSITORY_VARS}
+    return {**kept, **_GIT_ENV}
 
 
 def _git(args: list[str], cwd: Path | None, timeout_s: float) -> str:
@@ -180,7 +199,11 @@ def _verified_cached(final: Path, ref: str | None) -> str | None:
         edited = _git(["status", "--porcelain", "--ignored=no"], final, 60)
     except CheckoutUnavailable:
         return None
-    changed = [line for line in edited.splitlines() if line[3:] != COMPLETE_MARKER]
+    changed = [
+        line
+        for line in edited.splitlines()
+        if line[3:] != COMPLETE_MARKER and "__pycache__/" not in line  # what imports leave
+    ]
     return None if changed else commit
 
 
@@ -246,7 +269,10 @@ def find_checkout(request: CheckoutRequest) -> Checkout | None:
     except ConfigError:
         return None
     final = (request.cache_dir or default_cache_dir()) / cache_key(repo, ref)
-    commit = _verified_cached(final, ref) if final.is_dir() else None
+    try:  # a foreign or half-removed entry is no checkout here; resolving it says why
+        commit = _verified_cached(final, ref) if final.is_dir() else None
+    except (CheckoutUnavailable, OSError):
+        return None
     return Checkout(final, commit, f"cached clone of {repo}@{ref or 'HEAD'}") if commit else None
 
 

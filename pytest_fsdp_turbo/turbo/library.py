@@ -63,8 +63,9 @@ def _inspection_key(model_dir: Path | None, checkout: Path | None) -> str:
     parts = [Path(inspector.origin)] if inspector and inspector.origin else []
     if model_dir is not None:
         parts.append(model_dir / "config.json")
-    if checkout is not None:
+    if checkout is not None:  # a stand-in's config module also imports from the folder above
         parts += sorted((checkout / "fsdp_turbo").rglob("*.py"))
+        parts += sorted(checkout.parent.glob("*.py"))
     for part in parts:
         digest.update(str(part).encode())
         with contextlib.suppress(OSError):

@@ -688,19 +688,24 @@ class FSDPTurbo(torch.nn.Module):
 
 def clip_grad_norm(model, max_norm: float, norm_type: float = 2.0, group=None) -> float:
     """Clips in place, returns the total norm as a float. Without a group the norm comes from the
-    DTensor gradients' own meshes; with one, each rank's local gradient shards are summed over
-    that group (a group that misses ranks holding shards gives a smaller norm, as it would)."""
+    DTensor gradients' own meshes (the library's trainer says as much). What the library does
+    with a group is not in its published source: here each rank's local gradient shards are
+    summed over that group, the usual meaning, so a caller's group reaches the norm at all (a
+    group holding replicas counts them more than once)."""
     params = [p for p in model.parameters() if p.grad is not None]
     if group is None:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=False)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
     if norm_type == float("inf"):
-        total = torch.stack([g.detach().abs().max() for g in local]).max().float()
+        total = torch.zeros((), dtype=torch.float32)  # a rank without gradients adds nothing
+        for grad in local:
+            total = torch.maximum(total, grad.detach().abs().max().float())
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
-        total = sum(g.detach().float().norm(norm_type) ** norm_type for g in local)
-        total = torch.as_tensor(total, dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32)
+        for grad in local:
+            total = total + grad.detach().float().norm(norm_type) ** norm_type
         dist.all_reduce(total, group=group)
         total = total ** (1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

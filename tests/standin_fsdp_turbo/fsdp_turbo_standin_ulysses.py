@@ -375,6 +375,8 @@ def apply_core_attention(cp_plan, group) -> None:
 
     functions = cp_plan.ulysses_core_attention_function or []
     functions = [functions] if isinstance(functions, str) else list(functions)
+    if not functions:
+        return  # the library runs no Ulysses then, and checks no attention type
     kind = cp_plan.ulysses_attention_type
     if kind == "default":
         wrap = middle_layout_attention
