@@ -52,7 +52,8 @@ def test_doctor_shows_devices_env_user_values_and_masks_secrets(tmp_path):
         "HCCL_AUTH_TOKEN": "s3cr3t",
         "XDG_CACHE_HOME": str(tmp_path / "cache"),
     }
-    done = cli("doctor", env=env)
+    # one run answers --require and, for multi-node Ray, the per-node part of a rank's env
+    done = cli("doctor", "--require", "npu", "--node-ip", "203.0.113.77", env=env)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "devices:   npu: 8 devices (910B3), backend hccl, via npu-smi info" in out
@@ -61,14 +62,10 @@ def test_doctor_shows_devices_env_user_values_and_masks_secrets(tmp_path):
     assert "s3cr3t" not in out
     assert "FSDPTurbo: not available" in out and "--clone" in out
     assert "versions:  torch " in out
-    assert cli("doctor", "--require", "npu", env=env).returncode == 0
+    assert "env per node, for the node at 203.0.113.77 (no interface here holds it):" in out
+    assert "  HCCL_IF_IP=203.0.113.77" in out
     missing = cli("doctor", "--require", "cuda", env=env)
     assert missing.returncode == 1 and "doctor --require cuda: detected npu" in missing.stderr
-    # the per-node part a rank on the node with a given address gets (multi-node Ray)
-    node = cli("doctor", "--node-ip", "203.0.113.77", env=env)
-    assert node.returncode == 0, node.stderr
-    assert "env per node, for the node at 203.0.113.77 (no interface here holds it):" in node.stdout
-    assert "  HCCL_IF_IP=203.0.113.77" in node.stdout
 
 
 def test_doctor_reports_the_checkout_layout_and_torch_range(tmp_path):
@@ -76,6 +73,13 @@ def test_doctor_reports_the_checkout_layout_and_torch_range(tmp_path):
     done = cli("doctor", "--device", "cpu", env={"FSDP_TURBO_PATH": str(standin)})
     assert done.returncode == 0, done.stderr
     assert f"FSDPTurbo: {standin} @ " in done.stdout
+    from importlib import metadata as dists
+
+    from packaging.version import Version
+
+    if Version(dists.version("torch").split("+")[0]) < Version("2.15"):  # the case file's crash
+        known = "known-bad: case tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-deferred on cpu: torch "
+        assert known in done.stdout, done.stdout
     assert "config layout: core_attention" in done.stdout
     # the stand-in declares the library's own range; whether torch is inside depends on the stack
     from importlib import metadata
@@ -398,14 +402,6 @@ def test_doctor_names_the_cases_known_to_crash_on_this_torch():
     }
     assert not [line for line in named if "fsdp_turbo-fsdp2-sp2-deferred-twin" in line]
     assert idle_unit_crashes(cases, "2.15.0") == []
-    done = cli("doctor", "--device", "cpu")
-    assert done.returncode == 0, done.stderr
-    from importlib import metadata
-
-    from packaging.version import Version
-
-    if Version(metadata.version("torch").split("+")[0]) < Version("2.15"):
-        assert f"known-bad: {verl}cpu: torch " in done.stdout, done.stdout
 
 
 def test_compare_into_an_unwritable_png_and_run_help_says_it_reads_the_ini(tmp_path):
