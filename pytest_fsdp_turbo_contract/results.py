@@ -18,9 +18,9 @@ LOG_TAIL_LINES = 30
 LOG_TAIL_BYTES = 8192  # a rank that printed megabytes without a newline still gets a short tail
 FOLLOWER_CHARS = 160  # a rank that failed after the first one: its exception line, cut
 LAST_LINES = 3  # a rank that ended without an error report: its log's last words, in the head
-# how gloo ("Timed out waiting ... for recv operation"), NCCL's watchdog ("collective operation
-# timeout") and HCCL ("... timeout ..." naming hccl) say a collective waited too long
-HANG_MARKS = ("timed out waiting", "collective operation timeout", "hccl")
+# how gloo ("Timed out waiting ... for recv operation") and NCCL's watchdog ("collective operation
+# timeout") say a collective waited too long; HCCL's message names hccl and a timeout
+HANG_MARKS = ("timed out waiting", "collective operation timeout")
 # a rank that cannot write its error report (a full disk) exits with this plus the errno
 UNWRITABLE_REPORT = 64
 MESSAGE_CHARS = 2000  # an exception message shown in a failure (one of 20 MB is cut, not printed)
@@ -224,7 +224,7 @@ class RunResult:
             return False
         said = first.error.message.lower()
         hccl_timeout = "hccl" in said and "timeout" in said
-        return hccl_timeout or any(mark in said for mark in HANG_MARKS[:2])
+        return hccl_timeout or any(mark in said for mark in HANG_MARKS)
 
     def _follower_line(self, rank: RankResult, told: dict) -> str:
         """One line for a rank that failed after the first: a peer that only lost its connection
