@@ -52,19 +52,28 @@ COLUMNS = (
 ARTIFACT_NAME_MAX = 150
 
 
+# a node id whose folder name maps back to it one to one: a module path without dots, tests and
+# classes, one bracket of parameters, all of safe characters (anything else adds a digest)
+_PLAIN_NODEID = re.compile(
+    r"[A-Za-z0-9_/-]+\.py(::[A-Za-z0-9_.-]+)*(\[[A-Za-z0-9_.-]*\])?|[A-Za-z0-9_/-]+\.py"
+)
+
+
 def artifact_name(nodeid: str) -> str:
     """One folder per test node id, the same on every machine: the module's path (folders joined
     by '.', without .py), then the test and its parameters, e.g.
-    `e2e.test_ppo_e2e.test_ppo_one_step-tiny-qwen3-cpu`; two modules with a test of the same name
-    never share a folder. A name too long for a folder keeps its start and a digest of the id."""
+    `e2e.test_ppo_e2e.test_ppo_one_step-tiny-qwen3-cpu`; two node ids never share a folder. An id
+    the plain name cannot tell apart from another (characters a folder name drops or changes, a
+    name too long for a folder) keeps the name's start and adds a digest of the id."""
     module, _, test = nodeid.partition("::")
     module = module.removesuffix(".py").replace("/", ".").replace("\\", ".")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{module}.{test}" if test else module)
     name = re.sub(r"\.{2,}", ".", name).strip("-.")
-    if len(name) > ARTIFACT_NAME_MAX:
+    plain = _PLAIN_NODEID.fullmatch(nodeid) is not None and ".." not in nodeid
+    if not plain or len(name) > ARTIFACT_NAME_MAX:
         digest = hashlib.sha256(nodeid.encode()).hexdigest()[:12]
-        name = f"{name[: ARTIFACT_NAME_MAX - 13]}-{digest}"
-    return name or "test"
+        name = f"{name[: ARTIFACT_NAME_MAX - 13]}-{digest}".lstrip("-")
+    return name
 
 
 JUNIT_METRICS = (

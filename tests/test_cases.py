@@ -516,6 +516,10 @@ def test_two_modules_with_a_test_of_the_same_name_never_share_an_artifact_folder
     assert artifact_name("e2e/test_ppo_e2e.py::test_ppo_one_step[c-cpu]") == (
         "e2e.test_ppo_e2e.test_ppo_one_step-c-cpu"
     )
+    # ids that differ only where a folder name drops or changes characters
+    odd = ["t.py::test[a b]", "t.py::test[a/b]", "t.py::test[a-b]", "t.py::test[a..b]"]
+    odd += ["t.py::test[a.b]", "v1.2/t.py::test", "v1/2/t.py::test", "t.py::test[\u00e9]"]
+    assert len({artifact_name(nodeid) for nodeid in odd}) == len(odd), odd
     long_a = artifact_name("t.py::test[" + "x" * 400 + "a]")
     long_b = artifact_name("t.py::test[" + "x" * 400 + "b]")
     assert len(long_a) <= ARTIFACT_NAME_MAX and long_a != long_b

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+
+from pytest_fsdp_turbo.models import default_model_cache
 
 if importlib.util.find_spec("ray") is None:  # never imported here: the pytest process stays light
     pytest.skip("needs ray: pip install 'pytest-fsdp-turbo[ray]'", allow_module_level=True)
@@ -24,17 +28,24 @@ REPO = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).parent / "ray_probes" / "two_nodes.py"
 
 SESSION = '''
-import json, os, time
+import json, os, shutil, time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.checks import goldens
 from pytest_fsdp_turbo.session import cases_of, goldens_dir
+from pytest_fsdp_turbo_contract.spec import RankSpec
 
 CASE = "tiny-llama-fsdp2-deferred"
 FAULT = "PYTEST_FSDP_TURBO_FAULT"
+
+
+def last_spec():
+    (spec,) = Path("fsdp-turbo-artifacts").glob("*test_a_case_spread*/spec.json")
+    return spec
 
 
 def rank_folders(result):
@@ -44,9 +55,27 @@ def rank_folders(result):
     return said
 
 
+def alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_a_case_spread_over_two_nodes_passes_every_check_and_its_golden(ppo_run, pytestconfig):
-    # with a replay twin: its rank gets the main run's batch through Ray, not through a path
-    result = ppo_run(CASE, twin="single")
+    # with a replay twin: its rank gets the main run's batch through Ray, not through a path. The
+    # second node has none of this session's folders (this one, the tiny-model cache): the model
+    # and the engine's folder reach it through Ray. Each rank leaves a helper in a session of its
+    # own, which its node reaps (the twin runs our own FSDP engine, as every single twin).
+    helpers = Path(os.environ["TWO_NODES_HELPERS"])
+    result = ppo_run(
+        CASE,
+        twin="single",
+        backend="fsdp_with_helper",
+        engine_modules=["fsdp_with_helper = helper_starter"],
+        pythonpath=["node_engines"],
+        extra_env={"HELPER_PIDS": str(helpers)},
+    )
     assert checks.check_all(result).not_applicable() == ["d: no replicas"]
     assert result.twin is not None and result.twin.ok, result.twin
     assert result.twin.folder.metrics(0).is_file() and not result.twin.folder.batch.exists()
@@ -55,11 +84,28 @@ def test_a_case_spread_over_two_nodes_passes_every_check_and_its_golden(ppo_run,
     nodes = [rank.node for rank in result.ranks]
     assert nodes[0] != nodes[1], nodes  # 1 + 1, the node named per rank
     assert json.loads(result.folder.nodes.read_text()) == {str(r): n for r, n in enumerate(nodes)}
+    sent = [n for n in result.notes if n.startswith("sent to the nodes: ")]
+    model = RankSpec.read(result.folder.spec).model_path
+    assert sent == [f"sent to the nodes: {model}, {Path('node_engines').resolve()}"], result.notes
     # every rank ran in a folder of its own node; what it wrote came back through Ray
     for rank, folder in enumerate(rank_folders(result)):
         assert folder != str(result.artifacts_dir) and not Path(folder).exists(), folder
         assert result.folder.metrics(rank).is_file() and result.folder.log(rank).is_file()
         assert result.folder.phases(rank).is_file()
+    pids = [int(line) for line in helpers.read_text().split()]
+    assert len(pids) == 2 and not [pid for pid in pids if alive(pid)], pids  # one per node
+
+
+def test_a2_a_local_model_a_node_lacks_is_refused_naming_model_and_node(ppo_run, pytestconfig):
+    """A real model is not sent: a node without it refuses before any rank starts."""
+    local = Path("models") / "local-llama"
+    local.parent.mkdir(exist_ok=True)
+    shutil.copytree(RankSpec.read(last_spec()).model_path, local)
+    with pytest.raises(pytest.fail.Exception) as refused:
+        ppo_run(CASE, model="local-llama")
+    message = str(refused.value.msg)
+    assert f"model {local.resolve()} is not on node " in message, message
+    assert "it must be at the same path on every node (docs/multi-node.md)" in message, message
 
 
 def test_b_a_rank_that_dies_on_a_node_is_named_with_it_and_its_log_tail(ppo_run, ray_cluster):
@@ -103,9 +149,9 @@ class TwoNodes:
     """The cluster helper process: its address, its nodes, and the command that removes the
     second node."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: list[str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(PROBE)],
+            [sys.executable, str(PROBE), *hidden],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -116,6 +162,7 @@ class TwoNodes:
             raise RuntimeError(f"{PROBE} did not start a cluster (exit {self.proc.wait()})")
         info = json.loads(line)
         self.address, self.nodes = info["address"], info["nodes"]
+        self.hidden, self.why_shared = info["hidden"], info["why"]
 
     def remove_second(self) -> str:
         self.proc.stdin.write("remove\n")
@@ -153,9 +200,13 @@ def remove_when_ranks_run(cluster: TwoNodes, signal: Path, stop: threading.Event
 
 
 @pytest.fixture
-def two_nodes():
-    """The two-node cluster for one test: started before it, shut down after it."""
-    cluster = TwoNodes()
+def two_nodes(tmp_path_factory):
+    """The two-node cluster for one test: started before it, shut down after it. The second node
+    has folders of its own: this session's temporary folders and the tiny-model cache are empty
+    there."""
+    cache = default_model_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    cluster = TwoNodes([str(tmp_path_factory.getbasetemp()), str(cache)])
     try:
         yield cluster
     finally:
@@ -166,6 +217,7 @@ def test_cases_across_two_ray_nodes(
     two_nodes: TwoNodes, pytester: pytest.Pytester, monkeypatch, tmp_path
 ):
     cluster = two_nodes
+    helpers = Path(tempfile.mkdtemp(prefix="fsdp-turbo-helpers-"))  # seen from both nodes
     stop = threading.Event()
     signal = tmp_path / "node-loss-case-started"
     watcher = threading.Thread(target=remove_when_ranks_run, args=(cluster, signal, stop))
@@ -173,8 +225,11 @@ def test_cases_across_two_ray_nodes(
         watcher.start()
         monkeypatch.setenv("TWO_NODES_SIGNAL", str(signal))
         monkeypatch.setenv("TWO_NODES_REMOVED", cluster.nodes[1]["id"])
+        monkeypatch.setenv("TWO_NODES_HELPERS", str(helpers / "pids"))
         monkeypatch.delenv("PYTEST_FSDP_TURBO_WARM_SOCKET", raising=False)
         pytester.makepyfile(test_two_nodes=SESSION)
+        engines = pytester.mkdir("node_engines")  # on the driver's machine only
+        shutil.copy(Path(__file__).parent / "warm_probes" / "helper_starter.py", engines)
         result = pytester.runpytest_subprocess(
             "-p",
             "no:cacheprovider",
@@ -183,13 +238,20 @@ def test_cases_across_two_ray_nodes(
             f"--fsdp-turbo-ray-address={cluster.address}",
             f"--fsdp-turbo-cases={REPO / 'e2e' / 'cases.toml'}",
             f"--fsdp-turbo-goldens={REPO / 'fixtures' / 'goldens'}",
+            f"--fsdp-turbo-models={pytester.path / 'models'}",
             timeout=400,
         )
     finally:
         stop.set()
         watcher.join(timeout=30)
+        shutil.rmtree(helpers, ignore_errors=True)
     text = result.stdout.str()
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)
     assert "fsdp-turbo e2e runs" in text  # the session reached its summary
     spread = [line for line in text.splitlines() if line.startswith("test_a_case_spread")]
     assert len(spread) == 1 and " 2 (2 nodes) " in spread[0], spread
+    if not cluster.hidden:
+        pytest.skip(
+            f"the second node shared this machine's folders ({cluster.why_shared}): what a node "
+            "lacks was sent, but no node lacked it"
+        )

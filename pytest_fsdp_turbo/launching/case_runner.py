@@ -6,6 +6,7 @@ Ray, then its twin). Callers decide what an unavailable case means (skip, or fai
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,7 +116,7 @@ class CaseRunner:
             accelerator=self.accelerator,
             checkout=found,
             engines=engines,
-            pythonpath=list(pythonpath),
+            pythonpath=[os.path.abspath(entry) for entry in pythonpath],  # as this cwd means
             extra_env=dict(extra_env or {}),
             launcher=launcher_named(launcher, "launcher") if launcher else self.settings.launcher,
             progress=self.progress,

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,8 +184,11 @@ class RayDriver:
         env_overrides: Mapping[str, str],
         artifacts_dir: Path,
         timeout_s: float,
+        ship: Sequence[str] = (),
         watch: Callable[[float], None] | None = None,
     ) -> RunResult:
+        """The case's ranks on the cluster; `ship`: folders of this machine the ranks read (sent
+        to their nodes, see launching.shipping)."""
         start = time.monotonic()
 
         def failed(why: str) -> RunResult:
@@ -202,6 +205,7 @@ class RayDriver:
             "env_overrides": dict(env_overrides),
             "artifacts_dir": str(artifacts_dir),
             "timeout_s": timeout_s,
+            "ship": list(ship),
         }
         try:
             self._request("launch", args)

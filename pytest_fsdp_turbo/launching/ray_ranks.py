@@ -33,9 +33,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
 from pytest_fsdp_turbo.environ import node_env
+from pytest_fsdp_turbo.launching.shipping import Packed, moved, moved_search_path, pack, unpack
 from pytest_fsdp_turbo.launching.supervisor import (
+    CASE_TOKEN_VAR,
     LocalRank,
     rank_env,
+    reap_case,
     supervise,
     worker_command,
 )
@@ -50,6 +53,7 @@ PLACEMENT_TIMEOUT_S = 120
 CALL_TIMEOUT_S = 60
 NODE_DEATH_S = 30.0  # how long a lost actor's node may take to be declared dead
 REPLAYED = "replay"  # a twin's inputs from its main run, under the rank's own folder
+SHIPPED = "shipped"  # the driver's folders this rank needs, under the rank's own folder
 POLL_S = 0.2
 KILLED = -9
 
@@ -84,6 +88,7 @@ class RankActor:
     def __init__(self) -> None:
         self.rank: LocalRank | None = None
         self.folder: Path | None = None
+        self.token = ""
 
     def node_address(self) -> tuple[str, int]:
         with socket.socket() as sock:
@@ -98,26 +103,59 @@ class RankActor:
         return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get(resource, [])]
 
     def start(
-        self, rank: int, world_size: int, overrides: dict, kind: str, inputs: dict[str, bytes]
+        self,
+        rank: int,
+        world_size: int,
+        overrides: dict,
+        kind: str,
+        inputs: dict[str, bytes],
+        shipped: dict[str, list],
     ) -> dict:
-        """The rank's process, in a folder of this node holding `inputs`; where it runs."""
+        """The rank's process, in a folder of this node holding `inputs` and the driver's folders
+        it needs (`shipped`: driver path -> [the archive's object]); where it runs, or what this
+        node lacks."""
         node = node_of()
+        self.folder = folder = Path(tempfile.mkdtemp(prefix=f"fsdp-turbo-rank{rank}-"))
+        for name, data in inputs.items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(data)
+        places = {}
+        for index, (origin, (archive,)) in enumerate(shipped.items()):
+            places[origin] = str(folder / SHIPPED / str(index))
+            unpack(ray.get(archive), Path(places[origin]))
+        spec = RankSpec.read(RunFolder(folder).spec)
+        engine = dataclasses.replace(
+            spec.engine, turbo_checkout=moved(spec.engine.turbo_checkout, places)
+        )
+        spec = dataclasses.replace(spec, model_path=moved(spec.model_path, places), engine=engine)
+        if spec.ppo.replay:  # a twin replays its main run's batch from the copy sent here only
+            spec = dataclasses.replace(
+                spec, ppo=dataclasses.replace(spec.ppo, replay=str(folder / REPLAYED))
+            )
+        if not (Path(spec.model_path) / "config.json").is_file():
+            return {
+                **node,
+                "refused": f"model {spec.model_path} is not on {node_name(node)}: a local model "
+                "is not sent to the nodes; it must be at the same path on every node "
+                "(docs/multi-node.md)",
+            }
+        spec.write(RunFolder(folder).spec)
         base = {**os.environ, **overrides}
+        if "PYTHONPATH" in overrides:
+            base["PYTHONPATH"] = moved_search_path(overrides["PYTHONPATH"], places)
         env = rank_env({**base, **node_env(kind, node["ip"], base)}, rank, world_size)
         var = VISIBLE_DEVICES_VAR.get(kind)
         if var:  # Ray's assignment, also when RAY_EXPERIMENTAL_NOSET_* kept Ray from exporting it
             env[var] = ",".join(self.visible_devices(kind))
             env["LOCAL_RANK"] = "0"
-        self.folder = folder = Path(tempfile.mkdtemp(prefix=f"fsdp-turbo-rank{rank}-"))
-        for name, data in inputs.items():
-            (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_bytes(data)
-        spec = RankSpec.read(RunFolder(folder).spec)
-        if spec.ppo.replay:  # a twin replays its main run's batch from the copy sent here only
-            ppo = dataclasses.replace(spec.ppo, replay=str(folder / REPLAYED))
-            dataclasses.replace(spec, ppo=ppo).write(RunFolder(folder).spec)
+        self.token = env[CASE_TOKEN_VAR] = f"{os.getpid()}-{rank}-{time.time_ns()}"
         self.rank = LocalRank(rank, worker_command(folder), env, RunFolder(folder).log(rank))
         return {**node, "pid": self.rank.proc.pid, "folder": str(folder)}
+
+    def reap(self) -> None:
+        """Whatever the rank started that outlived it, on this node (the local launcher's rule)."""
+        if self.rank is not None:
+            reap_case(self.token, {self.rank.pid: self.rank.started})
 
     def poll(self) -> int | None:
         return self.rank.poll() if self.rank else None
@@ -150,10 +188,12 @@ class RankActor:
         batch and gradients), then the folder is removed: its node keeps nothing."""
         if self.folder is None:
             return {}
+        self.reap()
         out = {}
+        inputs = (REPLAYED + "/", SHIPPED + "/")
         for path in sorted(self.folder.rglob("*")):
             name = path.relative_to(self.folder).as_posix()
-            if path.is_file() and name != RunFolder.spec and not name.startswith(REPLAYED + "/"):
+            if path.is_file() and name != RunFolder.spec and not name.startswith(inputs):
                 out[name] = path.read_bytes()
         shutil.rmtree(self.folder, ignore_errors=True)
         return out
@@ -250,6 +290,24 @@ def rank_inputs(out: Path) -> dict[str, bytes]:
     return inputs
 
 
+_sent: dict[str, ray.ObjectRef] = {}  # archive digest -> the archive in the object store
+
+
+def shipments(folders: list[str]) -> dict[str, list]:
+    """Each folder's archive in Ray's object store (put once per content this session), wrapped
+    in a list so the actor gets the reference and fetches it on its own node."""
+    out = {}
+    for folder in folders:
+        try:
+            packed: Packed = pack(folder)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+        if packed.digest not in _sent:
+            _sent[packed.digest] = ray.put(packed.data)
+        out[folder] = [_sent[packed.digest]]
+    return out
+
+
 def launch_ray(
     *,
     case_id: str,
@@ -258,10 +316,12 @@ def launch_ray(
     env_overrides: Mapping[str, str],
     artifacts_dir: str,
     timeout_s: float,
+    ship: list[str] = (),
 ) -> dict:
     """Place, start and supervise one group; the outcome as JSON for the pytest side, which reads
-    the artifacts itself (collect_result)."""
+    the artifacts itself (collect_result). `ship`: the driver's folders the ranks need."""
     out = Path(artifacts_dir)
+    shipped = shipments(list(ship))
     bundle = {"CPU": 1.0, **({RAY_RESOURCE[kind]: 1.0} if kind in RAY_RESOURCE else {})}
     group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
     actors = []
@@ -293,11 +353,15 @@ def launch_ray(
         start = time.monotonic()
         started = ray.get(
             [
-                actor.start.remote(rank, world_size, overrides, kind, inputs)
+                actor.start.remote(rank, world_size, overrides, kind, inputs, shipped)
                 for rank, actor in enumerate(actors)
             ],
             timeout=CALL_TIMEOUT_S,
         )
+        if refused := [node["refused"] for node in started if "refused" in node]:
+            for actor in actors:  # the ranks that did start, and every node's folder, go
+                ray.get([actor.kill.remote(), actor.files.remote()], timeout=CALL_TIMEOUT_S)
+            raise ConfigError(refused[0])
         handles = [
             RayRank(rank, actor, RunFolder(out).log(rank), node)
             for rank, (actor, node) in enumerate(zip(actors, started))
@@ -327,6 +391,7 @@ def launch_ray(
             "notes": [
                 f"ranks ran as Ray actors on {spread} node(s); rendezvous at {address}:{port}",
                 *(f"rank {h.rank} ran in {h.node['folder']} on {nodes[h.rank]}" for h in handles),
+                *([f"sent to the nodes: {', '.join(ship)}"] if ship else []),
                 *lost_files,
             ],
         }

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pytest_fsdp_turbo.cases import Case
+from pytest_fsdp_turbo.cases import TINY_PREFIX, Case
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import (
     Timeouts,
@@ -238,9 +238,20 @@ def run_case_on_ray(request: RunRequest, driver: RayDriver) -> RunResult:
         env_overrides=overrides,
         artifacts_dir=out,
         timeout_s=case.timeout,
+        ship=shipped_folders(request),
         watch=progress.tick if progress else None,
     )
     return _finish(progress, result)
+
+
+def shipped_folders(request: RunRequest) -> list[str]:
+    """What the ranks read from this machine, sent to their nodes: the tiny model the harness
+    built, the case's pythonpath folders and the FSDPTurbo checkout (never a real model)."""
+    folders = [str(request.model_path)] if request.case.model.startswith(TINY_PREFIX) else []
+    folders += request.pythonpath
+    if request.checkout is not None:
+        folders.append(str(request.checkout.path))
+    return list(dict.fromkeys(folders))
 
 
 RankLauncher = Callable[[RunRequest], RunResult]  # starts one request's ranks, hands back the run

@@ -1,0 +1,82 @@
+"""What a Ray node needs of the driver's filesystem, sent through Ray: the folders a case names on
+the driver (a tiny model the harness built, the engine folders on the case's pythonpath, the
+FSDPTurbo checkout) are packed once per content, unpacked into the rank's own folder on its node,
+and the rank's spec and PYTHONPATH are pointed there. Nodes need no shared filesystem; a real model
+is not sent (it can be many GB): it must be at the same path on every node, and a node without it
+is refused in one line before its rank starts (docs/multi-node.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tarfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+SHIP_LIMIT_BYTES = 512 * 1024 * 1024  # a folder this large is not what a case means to send
+SKIPPED = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One folder as a tar archive; `digest` names its content (the same folder on two runs is
+    packed and sent once)."""
+
+    path: str
+    digest: str
+    data: bytes
+
+
+def _files(root: Path) -> Iterable[Path]:
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED and not d.startswith(".venv"))
+        for name in sorted(files):
+            if not name.endswith((".pyc", ".lock")):
+                yield Path(folder) / name
+
+
+def pack(path: str) -> Packed:
+    """The folder as an archive of its files (links followed, times and owners left out so the
+    digest is the content's); one line naming the folder when it cannot be sent."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"{path}: a Ray case sends this folder to its nodes; it is not a folder")
+    buffer, total = io.BytesIO(), 0
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for file in _files(root):
+            data = file.read_bytes()
+            total += len(data)
+            if total > SHIP_LIMIT_BYTES:
+                raise ValueError(
+                    f"{path}: a Ray case sends this folder to its nodes, up to "
+                    f"{SHIP_LIMIT_BYTES >> 20} MiB; it holds more (keep engine code in a folder of "
+                    "its own, or install it on every node)"
+                )
+            info = tarfile.TarInfo(file.relative_to(root).as_posix())
+            info.size, info.mode = len(data), 0o644 | (file.stat().st_mode & 0o111)
+            archive.addfile(info, io.BytesIO(data))
+    data = buffer.getvalue()
+    return Packed(path, hashlib.sha256(data).hexdigest(), data)
+
+
+def unpack(data: bytes, into: Path) -> None:
+    into.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        # our own archives; the filter where this Python has it (3.11.4 on)
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        archive.extractall(into, **safe)
+
+
+def moved(path: str, places: Mapping[str, str]) -> str:
+    """`path` as it is on the node: under the copy of the shipped folder that holds it."""
+    for origin, here in places.items():
+        origin = origin.rstrip(os.sep)
+        if path.rstrip(os.sep) == origin or path.startswith(origin + os.sep):
+            return here + path.rstrip(os.sep)[len(origin) :]
+    return path
+
+
+def moved_search_path(value: str, places: Mapping[str, str]) -> str:
+    return os.pathsep.join(moved(entry, places) for entry in value.split(os.pathsep))
