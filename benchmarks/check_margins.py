@@ -107,7 +107,7 @@ def main() -> None:
         )
         runner = standalone_runner(settings, accel)
         case = runner.cases().get(args.case)
-        print(f"case {case.id}, {case.world_size} ranks on {accel.describe()}")
+        print(f"case {case.id}, {case.engine.world_size} ranks on {accel.describe()}")
         for dtype in args.dtypes.split(","):
             runs = []
             for mode, fields in (

@@ -37,10 +37,11 @@ REPO = Path(__file__).resolve().parent.parent
 def single_device_cases() -> list:
     seen, cases = set(), []
     for case in load_cases(REPO / "e2e" / "cases.toml"):
-        key = (case.model, case.gradient_sync)
+        key = (case.model, case.engine.gradient_sync)
         if case.is_tiny and "cuda" in case.devices and key not in seen:
             seen.add(key)
-            cases.append(dataclasses.replace(case, id=f"{case.id}-1gpu", world_size=1, fsdp_size=1))
+            one = dataclasses.replace(case.engine, world_size=1, fsdp_size=1)
+            cases.append(dataclasses.replace(case, id=f"{case.id}-1gpu", engine=one))
     if importlib.util.find_spec("vllm") is not None and cases:
         cases.append(dataclasses.replace(cases[0], id=cases[0].id + "-vllm", rollout="vllm"))
     return cases

@@ -55,9 +55,9 @@ def main() -> None:
                     port = book.port()
                     env = build_collective_env(
                         "cpu",
-                        range(case.world_size),
+                        range(case.engine.world_size),
                         port,
-                        world_size=case.world_size,
+                        world_size=case.engine.world_size,
                         timeouts=Timeouts(case.collective_timeout, case.timeout),
                     ).child_env()
                     done = subprocess.run(
@@ -66,7 +66,7 @@ def main() -> None:
                             "-m",
                             "torch.distributed.run",
                             "--standalone",
-                            f"--nproc-per-node={case.world_size}",
+                            f"--nproc-per-node={case.engine.world_size}",
                             "-m",
                             WORKER_MODULE,
                             str(RunFolder(out).spec),
@@ -82,12 +82,12 @@ def main() -> None:
                     raise SystemExit(f"{mode} run failed; see {out}")
                 (ours if mode == "launcher" else bare).append(elapsed)
                 if mode == "launcher":
-                    for rank in range(case.world_size):
+                    for rank in range(case.engine.world_size):
                         metrics = json.loads(RunFolder(out).metrics(rank).read_text())
                         rss.append(metrics[PerfRecord.key("peak_memory_bytes")])
     a, b = statistics.median(ours), statistics.median(bare)
     print(
-        f"{case.id} ({case.world_size} ranks, cpu), median of {args.rounds}: launcher {a:.2f}s, "
+        f"{case.id} ({case.engine.world_size} ranks, cpu), median of {args.rounds}: launcher {a:.2f}s, "
         f"torchrun {b:.2f}s, ratio {a / b:.3f} (target <= 1.10)"
     )
     print(f"peak RSS per rank: max {max(rss) / 2**30:.2f} GiB (target < 1.5 GB)")

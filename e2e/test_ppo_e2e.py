@@ -16,11 +16,11 @@ def declared_not_applicable(case) -> set[str]:
     out = set()
     if not case.with_reference_checks() and case.twin_kind() == TwinKind.NONE:
         out.add("c")
-    if case.shard_size * case.sp_size == case.world_size:
+    if case.engine.shard_size * case.engine.sp_size == case.engine.world_size:
         out.add("d")
     if case.memory_budget_mb is None:
         out.add("f")
-    if case.world_size < 2:
+    if case.engine.world_size < 2:
         out.add("j")
     return out
 

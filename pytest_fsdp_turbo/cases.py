@@ -27,14 +27,13 @@ from pytest_fsdp_turbo_contract.engines import (
     engine_catalog,
 )
 from pytest_fsdp_turbo_contract.errors import ConfigError
-from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
+from pytest_fsdp_turbo_contract.spec import BOUNDS, RUN, EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo_contract.vocab import (
     VERL_PREFIX,
     Capability,
     DeviceKind,
     Dtype,
     GoldenTier,
-    Rollout,
     SyncPolicy,
     TwinKind,
 )
@@ -51,58 +50,30 @@ CASE_ID_MAX = 100  # a folder name under the artifacts and goldens, with room fo
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 MODEL_MAX = 200
 DEFAULT_CASES = Path("e2e") / "cases.toml"  # under the rootdir, unless an option or ini names one
-MAX_UPDATES = 4  # each update is another forward, backward and step: a few prove the point
-MAX_KL_REFERENCE_SHIFT = 1.0  # nats per token: a reference a step away, not another model
 
 
 @dataclass(frozen=True)
 class Case:
+    """One `[[case]]`. The harness's own fields are here; what the ranks are asked to do is in
+    `engine` and `ppo`, the rank spec's own dataclasses (pytest_fsdp_turbo_contract/spec.py),
+    read from the same flat table: each key goes to the dataclass whose field it names."""
+
     id: str
     model: str
-    backend: str = "fsdp"
-    world_size: int = 2
-    fsdp_size: int = 0  # 0: world_size // sp_size (plain FSDP)
-    sp_size: int = 1
-    micro_batches: int = 2
-    dtype: Dtype = Dtype.AUTO
-    gradient_sync: SyncPolicy = SyncPolicy.DEFERRED
-    rollout: Rollout = Rollout.HF
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    ppo: PPOSpec = field(default_factory=PPOSpec)
     devices: tuple[DeviceKind, ...] = (DeviceKind.CPU,)
     timeout: float = 300.0
     collective_timeout: float = 120.0
     memory_budget_mb: float | None = None
     golden_tier: GoldenTier = GoldenTier.RELATIVE
-    turbo_config: dict = field(default_factory=dict)
-    num_prompts: int = 4
-    n: int = 4
-    max_new_tokens: int = 12
-    lr: float = 1e-4
-    grad_clip: float = 1.0  # max_norm of the clip by the global gradient norm
-    lm_loss_coef: float = 0.0  # a causal-LM term through the model's loss path (labels)
-    # optimizer updates on the one rollout: 2 makes the second off-policy (PPO's clip, the KL
-    # term and the response mask then move the loss) and proves AdamW's second step in closed form
-    updates: int = 1
-    clip_ratio: float = 0.2  # PPO's clip range (the dual clip stays at 3)
-    # the KL reference's log-probs: the initial policy's, each response token's lowered by a seeded
-    # |N(0, 1)| x this (the same tokens on every layout), so the KL term pulls from the first update
-    kl_reference_shift: float = 0.0
-    # why this case's second update cannot engage PPO's clip and still be judged (check_exercised
-    # then says so instead of requiring clipped tokens); "" for every case that can
-    clip_not_exercised: str = ""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    reference_checks: bool | None = None  # default: on for tiny models
-    # fsdp_turbo with SP: each micro-batch fed as one packed row with position_ids and cu_seqlens,
-    # the convention verl's FSDP-Turbo engine feeds the library (False: padded rows, no positions)
-    packed: bool = False
     twin: TwinKind | None = None  # default: single when there is no in-rank reference, else none
     description: str = ""
     # device kind -> {reason, match}: a crash known on that kind, run as a strict expected failure
     # (red if it starts passing, or if it fails without `match` in its failure), never a skip
     known_failure: dict = field(default_factory=dict)
     # what the backend's engine declares on its catalog entry: set by validation, never by a case
-    engine: Capabilities = field(default=Capabilities(), metadata={"derived": True})
+    capabilities: Capabilities = field(default=Capabilities(), metadata={"derived": True})
 
     @property
     def is_tiny(self) -> bool:
@@ -110,29 +81,21 @@ class Case:
 
     @property
     def is_verl(self) -> bool:
-        return self.backend.startswith(VERL_PREFIX)
+        return self.engine.backend.startswith(VERL_PREFIX)
 
     @property
     def is_turbo(self) -> bool:
         """Built on the fsdp_turbo library (its catalog entry declares turbo_config): ours,
         verl's FSDP-Turbo engine, or a downstream engine that says so."""
-        return Capability.TURBO_CONFIG in self.engine
+        return Capability.TURBO_CONFIG in self.capabilities
 
-    @property
-    def shard_size(self) -> int:
-        return self.fsdp_size or self.world_size // self.sp_size
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.world_size // self.sp_size
-
-    def dtype_on(self, kind: str) -> Dtype:
-        if self.dtype != Dtype.AUTO:
-            return self.dtype
-        return Dtype.FP32 if kind == DeviceKind.CPU else Dtype.BF16
+    def golden_layout(self, kind: str) -> tuple[Dtype, int]:
+        """What a golden is keyed by besides case and device kind: dtype and ranks."""
+        return self.engine.dtype_on(kind), self.engine.world_size
 
     def with_reference_checks(self) -> bool:
-        return self.is_tiny if self.reference_checks is None else self.reference_checks
+        checks = self.ppo.reference_checks
+        return self.is_tiny if checks is None else checks
 
     def twin_kind(self) -> TwinKind:
         if self.twin is not None:
@@ -146,36 +109,16 @@ class Case:
         model_path: str,
         model_type: str,
     ) -> RankSpec:
-        """What every rank of this case is asked to do on `kind` (spec.json); a run adds its own
+        """What every rank of this case is asked to do on `kind` (spec.json): the case's own
+        engine and PPO parts, with what depends on the device kind settled; a run adds its own
         part (launching.request.rank_spec)."""
-        engine = EngineSpec(
-            world_size=self.world_size,
-            fsdp_size=self.shard_size,
-            backend=self.backend,
-            sp_size=self.sp_size,
-            dtype=self.dtype_on(kind),
-            gradient_sync=self.gradient_sync,
-            lr=self.lr,
-            grad_clip=self.grad_clip,
-            adam_beta1=self.adam_beta1,
-            adam_beta2=self.adam_beta2,
-            adam_eps=self.adam_eps,
-            packed=self.packed,
-            capabilities=self.engine.capabilities,
+        engine = dataclasses.replace(
+            self.engine,
+            fsdp_size=self.engine.shard_size,
+            dtype=self.engine.dtype_on(kind),
+            capabilities=self.capabilities.capabilities,
         )
-        ppo = PPOSpec(
-            num_prompts=self.num_prompts,
-            n=self.n,
-            max_new_tokens=self.max_new_tokens,
-            micro_batches=self.micro_batches,
-            lm_loss_coef=self.lm_loss_coef,
-            updates=self.updates,
-            clip_ratio=self.clip_ratio,
-            kl_reference_shift=self.kl_reference_shift,
-            clip_not_exercised=self.clip_not_exercised,
-            rollout=self.rollout,
-            reference_checks=self.with_reference_checks(),
-        )
+        ppo = dataclasses.replace(self.ppo, reference_checks=self.with_reference_checks())
         return RankSpec(
             case_id=self.id,
             model_path=model_path,
@@ -188,7 +131,21 @@ class Case:
         )
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(Case) if not f.metadata.get("derived")}
+# Each flat key of a [[case]] and the part that owns it: the case itself, or the spec's engine or
+# PPO dataclass (their fields a run fills in are no keys)
+PARTS = ("case", "engine", "ppo")
+_OWN = {"case": Case, "engine": EngineSpec, "ppo": PPOSpec}
+_DECLARED = {
+    part: {
+        f.name: f
+        for f in dataclasses.fields(_OWN[part])
+        if not f.metadata.get("derived") and not f.metadata.get(RUN) and f.name not in PARTS
+    }
+    for part in PARTS
+}
+OWNER = {name: part for part in PARTS for name in _DECLARED[part]}
+assert len(OWNER) == sum(map(len, _DECLARED.values())), "a case key is declared in two parts"
+_FIELDS = {name: f for part in PARTS for name, f in _DECLARED[part].items()}
 _EXPECTED = {
     int: "an integer",
     float: "a number",
@@ -197,6 +154,12 @@ _EXPECTED = {
     dict: "a table",
     tuple: "a list of strings",
 }
+
+
+def case_keys(case: Case) -> dict[str, Any]:
+    """The case as its flat table: every key, whichever part owns it."""
+    parts = {"case": case, "engine": case.engine, "ppo": case.ppo}
+    return {name: getattr(parts[OWNER[name]], name) for name in _FIELDS}
 
 
 def _base_type(annotation) -> type:
@@ -221,7 +184,12 @@ def _closed_set(annotation) -> type[StrEnum] | None:
     return None
 
 
-_HINTS = {n: h for n, h in typing.get_type_hints(Case).items() if n in _FIELDS}
+_HINTS = {
+    name: hint
+    for part in PARTS
+    for name, hint in typing.get_type_hints(_OWN[part]).items()
+    if name in _DECLARED[part]
+}
 _TYPES = {name: _base_type(hint) for name, hint in _HINTS.items()}
 _CLOSED_SETS = {name: e for name, hint in _HINTS.items() if (e := _closed_set(hint)) is not None}
 
@@ -349,7 +317,15 @@ def validate_case(
     for name in set(values) & set(_CLOSED_SETS):
         if values[name] is not None:
             values[name] = _member(where, name, values[name])
-    case = Case(**values)
+    for name, value in values.items():
+        bounds = _FIELDS[name].metadata.get(BOUNDS)
+        if bounds is not None and value is not None and not bounds.holds(value):
+            raise where.error(name, bounds.words(_TYPES[name] is int), value)
+    parts: dict[str, dict[str, Any]] = {part: {} for part in PARTS}
+    for name, value in values.items():
+        parts[OWNER[name]][name] = value
+    case = Case(**parts["case"], engine=EngineSpec(**parts["engine"]), ppo=PPOSpec(**parts["ppo"]))
+    engine, ppo = case.engine, case.ppo
     if case.is_tiny and case.model not in specs:
         raise where.error(
             "model",
@@ -357,49 +333,31 @@ def validate_case(
             case.model,
         )
     engines = engines or engine_catalog()
-    if case.backend.startswith(VERL_PREFIX):
-        if not VERL_NAME.match(case.backend):
+    if case.is_verl:
+        if not VERL_NAME.match(engine.backend):
             raise where.error(
-                "backend", "verl:<name> with a name from verl's EngineRegistry", case.backend
+                "backend", "verl:<name> with a name from verl's EngineRegistry", engine.backend
             )
-    elif not engines.accepts(case.backend):
+    elif not engines.accepts(engine.backend):
         plain = [b for b in engines.backends if not b.startswith(VERL_PREFIX)]
         allowed = ", ".join((*plain, "verl:<name>"))
-        raise where.error("backend", f"one of {allowed} ({announced})", case.backend)
-    case = dataclasses.replace(case, engine=engines.capabilities(case.backend))
+        raise where.error("backend", f"one of {allowed} ({announced})", engine.backend)
+    case = dataclasses.replace(case, capabilities=engines.capabilities(engine.backend))
     _engine_can(case, where)
-    if case.twin_kind() == TwinKind.EVERY_MICRO_BATCH and case.gradient_sync != SyncPolicy.DEFERRED:
+    if (
+        case.twin_kind() == TwinKind.EVERY_MICRO_BATCH
+        and engine.gradient_sync != SyncPolicy.DEFERRED
+    ):
         raise where.error(
             "twin", "single or none when gradient_sync is already every_micro_batch", case.twin
         )
     if not case.devices:
         raise where.error("devices", "at least one of " + ", ".join(KINDS), list(case.devices))
-    for name in ("world_size", "sp_size", "micro_batches", "num_prompts", "n", "max_new_tokens"):
-        if getattr(case, name) < 1:
-            raise where.error(name, "a positive integer", getattr(case, name))
-    if case.fsdp_size < 0:
-        raise where.error(
-            "fsdp_size", "a positive integer (or 0 for world_size / sp_size)", case.fsdp_size
-        )
-    if case.world_size % (case.shard_size * case.sp_size):
+    if engine.world_size % (engine.shard_size * engine.sp_size):
         raise where.error(
             "world_size",
-            f"divisible by fsdp_size x sp_size = {case.shard_size * case.sp_size}",
-            case.world_size,
-        )
-    if not (case.grad_clip > 0 and math.isfinite(case.grad_clip)):
-        raise where.error("grad_clip", "a finite number > 0", case.grad_clip)
-    if not (case.lm_loss_coef >= 0 and math.isfinite(case.lm_loss_coef)):
-        raise where.error("lm_loss_coef", "a finite number >= 0", case.lm_loss_coef)
-    if case.updates not in range(1, MAX_UPDATES + 1):
-        raise where.error("updates", f"an integer from 1 to {MAX_UPDATES}", case.updates)
-    if not 0 < case.clip_ratio < 1:
-        raise where.error("clip_ratio", "a number in (0, 1)", case.clip_ratio)
-    if not 0 <= case.kl_reference_shift <= MAX_KL_REFERENCE_SHIFT:
-        raise where.error(
-            "kl_reference_shift",
-            f"a number in [0, {MAX_KL_REFERENCE_SHIFT:g}]",
-            case.kl_reference_shift,
+            f"divisible by fsdp_size x sp_size = {engine.shard_size * engine.sp_size}",
+            engine.world_size,
         )
     for kind, known in case.known_failure.items():
         if kind not in case.devices or not (
@@ -413,47 +371,40 @@ def validate_case(
                 "(the bug, where it is tracked) and match (text its failure must contain)",
                 {kind: known},
             )
-    if case.clip_not_exercised and case.updates < 2:
+    if ppo.clip_not_exercised and ppo.updates < 2:
         raise where.error(
             "clip_not_exercised",
             "no reason unless updates > 1 (one on-policy update never clips)",
-            case.clip_not_exercised,
+            ppo.clip_not_exercised,
         )
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(case, name) < 1:
-            raise where.error(name, "a number in [0, 1)", getattr(case, name))
-    if not (case.adam_eps > 0 and math.isfinite(case.adam_eps)):
-        raise where.error("adam_eps", "a finite number > 0", case.adam_eps)
     if not 0 < case.collective_timeout < case.timeout:
         raise where.error(
             "collective_timeout",
             f"positive and shorter than timeout ({case.timeout:g}s) so a hang names its rank",
             case.collective_timeout,
         )
-    if case.num_prompts % case.data_parallel_size:
+    if ppo.num_prompts % engine.data_parallel_size:
         raise where.error(
             "num_prompts",
-            f"divisible by the data-parallel size {case.data_parallel_size}",
-            case.num_prompts,
+            f"divisible by the data-parallel size {engine.data_parallel_size}",
+            ppo.num_prompts,
         )
     available = prompt_count()
-    if case.num_prompts > available:
+    if ppo.num_prompts > available:
         raise where.error(
-            "num_prompts", f"at most the {available} prompts of {PROMPT_SET.name}", case.num_prompts
+            "num_prompts", f"at most the {available} prompts of {PROMPT_SET.name}", ppo.num_prompts
         )
-    if not case.lr > 0:
-        raise where.error("lr", "a finite number > 0", case.lr)
-    rows = case.num_prompts // case.data_parallel_size * case.n
-    if case.micro_batches > rows:
+    rows = ppo.num_prompts // engine.data_parallel_size * ppo.n
+    if ppo.micro_batches > rows:
         raise where.error(
-            "micro_batches", f"at most the {rows} rows each rank trains on", case.micro_batches
+            "micro_batches", f"at most the {rows} rows each rank trains on", ppo.micro_batches
         )
     if case.is_turbo:
         from pytest_fsdp_turbo_contract.turbo_config import build_turbo_config
 
         for kind in case.devices:
             try:
-                build_turbo_config(case, kind)
+                build_turbo_config(engine, kind, case.model)
             except ConfigError as exc:
                 raise ConfigError(
                     f"{path}: case {case.id!r}: field 'turbo_config': {exc}"
@@ -465,24 +416,24 @@ def validate_case(
 
 def _engine_can(case: Case, where: _Where) -> None:
     """What the case asks of its engine against what the engine's catalog entry declares."""
-    engine = case.engine
+    engine, spec = case.capabilities, case.engine
 
     def lacks(capability: str) -> str:
         return (
-            f"the backend's engine to declare {capability} (backend {case.backend}: "
+            f"the backend's engine to declare {capability} (backend {spec.backend}: "
             f"{engine.announced_by or 'nothing declared'}; an entry declares it as "
             f"BACKEND = MODULE [{capability}, ...])"
         )
 
-    if case.sp_size > 1 and Capability.SP not in engine:
-        raise where.error("sp_size", f"1, or {lacks(Capability.SP)}", case.sp_size)
-    if case.packed and Capability.PACKING not in engine:
-        raise where.error("packed", f"false, or {lacks(Capability.PACKING)}", case.packed)
-    if case.packed and case.sp_size < 2:
+    if spec.sp_size > 1 and Capability.SP not in engine:
+        raise where.error("sp_size", f"1, or {lacks(Capability.SP)}", spec.sp_size)
+    if spec.packed and Capability.PACKING not in engine:
+        raise where.error("packed", f"false, or {lacks(Capability.PACKING)}", spec.packed)
+    if spec.packed and spec.sp_size < 2:
         raise where.error(
-            "packed", "false unless sp_size > 1 (packing is what Ulysses shards)", case.packed
+            "packed", "false unless sp_size > 1 (packing is what Ulysses shards)", spec.packed
         )
-    if case.turbo_config and Capability.TURBO_CONFIG not in engine:
+    if spec.turbo_config and Capability.TURBO_CONFIG not in engine:
         raise where.error(
             "turbo_config", f"no table, or {lacks(Capability.TURBO_CONFIG)}", "a table"
         )
@@ -503,7 +454,7 @@ def with_overrides(
 ) -> Case:
     """`ppo_run(case, **overrides)`: the same rules as the case file, the same one-line errors,
     against the catalog of engines this run announces (ppo_run's engine_modules included)."""
-    raw = {k: v for k, v in dataclasses.asdict(case).items() if v is not None and k in _FIELDS}
+    raw = {k: v for k, v in case_keys(case).items() if v is not None}
     raw.update(overrides)
     raw = {k: v for k, v in raw.items() if v is not None}  # None: back to the field's default
     engines = engines or engine_catalog()
@@ -565,6 +516,11 @@ class CaseParam:
     @property
     def id(self) -> str:
         return f"{self.case.id}-{self.kind}"
+
+    @property
+    def ranks(self) -> int:
+        """Devices the test leases."""
+        return self.case.engine.world_size
 
     @property
     def known_failure(self) -> dict | None:

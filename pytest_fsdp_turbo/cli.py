@@ -249,7 +249,9 @@ def config(args: argparse.Namespace) -> int:
         return _trainer_config(book.get_trainer(args.case_id))
     case = book.get(args.case_id)
     if not case.is_turbo:
-        print(f"case {case.id}: backend {case.backend} takes no turbo_config", file=sys.stderr)
+        print(
+            f"case {case.id}: backend {case.engine.backend} takes no turbo_config", file=sys.stderr
+        )
         return 2
     kind = args.device or next(k for k in case.devices if k != DeviceKind.CPU)
     try:

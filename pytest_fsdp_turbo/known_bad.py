@@ -27,16 +27,16 @@ def idle_unit_crashes(cases: Iterable[Case], torch_version: str) -> list[str]:
         idle = IDLE_UNITS.get(model_family(case.model) or "")
         if (
             idle is None
-            or case.gradient_sync != SyncPolicy.DEFERRED
-            or Capability.GUARDS_IDLE_UNITS in case.engine
+            or case.engine.gradient_sync != SyncPolicy.DEFERRED
+            or Capability.GUARDS_IDLE_UNITS in case.capabilities
         ):
             continue
         for kind in case.devices:
-            if case.dtype_on(kind) == Dtype.BF16:
+            if case.engine.dtype_on(kind) == Dtype.BF16:
                 found.append(
                     f"case {case.id} on {kind}: torch {torch_version} (< {GUARDED_FROM}) with "
                     f"deferred sync in bf16 and FSDP units that never run forward ({idle}), "
-                    f"and backend {case.backend} declares no {Capability.GUARDS_IDLE_UNITS}: "
+                    f"and backend {case.engine.backend} declares no {Capability.GUARDS_IDLE_UNITS}: "
                     "FSDP2's post-backward fails on them (pytorch#194058; for verl 0.9.1, "
                     "verl PR #7475)"
                 )

@@ -56,17 +56,17 @@ def case_needs(case: Case, kind: str) -> list[Need]:
         needs.append(
             Need("model", case.model, "a real model", "its folder in PYTEST_FSDP_TURBO_MODELS")
         )
-    if case.rollout == Rollout.VLLM:
+    if case.ppo.rollout == Rollout.VLLM:
         extra = VLLM_EXTRAS[kind]
         needs.append(Need("package", "vllm", "rollout vllm", extra_hint(extra)))
     if case.is_verl:
-        needs.append(Need("package", "verl", f"backend {case.backend}", extra_hint("verl")))
+        needs.append(Need("package", "verl", f"backend {case.engine.backend}", extra_hint("verl")))
     if case.is_turbo:
         needs.append(
             Need(
                 "checkout",
                 "fsdp_turbo",
-                f"backend {case.backend}",
+                f"backend {case.engine.backend}",
                 "FSDP_TURBO_PATH, /FSDPTurbo or FSDP_TURBO_REF to clone; torch inside its range",
             )
         )

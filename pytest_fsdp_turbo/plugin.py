@@ -341,13 +341,13 @@ def _case_marks(param) -> list[pytest.MarkDecorator]:
     common = [
         pytest.mark.e2e,
         getattr(pytest.mark, MARKER_BY_KIND[param.kind]),
-        pytest.mark.devices(case.world_size),
+        pytest.mark.devices(param.ranks),
     ]
     if isinstance(param, CaseParam):
         known = param.known_failure
         return [
             *common,
-            *([pytest.mark.vllm] if case.rollout == "vllm" else []),
+            *([pytest.mark.vllm] if case.ppo.rollout == "vllm" else []),
             *([pytest.mark.fsdp_turbo] if case.is_turbo else []),
             *([pytest.mark.verl] if case.is_verl else []),
             *([pytest.mark.xfail(strict=True, reason=known["reason"])] if known else []),

@@ -20,7 +20,7 @@ from pytest_fsdp_turbo_contract.vocab import Env
 FAULT_VAR = Env.FAULT
 STALL_SECONDS_VAR = Env.FAULT_STALL_S  # read here; the ranks get it in their spec
 KINDS = ("crash", "hang", "nan", "stall", "exit", "signal", "kill_parent")
-# every phase a rank enters, in order (pytest_fsdp_turbo_engine/worker.py and pytest_fsdp_turbo_engine/step.py)
+# every phase a rank enters, in order (pytest_fsdp_turbo_engine/worker.py and pytest_fsdp_turbo_engine/step/)
 PHASES = (
     "init",
     "load",

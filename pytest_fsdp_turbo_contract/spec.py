@@ -1,9 +1,15 @@
 """What a rank is asked to do: `RankSpec` (spec.json), with the engine's part (`EngineSpec`, what an
-engine's constructor is handed) and the step's (`PPOSpec`)."""
+engine's constructor is handed) and the step's (`PPOSpec`).
+
+`EngineSpec` and `PPOSpec` are also the case file's schema: each of their fields is a case key (flat
+in `[[case]]`, read by pytest_fsdp_turbo/cases.py from these fields), except those a run fills in
+(`run_field`). A key's bounds live on its field (`case_key`), so a new field is declared once, here,
+and read where it is used."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,58 +17,128 @@ from typing import Any
 from pytest_fsdp_turbo_contract.faults import FaultSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, Rollout, SyncPolicy
 
+RUN = "run"  # a field a run fills in (rank_spec), never a case key
+BOUNDS = "bounds"  # a case key's number: Bounds
+
+
+def run_field(default: Any = "", **kwargs: Any) -> Any:
+    return field(default=default, metadata={RUN: True}, **kwargs)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    expected: str = ""  # the words for what is allowed, where the numbers alone would not say
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def words(self, integer: bool) -> str:
+        if self.expected:
+            return self.expected
+        if integer:
+            if self.high == math.inf:
+                return "a positive integer" if self.low == 1 else f"an integer >= {self.low:g}"
+            return f"an integer from {self.low:g} to {self.high:g}"
+        if self.high == math.inf:
+            return f"a finite number {'>' if self.low_open else '>='} {self.low:g}"
+        left, right = "(["[not self.low_open], ")]"[not self.high_open]
+        return f"a number in {left}{self.low:g}, {self.high:g}{right}"
+
+
+def case_key(
+    default: Any,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    expected: str = "",
+) -> Any:
+    """A case key with bounds, checked by the case reader: one line naming file, case and key."""
+    bounds = Bounds(low, high, low_open, high_open, expected)
+    return field(default=default, metadata={BOUNDS: bounds})
+
 
 @dataclass(frozen=True)
 class EngineSpec:
     """The engine's part of a rank's spec: what an engine's constructor is handed."""
 
-    world_size: int
-    fsdp_size: int  # ranks one parameter is sharded over (the whole world for plain FSDP)
     backend: str = "fsdp"
-    sp_size: int = 1
-    dtype: Dtype = Dtype.FP32  # bf16: bf16 params, fp32 gradient reduction
+    world_size: int = case_key(2, 1)
+    # ranks one parameter is sharded over; 0 in a case: world_size // sp_size (a rank's spec always
+    # holds the number, see `shard_size`)
+    fsdp_size: int = case_key(0, 0, expected="a positive integer (or 0 for world_size / sp_size)")
+    sp_size: int = case_key(1, 1)
+    # bf16: bf16 params, fp32 gradient reduction; auto in a case: fp32 on CPU, bf16 elsewhere (a
+    # rank's spec always holds the dtype, see `dtype_on`)
+    dtype: Dtype = Dtype.AUTO
     gradient_sync: SyncPolicy = SyncPolicy.DEFERRED
-    lr: float = 1e-4
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0  # AdamW; the reference step and the closed form use the same
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
+    lr: float = case_key(1e-4, 0, low_open=True)
+    grad_clip: float = case_key(1.0, 0, low_open=True)  # max_norm of the clip by the global norm
+    weight_decay: float = case_key(0.0, 0)  # AdamW; the reference step and the closed form alike
+    adam_beta1: float = case_key(0.9, 0, 1, high_open=True)
+    adam_beta2: float = case_key(0.999, 0, 1, high_open=True)
+    adam_eps: float = case_key(1e-8, 0, low_open=True)
     turbo_config: dict = field(default_factory=dict)
-    turbo_checkout: str = ""  # where the fsdp_turbo library was found (for the ranks' messages)
-    packed: bool = False  # one packed row per micro-batch, with position_ids and cu_seqlens
+    # fsdp_turbo with SP: each micro-batch fed as one packed row with position_ids and cu_seqlens,
+    # the convention verl's FSDP-Turbo engine feeds the library (False: padded rows, no positions)
+    packed: bool = False
+    turbo_checkout: str = run_field()  # where the fsdp_turbo library was found (for messages)
     # what the engine's catalog entry declares (pytest_fsdp_turbo_contract.vocab.Capability)
-    capabilities: tuple[str, ...] = ()
+    capabilities: tuple[str, ...] = run_field(())
+
+    @property
+    def shard_size(self) -> int:
+        return self.fsdp_size or self.world_size // self.sp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    def dtype_on(self, kind: str) -> Dtype:
+        if self.dtype != Dtype.AUTO:
+            return self.dtype
+        return Dtype.FP32 if kind == DeviceKind.CPU else Dtype.BF16
 
 
 @dataclass(frozen=True)
 class PPOSpec:
-    prompts: str = "nearest_char"
-    num_prompts: int = 4  # global, split across data-parallel ranks
-    n: int = 4  # responses per prompt (a GRPO group)
-    max_new_tokens: int = 12
-    micro_batches: int = 2
-    clip_ratio: float = 0.2
-    clip_ratio_c: float = 3.0
-    kl_coef: float = 0.001
+    prompts: str = run_field("nearest_char")
+    num_prompts: int = case_key(4, 1)  # global, split across data-parallel ranks
+    n: int = case_key(4, 1)  # responses per prompt (a GRPO group)
+    max_new_tokens: int = case_key(12, 1)
+    micro_batches: int = case_key(2, 1)
+    clip_ratio: float = case_key(0.2, 0, 1, low_open=True, high_open=True)  # the dual clip: 3
+    clip_ratio_c: float = run_field(3.0)
+    kl_coef: float = run_field(0.001)
     # the KL reference a known step from the rollout policy: the initial policy's log-probs, each
-    # response token's lowered by a seeded |N(0, 1)| x this (0: the initial policy itself)
-    kl_reference_shift: float = 0.0
-    clip_not_exercised: str = (
-        ""  # why the case's later updates cannot engage PPO's clip and be judged
-    )
-    entropy_coef: float = 0.0
+    # response token's lowered by a seeded |N(0, 1)| x this (0: the initial policy itself), the
+    # same tokens on every layout, so the KL term pulls from the first update
+    kl_reference_shift: float = case_key(0.0, 0, 1.0)  # nats per token: a step, not a model
+    # why the case's later updates cannot engage PPO's clip and be judged (check_exercised then
+    # says so instead of requiring clipped tokens); "" for every case that can
+    clip_not_exercised: str = ""
+    entropy_coef: float = run_field(0.0)
     # a causal-LM (NLL) term on the response tokens, token mean over the global batch; our engines
     # compute it through the model's own loss path with labels (the library's SP loss patch)
-    lm_loss_coef: float = 0.0
+    lm_loss_coef: float = case_key(0.0, 0)
     # optimizer updates on the one rollout's batch: from the second on, the policy has moved away
     # from the one that sampled it, so PPO's clip, the KL term and the response mask shape the loss
-    updates: int = 1
+    # (a few prove the point: each is another forward, backward and step)
+    updates: int = case_key(1, 1, 4)
     rollout: Rollout = Rollout.HF
-    vllm_memory_share: float = 0.3  # of the device's memory, for a vLLM rollout
-    seed: int = 7
-    reference_checks: bool = True  # single-process reference gradients, fingerprint (tiny models)
-    replay: str = ""  # twin runs: the main run's artifact folder, whose saved batch is replayed
+    vllm_memory_share: float = run_field(0.3)  # of the device's memory, for a vLLM rollout
+    seed: int = run_field(7)
+    # single-process reference gradients and fingerprint; None in a case: on for tiny models (a
+    # rank's spec always holds the answer)
+    reference_checks: bool | None = None
+    replay: str = run_field()  # twin runs: the main run's artifact folder, whose batch is replayed
 
 
 @dataclass(frozen=True)

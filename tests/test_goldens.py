@@ -51,14 +51,13 @@ class Result:
         return "" if self.ok else "case c: rank 1 failed first in phase train: RuntimeError: boom"
 
 
-@dataclass
-class Case:
-    id: str = "c"
-    golden_tier: str = "relative"
-    world_size: int = 2
+def Case(golden_tier: str = "relative"):  # noqa: N802 - the plugin's Case, two fp32 ranks
+    from pytest_fsdp_turbo.cases import Case as PluginCase
+    from pytest_fsdp_turbo_contract.spec import EngineSpec
+    from pytest_fsdp_turbo_contract.vocab import Dtype, GoldenTier
 
-    def dtype_on(self, kind):
-        return "fp32"
+    engine = EngineSpec(dtype=Dtype.FP32)
+    return PluginCase("c", "tiny-qwen3", engine=engine, golden_tier=GoldenTier(golden_tier))
 
 
 def test_a_golden_older_than_a_measured_metric_fails_until_re_recorded(tmp_path):

@@ -170,14 +170,14 @@ def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path
     cases.write_text('[[case]]\nid = "c"\nmodel = "tiny-qwen3"\nbackend = "ini_engine"\n')
     declared = engine_catalog([(INI, ["ini_engine = ini_engines_mod"])], env={})
     (case,) = load_cases(cases, engines=declared)
-    assert case.backend == "ini_engine" and "ini_engines_mod" not in sys.modules
+    assert case.engine.backend == "ini_engine" and "ini_engines_mod" not in sys.modules
     variable = {"PYTEST_FSDP_TURBO_ENGINE_MODULES": "ini_engine=ini_engines_mod"}
-    assert load_cases(cases, engines=engine_catalog(env=variable))[0].backend == "ini_engine"
+    assert load_cases(cases, engines=engine_catalog(env=variable))[0].engine.backend == "ini_engine"
     twice = engine_catalog([(INI, ["ini_engine = ini_engines_mod"])], env=variable)
     (entry,) = [e for e in twice.entries if e.module == "ini_engines_mod"]  # announced once
     assert entry.where == INI  # by its first announcement
     bare = engine_catalog([(INI, ["ini_engines_mod"])], env={})
-    assert load_cases(cases, engines=bare)[0].backend == "ini_engine"
+    assert load_cases(cases, engines=bare)[0].engine.backend == "ini_engine"
     with pytest.raises(ConfigError) as unknown:
         load_cases(cases, engines=engine_catalog(env={}))
     message = str(unknown.value)
@@ -291,14 +291,14 @@ def test_what_a_case_asks_of_its_engine_is_read_from_the_catalog_entry(tmp_path)
     declared = engine_catalog([(INI, [subclass])], env={})
     cases.write_text(sp_case.format(backend="verl:acme_turbo"))
     (case,) = load_cases(cases, engines=declared)
-    assert case.is_turbo and case.engine.capabilities == (
+    assert case.is_turbo and case.capabilities.capabilities == (
         "always_packs",
         "own_loop",
         "sp",
         "turbo_config",
     )
     assert case.rank_spec("cpu", model_path="m", model_type="qwen3_5").engine.capabilities == (
-        case.engine.capabilities
+        case.capabilities.capabilities
     )
     with pytest.raises(ConfigError) as refused:  # no entry declares turbo_config for it
         load_cases(cases, engines=engine_catalog([(INI, ["verl:acme_turbo = acme.engine [sp]"])]))

@@ -81,7 +81,7 @@ def test_port_taken_between_lease_and_bind_is_retried(tiny_model, tmp_path, no_l
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()
     taken = squatter.getsockname()[1]
-    case = Case(id="port-clash", model="tiny-qwen3", world_size=2)
+    case = Case(id="port-clash", model="tiny-qwen3")  # two ranks
     request = RunRequest(case, tiny_model("tiny-qwen3"), tmp_path / "art", detect("cpu:4"))
     try:
         result = run_case(request, FirstPortTaken(tmp_path / "state", taken))

@@ -49,7 +49,7 @@ def book():
 
 def test_npu_sp2_case_in_the_newest_layout(book):
     case = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
-    config = build_turbo_config(case, "npu", FUNCTION_PATCHES, TEXT_MODEL)
+    config = build_turbo_config(case.engine, "npu", case.model, FUNCTION_PATCHES, TEXT_MODEL)
     assert config == {
         "distributed": {
             "fully_shard_parallel_size": 4,
@@ -92,7 +92,7 @@ def test_middle_layout_refuses_sp_on_a_model_with_gated_delta_net_layers(book):
         match=r"core_attention config layout, which cannot shard qwen3_5 layers of type "
         r"gated_delta_net over the sequence",
     ):
-        build_turbo_config(case, "npu", CORE_ATTENTION, TEXT_MODEL)
+        build_turbo_config(case.engine, "npu", case.model, CORE_ATTENTION, TEXT_MODEL)
 
 
 def test_sp_on_the_legacy_layout_is_an_error(book):
@@ -100,12 +100,12 @@ def test_sp_on_the_legacy_layout_is_an_error(book):
     with pytest.raises(
         ConfigError, match="legacy config layout, which has no Ulysses patch fields"
     ):
-        build_turbo_config(case, "npu", LEGACY, TEXT_MODEL)
+        build_turbo_config(case.engine, "npu", case.model, LEGACY, TEXT_MODEL)
 
 
 def test_gpu_case_without_sp_has_no_patches(book):
     case = book.get("qwen3_5-0_8b-fsdp_turbo-fsdp8-vllm")
-    config = build_turbo_config(case, "cuda", FUNCTION_PATCHES, TEXT_MODEL)
+    config = build_turbo_config(case.engine, "cuda", case.model, FUNCTION_PATCHES, TEXT_MODEL)
     assert "cp_plan" not in config["distributed"] and "module_patches" not in config
     assert config["distributed"]["fully_shard_parallel_size"] == 8
     assert config["distributed"]["fsdp_plan"]["apply_modules"]
@@ -268,7 +268,7 @@ def test_spec_carries_the_config_the_run_path_made(book, tmp_path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen3_5_text"}')
-    config = build_turbo_config(case, "npu", FUNCTION_PATCHES, TEXT_MODEL)
+    config = build_turbo_config(case.engine, "npu", case.model, FUNCTION_PATCHES, TEXT_MODEL)
     request = RunRequest(
         case, model, tmp_path, Accelerator("npu", tuple(range(8))), turbo_config=config
     )
@@ -283,7 +283,8 @@ def test_every_input_a_rank_reads_is_in_its_spec(book, tmp_path, monkeypatch):
     from pytest_fsdp_turbo_contract.errors import ConfigError
     from pytest_fsdp_turbo_contract.faults import FaultSpec
 
-    case = replace(book.get("tiny-qwen3-single-rank"), world_size=2)
+    single = book.get("tiny-qwen3-single-rank")
+    case = replace(single, engine=replace(single.engine, world_size=2))
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen3"}')
@@ -312,11 +313,11 @@ def test_every_input_a_rank_reads_is_in_its_spec(book, tmp_path, monkeypatch):
 
 def test_contradiction_between_case_and_turbo_config_is_an_error(book):
     case = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
-    bad = replace(case, turbo_config={"distributed": {"ulysses_parallel_size": 4}})
+    bad = replace(case.engine, turbo_config={"distributed": {"ulysses_parallel_size": 4}})
     with pytest.raises(
         ConfigError, match=r"turbo_config.distributed.ulysses_parallel_size: the case says 2"
     ):
-        build_turbo_config(bad, "npu")
+        build_turbo_config(bad, "npu", case.model)
 
 
 def test_sp_without_known_patches_is_an_error(book):
@@ -324,7 +325,7 @@ def test_sp_without_known_patches_is_an_error(book):
     with pytest.raises(
         ConfigError, match="needs Ulysses patches, and none are known for model 'Llama-3-8B'"
     ):
-        build_turbo_config(case, "npu")
+        build_turbo_config(case.engine, "npu", case.model)
 
 
 def test_torch_outside_the_library_range_is_one_line(tmp_path):
@@ -463,7 +464,7 @@ def test_list_entries_and_values_the_library_refuses_are_named_one_per_line(book
         "takes default, with_compressor or a callable",
     ]
     case = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
-    good = build_turbo_config(case, "npu", FUNCTION_PATCHES, TEXT_MODEL)
+    good = build_turbo_config(case.engine, "npu", case.model, FUNCTION_PATCHES, TEXT_MODEL)
     assert entry_problems(good) == []  # what the adapter emits passes its own rules
 
 
@@ -478,7 +479,7 @@ def test_patch_targets_must_match_a_module_of_the_loaded_model(book):
             for c in ("Qwen3_5ForCausalLM", "Qwen3_5TextModel", "Qwen3_5GatedDeltaNet")
         ),
     )
-    config = build_turbo_config(case, "npu", FUNCTION_PATCHES, text)
+    config = build_turbo_config(case.engine, "npu", case.model, FUNCTION_PATCHES, text)
     assert target_problems(config, text) == [
         f"turbo_config.module_patches[0].target: {QWEN}.Qwen3_5Model.forward matches nothing in "
         "the model the engine loads (Qwen3_5ForCausalLM has no Qwen3_5Model module)"
@@ -579,9 +580,17 @@ def test_the_model_is_loaded_with_the_attention_the_ulysses_patch_targets(book):
     from pytest_fsdp_turbo_contract.turbo_config import attention_implementation
 
     sp2 = book.get("qwen3_5-2b-fsdp_turbo-fsdp4-sp2")
-    assert attention_implementation(build_turbo_config(sp2, "npu", FUNCTION_PATCHES)) == "eager"
-    no_sp = replace(sp2, world_size=4, sp_size=1)
-    assert attention_implementation(build_turbo_config(no_sp, "npu", FUNCTION_PATCHES)) is None
+    assert (
+        attention_implementation(build_turbo_config(sp2.engine, "npu", sp2.model, FUNCTION_PATCHES))
+        == "eager"
+    )
+    no_sp = replace(sp2, engine=replace(sp2.engine, world_size=4, sp_size=1))
+    assert (
+        attention_implementation(
+            build_turbo_config(no_sp.engine, "npu", no_sp.model, FUNCTION_PATCHES)
+        )
+        is None
+    )
     middle = {
         "distributed": {
             "ulysses_parallel_size": 2,

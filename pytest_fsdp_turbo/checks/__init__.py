@@ -189,7 +189,7 @@ def declared(result: RunResult) -> RankSpec:
 
 def declares_reference(result: RunResult) -> bool:
     """The case asked for the in-rank single-process reference (reference_checks)."""
-    return declared(result).ppo.reference_checks
+    return bool(declared(result).ppo.reference_checks)  # a rank's spec holds the answer
 
 
 def declares_twin(result: RunResult) -> bool:

@@ -141,19 +141,20 @@ def check_or_record(
     check_completed(result)  # a run that failed says why, never "metric missing" or a golden of it
     if case.golden_tier == GoldenTier.NONE:
         return GoldenOutcome(GoldenStatus.NOT_COMPARED)
-    path = golden_path(case.id, kind, case.dtype_on(kind), case.world_size, root)
+    dtype, ranks = case.golden_layout(kind)
+    path = golden_path(case.id, kind, dtype, ranks, root)
     if record:
         record_golden(path, result.metrics, root)
         return GoldenOutcome(GoldenStatus.RECORDED, path)
     if not path.is_file() and strict:
         raise CheckFailure(
-            f"check g: case {case.id}: no golden for {kind} {case.dtype_on(kind)} on "
-            f"{case.world_size} ranks at {path} (--fsdp-turbo-strict); record it on this "
+            f"check g: case {case.id}: no golden for {kind} {dtype} on "
+            f"{ranks} ranks at {path} (--fsdp-turbo-strict); record it on this "
             f"hardware: {RECORD_COMMAND}"
         )
     if not path.is_file():
         return GoldenOutcome(GoldenStatus.MISSING, path)
-    tolerance = relative_tolerance(case.dtype_on(kind))
+    tolerance = relative_tolerance(dtype)
     problems = compare_golden(path, result.metrics, case.golden_tier, tolerance)
     if problems:
         judge(result, "g", FAILED, problems[0])

@@ -139,7 +139,7 @@ def _refuse_unless_strings(option: str, value: object) -> None:
 
 def _refuse_unimportable(case: Case, engines: EngineCatalog, pythonpath: Sequence[str]) -> None:
     """An engine module no rank could import: one line here, not an ImportError in every rank."""
-    announced = [e for e in engines.serving(case.backend) if e.where != BUILT_IN]
+    announced = [e for e in engines.serving(case.engine.backend) if e.where != BUILT_IN]
     for module in (entry.module for entry in announced):  # a built-in's package is a need
         if engine_module_source(module, pythonpath) is None:
             looked = f"the pythonpath given ({', '.join(pythonpath)}) and " if pythonpath else ""

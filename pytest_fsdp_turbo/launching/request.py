@@ -8,11 +8,11 @@ import re
 import shutil
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pytest_fsdp_turbo.cases import TINY_PREFIX, Case
+from pytest_fsdp_turbo.cases import TINY_PREFIX, Case, case_keys
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import (
     Timeouts,
@@ -95,7 +95,7 @@ def requested_fault(request: RunRequest) -> FaultSpec | None:
     """A fault the harness's own tests inject (the variable, or ppo_run's extra_env)."""
     env = {**os.environ, **request.extra_env}
     stall = env.get(STALL_SECONDS_VAR, "")
-    return parse_fault(env.get(FAULT_VAR, ""), request.case.world_size, stall)
+    return parse_fault(env.get(FAULT_VAR, ""), request.case.engine.world_size, stall)
 
 
 def _port_clash(result: RunResult) -> bool:
@@ -115,7 +115,7 @@ def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[st
         accel.kind,
         lease_ids,
         port,
-        world_size=case.world_size,
+        world_size=case.engine.world_size,
         port_ranges=ranges,
         timeouts=Timeouts(case.collective_timeout, case.timeout),
     )
@@ -174,8 +174,8 @@ def refuse_missing_hardware(request: RunRequest) -> None:
     accel, case = request.accelerator, request.case
     if accel.kind == DeviceKind.NPU and importlib.util.find_spec("torch_npu") is None:
         problem = f"{accel.describe()}; its backend needs torch_npu, which is not importable here"
-    elif accel.kind != DeviceKind.CPU and accel.count < case.world_size:
-        problem = f"needs {case.world_size} {accel.kind} devices; {accel.describe()}"
+    elif accel.kind != DeviceKind.CPU and accel.count < case.engine.world_size:
+        problem = f"needs {case.engine.world_size} {accel.kind} devices; {accel.describe()}"
     else:
         return
     raise Unavailable(f"case {case.id}: {problem}")
@@ -197,7 +197,8 @@ def _prepare(request: RunRequest, *, local: bool) -> Path:
         out.mkdir(parents=True)
         folder = RunFolder(out)
         spec.write(folder.spec)
-        folder.case.write_text(json.dumps(asdict(request.case), indent=1, default=sorted))
+        table = case_keys(request.case)  # as a case file writes it, overrides applied
+        folder.case.write_text(json.dumps(table, indent=1, default=sorted))
     except OSError as exc:  # below a regular file, not writable, the disk full
         where = exc.filename or out
         raise ConfigError(
@@ -210,7 +211,9 @@ def _progress(request: RunRequest, out: Path) -> Progress | None:
     if request.progress is None:
         return None
     case = request.case
-    return request.progress(case.id, case.world_size, case.timeout, out, case.collective_timeout)
+    return request.progress(
+        case.id, case.engine.world_size, case.timeout, out, case.collective_timeout
+    )
 
 
 def _finish(progress: Progress | None, result: RunResult) -> RunResult:
@@ -233,7 +236,7 @@ def run_case_on_ray(request: RunRequest, driver: RayDriver) -> RunResult:
     progress = _progress(request, out)
     result = driver.launch(
         case_id=case.id,
-        world_size=case.world_size,
+        world_size=case.engine.world_size,
         kind=kind,
         env_overrides=overrides,
         artifacts_dir=out,
@@ -307,7 +310,7 @@ def _warm_parent(book: LeaseBook, warm: bool):
 def _leased(request: RunRequest, book: LeaseBook, timeout_s: float):
     """The case's devices, and on NPU a block of HCCL port ranges, freed whatever happens."""
     accel = request.accelerator
-    lease = book.devices(accel.kind, accel.ids, request.case.world_size, timeout_s=timeout_s)
+    lease = book.devices(accel.kind, accel.ids, request.case.engine.world_size, timeout_s=timeout_s)
     slot, ranges = None, None
     try:
         if accel.kind == DeviceKind.NPU:
@@ -331,7 +334,7 @@ def _launch_once(request: RunRequest, ids, ranges, port: int, parent, progress) 
     def launch(warm_parent) -> RunResult:
         return launch_local(
             case_id=case.id,
-            world_size=case.world_size,
+            world_size=case.engine.world_size,
             env=env,
             artifacts_dir=out,
             timeout_s=case.timeout,
@@ -389,20 +392,26 @@ def twin_case(case: Case) -> Case | None:
     kind = case.twin_kind()
     if kind == TwinKind.NONE:
         return None
-    common = {"id": f"{case.id}-twin", "twin": TwinKind.NONE, "reference_checks": False}
+    common = {"id": f"{case.id}-twin", "twin": TwinKind.NONE}
+    ppo = replace(case.ppo, reference_checks=False)
     if kind == TwinKind.EVERY_MICRO_BATCH:
-        return replace(case, gradient_sync=SyncPolicy.EVERY_MICRO_BATCH, **common)
-    return replace(
-        case,
+        engine = replace(case.engine, gradient_sync=SyncPolicy.EVERY_MICRO_BATCH)
+        return replace(case, engine=engine, ppo=ppo, **common)
+    engine = replace(
+        case.engine,
         backend="fsdp",
         world_size=1,
         fsdp_size=0,
         sp_size=1,
-        micro_batches=1,
         turbo_config={},
         packed=False,
-        rollout=Rollout.HF,
-        engine=EngineCatalog().capabilities("fsdp"),
+    )
+    ppo = replace(ppo, micro_batches=1, rollout=Rollout.HF)
+    return replace(
+        case,
+        engine=engine,
+        ppo=ppo,
+        capabilities=EngineCatalog().capabilities("fsdp"),
         **common,
     )
 

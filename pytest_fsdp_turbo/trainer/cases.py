@@ -52,9 +52,10 @@ class TrainerCase:
     def rolls_out_with_vllm(self) -> bool:
         return self.override("actor_rollout_ref.rollout.name") in (None, "vllm")
 
-    def dtype_on(self, kind: str) -> Dtype:
-        """The goldens' key: what verl's FSDP engine computes in on that hardware by default."""
-        return Dtype.FP32 if kind == DeviceKind.CPU else Dtype.BF16
+    def golden_layout(self, kind: str) -> tuple[Dtype, int]:
+        """The goldens' key: what verl's FSDP engine computes in on that hardware by default, and
+        the ranks."""
+        return (Dtype.FP32 if kind == DeviceKind.CPU else Dtype.BF16), self.world_size
 
     def override(self, key: str) -> str | None:
         """The value the case's overrides give `key` (the last one wins, as in Hydra)."""
@@ -76,6 +77,11 @@ class TrainerParam:
     @property
     def id(self) -> str:
         return f"{self.case.id}-{self.kind}"
+
+    @property
+    def ranks(self) -> int:
+        """Devices the test leases."""
+        return self.case.world_size
 
 
 _FIELDS = {f.name: f for f in fields(TrainerCase)}

@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
@@ -36,6 +37,9 @@ INSPECT_TIMEOUT_S = 300
 # its own torch requirement (requirements.txt) is taken at its word instead.
 DOCUMENTED_TORCH = ">=2.9,<2.12"
 TORCH_PACKAGES = ("torch", "torch_npu")
+
+if TYPE_CHECKING:
+    from pytest_fsdp_turbo.cases import Case
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ def _inspect_now(model_dir: Path | None, checkout: Path | None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def turbo_config_for(case, kind: str, model_dir: Path | None, checkout: Path | None) -> dict:
+def turbo_config_for(case: Case, kind: str, model_dir: Path | None, checkout: Path | None) -> dict:
     """The exact turbo_config a rank hands the library; raises TurboConfigProblems when the
     checkout's schema (without a checkout: the layout's published schema) would drop a key or
     misses a required field."""
@@ -123,7 +127,10 @@ def turbo_config_for(case, kind: str, model_dir: Path | None, checkout: Path | N
 
     found = inspect(model_dir, checkout)
     layout = found.layout or NEWEST
-    config = build_turbo_config(case, kind, layout, found.modules)
+    try:
+        config = build_turbo_config(case.engine, kind, case.model, layout, found.modules)
+    except ConfigError as exc:
+        raise ConfigError(f"case {case.id!r}: {exc}") from None
     problems = schema_problems(found.schema or published_schema(layout), config)
     problems += entry_problems(config)
     if found.modules is not None:

@@ -1,0 +1,81 @@
+"""The single-process reference: an unsharded copy of the initial policy whose gradients on the
+global batch the engine's are held to, stepped by its own AdamW across updates."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from pytest_fsdp_turbo_contract.records import ReferenceRecord
+from pytest_fsdp_turbo_engine import fsdp_probe
+from pytest_fsdp_turbo_engine.reference import (
+    ReferenceOptimizer,
+    fingerprint,
+    gradient_norm,
+    max_abs_error,
+    name_mismatch,
+    reference_gradients,
+    relative_l2_error,
+)
+from pytest_fsdp_turbo_engine.rollout import HFRollout
+from pytest_fsdp_turbo_engine.step.phases import phase_name
+from pytest_fsdp_turbo_engine.step.rank import Rank
+from pytest_fsdp_turbo_engine.train_batch import TrainBatch
+
+
+def single_process_copy(ctx: Rank) -> torch.nn.Module:
+    """The initial policy, unsharded: the HF rollout already holds one; otherwise load it."""
+    if isinstance(ctx.rollout, HFRollout):
+        return ctx.rollout.model
+    from pytest_fsdp_turbo_engine.hf_model import load_pretrained
+
+    model = load_pretrained(ctx.spec.model_path, dtype=torch.float32)
+    return model.to(ctx.device)
+
+
+@dataclass
+class ReferenceRun:
+    """The single-process reference across updates: its copy of the policy, the copy's parameters
+    before the first update, and AdamW stepping the copy on the reference's own gradients."""
+
+    copy: torch.nn.Module
+    initial: dict[str, torch.Tensor]
+    optimizer: ReferenceOptimizer
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # the latest update's
+    norm: float = 0.0  # their global norm
+    fingerprint: dict | None = None  # rank 0: the engine's first-update gradients, for policies
+
+    @classmethod
+    def of(cls, ctx: Rank) -> ReferenceRun:
+        copy = single_process_copy(ctx)
+        initial = {n: p.detach().clone() for n, p in copy.named_parameters()}
+        return cls(copy, initial, ReferenceOptimizer(copy, ctx.engine_cfg))
+
+    def step(self, norm_finite: bool) -> None:
+        """The engine skips the update on a non-finite norm; so does the reference."""
+        if norm_finite:
+            self.optimizer.step(self.grads, self.norm)
+
+
+def reference(
+    ctx: Rank, ref_run: ReferenceRun, global_batch: TrainBatch, tokens: float, update: int = 1
+) -> ReferenceRecord:
+    """The engine's gradients, read by the harness, against the copy's on the global batch."""
+    ctx.phase.enter(phase_name("reference", update))
+    sharded = fsdp_probe.unsharded_gradients(ctx.engine.module)  # read by the harness
+    ref_run.grads = grads = reference_gradients(ref_run.copy, global_batch, tokens, ctx.cfg)
+    ref_run.norm = gradient_norm(grads)
+    err, name = max_abs_error(sharded, grads)
+    names = fsdp_probe.parameter_names(ctx.engine.module)
+    if mismatch := name_mismatch(names, [n for n, _ in ref_run.copy.named_parameters()]):
+        err, name = math.inf, mismatch  # check c says which tensors, not a KeyError later
+    if ctx.rank == 0 and update == 1:
+        ref_run.fingerprint = fingerprint(sharded)
+    return ReferenceRecord(
+        grad_max_rel_err=err,
+        grad_max_rel_err_param=name,
+        reference_grad_norm=ref_run.norm,
+        grad_rel_l2_err=relative_l2_error(sharded, grads),
+    )
