@@ -591,8 +591,9 @@ def test_verl_engine_as_shipped_passes(ppo_run):
 def test_a_downstream_subclass_of_verls_turbo_engine_runs_under_its_own_name(ppo_run):
     """A downstream repository's subclass of verl's FSDP-Turbo engine, registered in verl's registry
     under its own name and announced with its capabilities, runs the verl NPU target's mode (SP 2,
-    bf16, a single twin, verl's default turbo_config) on the stand-in: every check judges it as it
-    judges verl's own engine, and what it declares reaches the ranks."""
+    bf16, a single twin, verl's default turbo_config; one SP group, where the case has two) on
+    the stand-in: every check judges it as it judges verl's own engine, and what it declares
+    reaches the ranks."""
     result = ppo_run(
         "tiny-qwen3_5-verl-fsdp_turbo-fsdp2-sp2-twin",
         backend="verl:acme_fsdp_turbo",
@@ -602,6 +603,8 @@ def test_a_downstream_subclass_of_verls_turbo_engine_runs_under_its_own_name(ppo
         pythonpath=[str(HERE)],
         updates=1,  # the case's second update is verl's engine's, judged in the case itself
         clip_not_exercised=None,
+        world_size=2,  # one SP 2 group: the mode, on half the ranks the case itself runs
+        num_prompts=1,
     )
     checks.check_completed(result)
     assert checks.check_all(result).not_applicable() == ["d: no replicas"]
