@@ -420,3 +420,19 @@ def test_compare_into_an_unwritable_png_and_run_help_says_it_reads_the_ini(tmp_p
     if os.getuid() != 0:  # root writes anywhere
         assert done.returncode == 2 and "compare --png: cannot write" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_one_table_lists_every_variable_the_harness_reads_or_sets():
+    from pytest_fsdp_turbo.options import OPTIONS
+    from pytest_fsdp_turbo_contract.vocab import Env
+
+    text = (Path(__file__).parent.parent / "docs" / "environment.md").read_text()
+    rows = {
+        line.split("|")[1].strip().strip("`")
+        for line in text.splitlines()
+        if line.startswith("| `")
+    }
+    wanted = {o.env for o in OPTIONS if o.env} | {
+        value for name, value in vars(Env).items() if not name.startswith("_")
+    }
+    assert wanted <= rows, sorted(wanted - rows)
