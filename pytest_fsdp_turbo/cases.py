@@ -19,12 +19,12 @@ from typing import Any
 from pytest_fsdp_turbo_fixtures import DATA_DIR
 
 from pytest_fsdp_turbo.devices import KINDS
+from pytest_fsdp_turbo.settings import default_engines
 from pytest_fsdp_turbo_contract.engines import (
     ANNOUNCED_WHERE,
     GIVEN,
     Capabilities,
     EngineCatalog,
-    engine_catalog,
 )
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.spec import BOUNDS, RUN, EngineSpec, PPOSpec, RankSpec
@@ -332,7 +332,7 @@ def validate_case(
             "a tiny spec (" + ", ".join(specs) + ") from --fsdp-turbo-tiny-models or the plugin's",
             case.model,
         )
-    engines = engines or engine_catalog()
+    engines = engines or default_engines()
     if case.is_verl:
         if not VERL_NAME.match(engine.backend):
             raise where.error(
@@ -457,7 +457,7 @@ def with_overrides(
     raw = {k: v for k, v in case_keys(case).items() if v is not None}
     raw.update(overrides)
     raw = {k: v for k, v in raw.items() if v is not None}  # None: back to the field's default
-    engines = engines or engine_catalog()
+    engines = engines or default_engines()
     announced = ANNOUNCED_WHERE
     given = [e.text for e in engines.entries if e.where == GIVEN]
     if given:
@@ -491,7 +491,7 @@ def load_cases(
     if not isinstance(defaults, dict):
         raise ConfigError(f"{path}: [defaults] must be a table")
     specs = tiny_specs(tiny_models, fixtures_dir)
-    engines = engines or engine_catalog()
+    engines = engines or default_engines()
     cases, seen = [], set()
     for row in rows:
         if not isinstance(row, dict):

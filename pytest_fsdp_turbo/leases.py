@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import stat
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,8 +30,9 @@ LEASE_TABLES = ("ports", "devices", "ranges")
 
 
 def default_state_dir() -> Path:
-    env = os.environ.get(STATE_DIR_VAR)
-    return Path(env) if env else Path(tempfile.gettempdir()) / f"pytest-fsdp-turbo-{os.getuid()}"
+    from pytest_fsdp_turbo.settings import HarnessEnv
+
+    return HarnessEnv.read().state_dir
 
 
 def hccl_port_ranges(slot: int) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -23,6 +23,7 @@ from pytest_fsdp_turbo.cases import (
 )
 from pytest_fsdp_turbo.launching.warm import run_module
 from pytest_fsdp_turbo.private_dirs import private_dir
+from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo_contract.errors import SPEC_ERROR_EXIT, ConfigError
 
 BUILDER_MODULE = "pytest_fsdp_turbo_engine.tiny_models"
@@ -37,8 +38,7 @@ class ModelUnavailable(LookupError):
 
 
 def default_model_cache() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pytest-fsdp-turbo" / "models"
+    return HarnessEnv.read().cache_home / "pytest-fsdp-turbo" / "models"
 
 
 def _version(dist: str) -> str:

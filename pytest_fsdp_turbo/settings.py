@@ -7,6 +7,7 @@ once, at start-up, with a line that names the option, variable or ini key.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +18,55 @@ from pytest_fsdp_turbo.turbo.checkout_request import CheckoutRequest, validate_r
 from pytest_fsdp_turbo_contract.bounds import DAY_S, number_in, seconds
 from pytest_fsdp_turbo_contract.engines import GIVEN, INI, EngineCatalog, engine_catalog
 from pytest_fsdp_turbo_contract.errors import ConfigError
-from pytest_fsdp_turbo_contract.vocab import Launcher
+from pytest_fsdp_turbo_contract.faults import FaultSpec, parse_fault
+from pytest_fsdp_turbo_contract.vocab import Env, Launcher
 
 LAUNCHERS = tuple(Launcher)
 DEFAULT_RAY_CONNECT_TIMEOUT_S = 30.0
 
 
 _TRUE = ("1", "true", "yes", "on")
+VLLM_MEMORY_DEFAULT = 0.3
+
+
+@dataclass(frozen=True)
+class HarnessEnv:
+    """The harness's own variables besides the options' (docs/environment.md), read here and
+    nowhere else: each place that needs one asks `HarnessEnv.read()`."""
+
+    state_dir: Path  # leases, warm parent and Ray driver logs
+    no_fork: bool  # spawn every rank, never fork one from a warm parent
+    engine_modules: str  # engine catalog entries, comma-separated (README "Engines")
+    cache_home: Path  # tiny models, inspections, cloned checkouts live below it
+
+    @classmethod
+    def read(cls, env: Mapping[str, str] | None = None) -> HarnessEnv:
+        env = os.environ if env is None else env
+        state = env.get(Env.STATE_DIR)
+        default_state = Path(tempfile.gettempdir()) / f"pytest-fsdp-turbo-{os.getuid()}"
+        return cls(
+            state_dir=Path(state) if state else default_state,
+            no_fork=env.get(Env.NO_FORK, "") not in ("", "0"),
+            engine_modules=env.get(Env.ENGINE_MODULES, ""),
+            cache_home=Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache"),
+        )
+
+
+@dataclass(frozen=True)
+class RunEnv:
+    """What a run's environment (the session's, with ppo_run's extra_env over it) asks of its
+    ranks; it reaches them in their spec."""
+
+    vllm_memory_share: float
+    fault: FaultSpec | None
+
+    @classmethod
+    def read(cls, env: Mapping[str, str], world_size: int) -> RunEnv:
+        share = env.get(Env.VLLM_MEMORY, str(VLLM_MEMORY_DEFAULT))
+        return cls(
+            vllm_memory_share=number_in(share, Env.VLLM_MEMORY, 0.0, 1.0, low_open=True),
+            fault=parse_fault(env.get(Env.FAULT, ""), world_size, env.get(Env.FAULT_STALL_S, "")),
+        )
 
 
 @dataclass(frozen=True)
@@ -49,7 +92,13 @@ class Settings:
     def engines(self, given: Iterable[str] = ()) -> EngineCatalog:
         """The engine catalog a run announces: built-ins, entry points, the ini's entries,
         `given` (ppo_run's engine_modules) and PYTEST_FSDP_TURBO_ENGINE_MODULES."""
-        return engine_catalog([(INI, self.engine_modules), (GIVEN, given)])
+        variable = HarnessEnv.read().engine_modules
+        return engine_catalog([(INI, self.engine_modules), (GIVEN, given)], variable)
+
+
+def default_engines() -> EngineCatalog:
+    """The catalog without the ini's or ppo_run's entries: built-ins, entry points, variable."""
+    return engine_catalog((), HarnessEnv.read().engine_modules)
 
 
 def resolve(

@@ -15,9 +15,8 @@ which only its ranks can tell; such a backend declares no capability.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pytest_fsdp_turbo_contract.errors import ConfigError
@@ -183,21 +182,20 @@ def _entries_of(text: str) -> list[str]:
 
 
 def engine_catalog(
-    announced: Iterable[tuple[str, Iterable[str]]] = (),
-    env: Mapping[str, str] | None = None,
+    announced: Iterable[tuple[str, Iterable[str]]] = (), variable: str = ""
 ) -> EngineCatalog:
     """Built-ins, installed entry points (their name is the backend), then `announced`
-    ((origin, entries) pairs: the ini's, ppo_run's), then the variable's comma-separated entries."""
+    ((origin, entries) pairs: the ini's, ppo_run's), then `variable`'s comma-separated entries
+    (PYTEST_FSDP_TURBO_ENGINE_MODULES, which the plugin's settings read)."""
     from importlib import metadata
 
-    env = os.environ if env is None else env
     entries = list(BUILT_INS)
     for point in metadata.entry_points(group=ENTRY_POINT_GROUP):
         where = f"entry point {point.name}"  # its module (an `:attr` is not ours to read), extras
         declared = f" [{', '.join(point.extras)}]" if point.extras else ""
         entries.append(EngineEntry.parse(f"{point.name} = {point.module}{declared}", where))
-    variable = [t for t in _entries_of(env.get(Env.ENGINE_MODULES, "")) if t.strip()]
-    for origin, texts in (*announced, (Env.ENGINE_MODULES, variable)):
+    listed = [t for t in _entries_of(variable) if t.strip()]
+    for origin, texts in (*announced, (Env.ENGINE_MODULES, listed)):
         entries += [EngineEntry.parse(t, origin) for t in texts if t.strip()]
     unique: dict[tuple[str, str | None], EngineEntry] = {}
     for entry in entries:  # announced twice: its first announcement, with both declarations

@@ -11,7 +11,6 @@ it was forked from; the local launcher only).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 from pytest_fsdp_turbo_contract.errors import ConfigError
@@ -46,11 +45,9 @@ class FaultSpec:
     stall_s: float = 5.0  # how long a stall sleeps
 
 
-def parse_fault(
-    value: str, world_size: int | None = None, stall: str | None = None
-) -> FaultSpec | None:
+def parse_fault(value: str, world_size: int | None = None, stall: str = "") -> FaultSpec | None:
     """None when unset; ConfigError naming the variable and the accepted forms otherwise.
-    `stall`: the stall variable's value (default: this process's)."""
+    `stall`: the stall variable's value (the plugin's settings read both, RunEnv)."""
     value = value.strip()
     if not value:
         return None
@@ -60,7 +57,6 @@ def parse_fault(
     spec = FaultSpec(parts[0], int(parts[1]), parts[2] if len(parts) == 3 else PHASES[0])
     if spec.phase not in PHASES:
         raise ConfigError(f"{FAULT_VAR}: unknown phase {spec.phase!r}; expected {FORMS}")
-    stall = os.environ.get(STALL_SECONDS_VAR, "") if stall is None else stall
     if spec.kind == "stall" and stall:  # the rank sleeps it: checked before any rank starts
         from pytest_fsdp_turbo_contract.bounds import DAY_S, number_in
 

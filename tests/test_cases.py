@@ -284,12 +284,12 @@ def test_overrides_obey_the_case_rules_with_the_same_one_line_errors():
         )
         assert expected in message and "\n" not in message
     # a bare engine module may register any backend: a plain name is left to the ranks
-    bare = engine_catalog([(GIVEN, ["broken_engines"])], env={})
+    bare = engine_catalog([(GIVEN, ["broken_engines"])])
     assert with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, bare).engine.backend == (
         "fsdp_off_by_one_sync"
     )
     # a declared one names its backend, and nothing else passes
-    declared = engine_catalog([(GIVEN, ["fsdp_off_by_one_sync = broken_engines"])], env={})
+    declared = engine_catalog([(GIVEN, ["fsdp_off_by_one_sync = broken_engines"])])
     read = with_overrides(case, {"backend": "fsdp_off_by_one_sync"}, declared)
     assert read.engine.backend == "fsdp_off_by_one_sync"
     with pytest.raises(

@@ -186,3 +186,14 @@ def test_a_rank_that_cannot_write_its_report_says_why_through_its_exit_code(tmp_
         f"exited {UNWRITABLE_REPORT + errno.ENOSPC}: it could not write its report to its folder "
         "(No space left on device)"
     )
+
+
+def test_the_contract_reads_no_environment_variable():
+    """Settings are read in the plugin's settings module (docs/environment.md); what a rank needs
+    reaches it in its spec. The contract, shared by both sides, never looks at the environment."""
+    import pytest_fsdp_turbo_contract
+
+    package = Path(pytest_fsdp_turbo_contract.__file__).parent
+    reads = re.compile(r"os\.environ|os\.getenv|environ\.get")
+    readers = [p.name for p in package.glob("*.py") if reads.search(p.read_text())]
+    assert readers == [], readers

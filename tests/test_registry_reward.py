@@ -126,7 +126,7 @@ def test_an_entry_point_names_its_backend_and_a_module_that_does_not_register_it
         "ep_attr_engine = ep_engines_mod:register\n"  # an :attr, as entry points often have
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    catalog = engine_catalog(env={})
+    catalog = engine_catalog()
     assert "ep_engine" in catalog.backends and not catalog.is_open
     assert "ep_attr_engine" in catalog.backends
     declared = catalog.capabilities("ep_sp_engine")
@@ -138,7 +138,7 @@ def test_an_entry_point_names_its_backend_and_a_module_that_does_not_register_it
     registry.load_engines(EngineCatalog.from_ranks(catalog.for_ranks()), "ep_engine")
     assert registry.lookup("llama", "ep_engine", "cpu").__name__ == "FromEntryPoint"
     entry_points.write_text("[pytest_fsdp_turbo.engines]\nep_engine = ep_engines_typo\n")
-    catalog = engine_catalog(env={})
+    catalog = engine_catalog()
     registry._REGISTRY.pop(("*", "ep_engine", "cpu"))
     with pytest.raises(registry.RegistryError) as refused:
         registry.load_engines(EngineCatalog.from_ranks(catalog.for_ranks()), "ep_engine")
@@ -168,24 +168,24 @@ def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))
     cases = tmp_path / "cases.toml"
     cases.write_text('[[case]]\nid = "c"\nmodel = "tiny-qwen3"\nbackend = "ini_engine"\n')
-    declared = engine_catalog([(INI, ["ini_engine = ini_engines_mod"])], env={})
+    declared = engine_catalog([(INI, ["ini_engine = ini_engines_mod"])])
     (case,) = load_cases(cases, engines=declared)
     assert case.engine.backend == "ini_engine" and "ini_engines_mod" not in sys.modules
-    variable = {"PYTEST_FSDP_TURBO_ENGINE_MODULES": "ini_engine=ini_engines_mod"}
-    assert load_cases(cases, engines=engine_catalog(env=variable))[0].engine.backend == "ini_engine"
-    twice = engine_catalog([(INI, ["ini_engine = ini_engines_mod"])], env=variable)
+    variable = "ini_engine=ini_engines_mod"  # PYTEST_FSDP_TURBO_ENGINE_MODULES
+    assert load_cases(cases, engines=engine_catalog((), variable))[0].engine.backend == "ini_engine"
+    twice = engine_catalog([(INI, ["ini_engine = ini_engines_mod"])], variable)
     (entry,) = [e for e in twice.entries if e.module == "ini_engines_mod"]  # announced once
     assert entry.where == INI  # by its first announcement
-    bare = engine_catalog([(INI, ["ini_engines_mod"])], env={})
+    bare = engine_catalog([(INI, ["ini_engines_mod"])])
     assert load_cases(cases, engines=bare)[0].engine.backend == "ini_engine"
     with pytest.raises(ConfigError) as unknown:
-        load_cases(cases, engines=engine_catalog(env={}))
+        load_cases(cases, engines=engine_catalog())
     message = str(unknown.value)
     assert "field 'backend': expected one of fsdp, fsdp_turbo" in message
     assert "got 'ini_engine'" in message and "\n" not in message
     assert "the ini fsdp_turbo_engine_modules or PYTEST_FSDP_TURBO_ENGINE_MODULES" in message
     with pytest.raises(ConfigError) as malformed:
-        engine_catalog([(INI, ["my engines = x"])], env={})
+        engine_catalog([(INI, ["my engines = x"])])
     assert str(malformed.value) == (
         "ini fsdp_turbo_engine_modules: expected MODULE or BACKEND = MODULE [CAPABILITY, ...] (a "
         "dotted module name; a backend of letters, digits and '_', or verl:<name>; capabilities "
@@ -288,7 +288,7 @@ def test_what_a_case_asks_of_its_engine_is_read_from_the_catalog_entry(tmp_path)
         "[case.turbo_config.distributed.fsdp_plan]\nreduce_dtype = 'fp32'\n"
     )
     subclass = "verl:acme_turbo = acme.engine [sp, turbo_config, own_loop, always_packs]"
-    declared = engine_catalog([(INI, [subclass])], env={})
+    declared = engine_catalog([(INI, [subclass])])
     cases.write_text(sp_case.format(backend="verl:acme_turbo"))
     (case,) = load_cases(cases, engines=declared)
     assert case.is_turbo and case.capabilities.capabilities == (
@@ -309,7 +309,7 @@ def test_what_a_case_asks_of_its_engine_is_read_from_the_catalog_entry(tmp_path)
     npu_only = engine_catalog([(INI, ["verl:acme_turbo = acme.engine [sp, turbo_config, npu]"])])
     with pytest.raises(ConfigError, match=r"field 'devices': expected device kinds the engine "):
         load_cases(cases, engines=npu_only)
-    plain = engine_catalog([(INI, ["mine = mine.engine [packing]"])], env={})
+    plain = engine_catalog([(INI, ["mine = mine.engine [packing]"])])
     cases.write_text(sp_case.format(backend="mine"))
     with pytest.raises(ConfigError, match=r"field 'sp_size': expected 1, or the backend's engine"):
         load_cases(cases, engines=plain)
@@ -317,12 +317,12 @@ def test_what_a_case_asks_of_its_engine_is_read_from_the_catalog_entry(tmp_path)
         EngineEntry.parse("mine = mine.engine [warp_drive]", "ini")
     with pytest.raises(ConfigError, match=r"expected MODULE or BACKEND = MODULE"):
         EngineEntry.parse("mine.engine [sp]", "ini")  # a bare module declares no backend
-    variable = {"PYTEST_FSDP_TURBO_ENGINE_MODULES": "mine = mine.engine [sp, packing],other.mod"}
-    listed = engine_catalog(env=variable)
+    variable = "mine = mine.engine [sp, packing],other.mod"  # the variable's value
+    listed = engine_catalog((), variable)
     assert listed.capabilities("mine").capabilities == ("packing", "sp") and listed.is_open
-    widened = engine_catalog([(INI, ["fsdp_turbo = extra.engine [npu]"])], env={})
+    widened = engine_catalog([(INI, ["fsdp_turbo = extra.engine [npu]"])])
     assert widened.capabilities("fsdp_turbo").devices == {"cpu", "cuda", "npu"}  # built-in: all
-    devices_only = engine_catalog([(INI, ["verl:acme = acme.engine [cuda]"])], env={})
+    devices_only = engine_catalog([(INI, ["verl:acme = acme.engine [cuda]"])])
     assert {"own_loop", "always_packs"} <= set(devices_only.capabilities("verl:acme").capabilities)
     entry = EngineEntry.parse("verl:acme_turbo=acme.engine[turbo_config,sp]", "entry point x")
     assert entry.text == "verl:acme_turbo = acme.engine [sp, turbo_config]"

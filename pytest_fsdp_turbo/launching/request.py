@@ -24,12 +24,12 @@ from pytest_fsdp_turbo.launching.progress import Progress
 from pytest_fsdp_turbo.launching.supervisor import launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
+from pytest_fsdp_turbo.settings import RunEnv
 from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
-from pytest_fsdp_turbo_contract.bounds import number_in
 from pytest_fsdp_turbo_contract.engines import EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
-from pytest_fsdp_turbo_contract.faults import FAULT_VAR, STALL_SECONDS_VAR, FaultSpec, parse_fault
+from pytest_fsdp_turbo_contract.faults import FaultSpec
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.vocab import (
@@ -74,12 +74,13 @@ def rank_spec(request: RunRequest) -> RankSpec:
         model_path=str(request.model_path),
         model_type=model_type_of(request.model_path),
     )
-    env = {**os.environ, **request.extra_env}
+    run = RunEnv.read({**os.environ, **request.extra_env}, case.engine.world_size)
     checkout = str(request.checkout.path) if request.checkout is not None else ""
     engine = replace(spec.engine, turbo_config=request.turbo_config or {}, turbo_checkout=checkout)
-    share = number_in(env.get(VLLM_MEMORY_VAR, "0.3"), VLLM_MEMORY_VAR, 0.0, 1.0, low_open=True)
     ppo = replace(
-        spec.ppo, replay=str(request.replay) if request.replay else "", vllm_memory_share=share
+        spec.ppo,
+        replay=str(request.replay) if request.replay else "",
+        vllm_memory_share=run.vllm_memory_share,
     )
     return replace(
         spec,
@@ -87,15 +88,14 @@ def rank_spec(request: RunRequest) -> RankSpec:
         ppo=ppo,
         engine_modules=request.engines.for_ranks(),
         collective_timeout_s=collective_timeout_s(Timeouts(case.collective_timeout, case.timeout)),
-        fault=requested_fault(request),
+        fault=run.fault,
     )
 
 
 def requested_fault(request: RunRequest) -> FaultSpec | None:
     """A fault the harness's own tests inject (the variable, or ppo_run's extra_env)."""
     env = {**os.environ, **request.extra_env}
-    stall = env.get(STALL_SECONDS_VAR, "")
-    return parse_fault(env.get(FAULT_VAR, ""), request.case.engine.world_size, stall)
+    return RunEnv.read(env, request.case.engine.world_size).fault
 
 
 def _port_clash(result: RunResult) -> bool:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pytest_fsdp_turbo.launching.session_processes import disown, own, session_processes
 from pytest_fsdp_turbo.launching.supervisor import kill_pid_tree
+from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent
 from pytest_fsdp_turbo_contract.vocab import Env
 from pytest_fsdp_turbo_contract.warm_protocol import (
@@ -58,7 +59,7 @@ def import_env() -> dict[str, str]:
 
 def fork_unavailable_reason() -> str | None:
     """Known before starting anything (the header uses it); the parent checks again itself."""
-    if os.environ.get(NO_FORK_VAR, "") not in ("", "0"):
+    if HarnessEnv.read().no_fork:
         return f"{NO_FORK_VAR} is set"
     if sys.platform != "linux":
         return "not Linux"

@@ -121,8 +121,9 @@ def _commit_of(path: Path) -> str | None:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pytest-fsdp-turbo" / "checkouts"
+    from pytest_fsdp_turbo.settings import HarnessEnv
+
+    return HarnessEnv.read().cache_home / "pytest-fsdp-turbo" / "checkouts"
 
 
 def cache_key(repo: str, ref: str | None) -> str:
