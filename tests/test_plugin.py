@@ -411,16 +411,16 @@ def test_a_bad_collective_timeout_names_its_variable(value):
         )
 
 
-def test_a_bad_stall_fault_duration_names_its_variable(monkeypatch):
+def test_a_bad_stall_fault_duration_names_its_variable():
+    from pytest_fsdp_turbo.settings import RunEnv
     from pytest_fsdp_turbo_contract.errors import ConfigError
-    from pytest_fsdp_turbo_contract.faults import parse_fault
 
-    monkeypatch.setenv("PYTEST_FSDP_TURBO_FAULT_STALL_S", "abc")
+    env = {"PYTEST_FSDP_TURBO_FAULT": "stall:0", "PYTEST_FSDP_TURBO_FAULT_STALL_S": "abc"}
     with pytest.raises(
         ConfigError,
         match=r"^PYTEST_FSDP_TURBO_FAULT_STALL_S: expected a number in \[0, 86400\]; got 'abc'",
     ):
-        parse_fault("stall:0", 2)
+        RunEnv.read(env, 2)
 
 
 def test_the_summary_row_names_the_test_its_overrides_and_the_first_cause(pytester, monkeypatch):

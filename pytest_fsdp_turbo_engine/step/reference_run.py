@@ -59,13 +59,36 @@ class ReferenceRun:
             self.optimizer.step(self.grads, self.norm)
 
 
+def shared_reference_gradients(
+    ctx: Rank, copy: torch.nn.Module, global_batch: TrainBatch, tokens: float
+) -> dict[str, torch.Tensor]:
+    """The copy's gradients on the global batch, computed by rank 0 and broadcast: the numbers
+    every rank would compute alike (one batch, one checkpoint, one process each), paid once
+    instead of once per rank."""
+    import torch.distributed as dist
+
+    grads = reference_gradients(copy, global_batch, tokens, ctx.cfg) if ctx.rank == 0 else {}
+    if dist.get_world_size() == 1:
+        return grads
+    layout = [[(name, tuple(g.shape), g.dtype) for name, g in grads.items()]]
+    dist.broadcast_object_list(layout, src=0)
+    shared = {}
+    for name, shape, dtype in layout[0]:
+        tensor = grads.get(name)
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=dtype, device=ctx.device)
+        dist.broadcast(tensor, src=0)
+        shared[name] = tensor
+    return shared
+
+
 def reference(
     ctx: Rank, ref_run: ReferenceRun, global_batch: TrainBatch, tokens: float, update: int = 1
 ) -> ReferenceRecord:
     """The engine's gradients, read by the harness, against the copy's on the global batch."""
     ctx.phase.enter(phase_name("reference", update))
     sharded = fsdp_probe.unsharded_gradients(ctx.engine.module)  # read by the harness
-    ref_run.grads = grads = reference_gradients(ref_run.copy, global_batch, tokens, ctx.cfg)
+    ref_run.grads = grads = shared_reference_gradients(ctx, ref_run.copy, global_batch, tokens)
     ref_run.norm = gradient_norm(grads)
     err, name = max_abs_error(sharded, grads)
     names = fsdp_probe.parameter_names(ctx.engine.module)
