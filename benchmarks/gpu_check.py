@@ -30,6 +30,7 @@ from pytest_fsdp_turbo_contract.records import (
     PerfRecord,
     PostStepRecord,
 )
+from pytest_fsdp_turbo_contract.vocab import Rollout
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,7 +44,8 @@ def single_device_cases() -> list:
             one = dataclasses.replace(case.engine, world_size=1, fsdp_size=1)
             cases.append(dataclasses.replace(case, id=f"{case.id}-1gpu", engine=one))
     if importlib.util.find_spec("vllm") is not None and cases:
-        cases.append(dataclasses.replace(cases[0], id=cases[0].id + "-vllm", rollout="vllm"))
+        vllm = dataclasses.replace(cases[0].ppo, rollout=Rollout.VLLM)
+        cases.append(dataclasses.replace(cases[0], id=cases[0].id + "-vllm", ppo=vllm))
     return cases
 
 

@@ -45,7 +45,7 @@ def main() -> None:
                 steps[name].append(result.metrics[PerfRecord.key("step_time_s")])
     med = {name: statistics.median(values) for name, values in times.items()}
     step = {name: statistics.median(values) for name, values in steps.items()}
-    print(f"case {verl.id} ({verl.world_size} ranks, {args.rounds} rounds, medians)")
+    print(f"case {verl.id} ({verl.engine.world_size} ranks, {args.rounds} rounds, medians)")
     print(f"  ours  (backend fsdp):       {med['native']:.2f} s wall, step {step['native']:.2f} s")
     print(
         f"  verl  (backend {verl.engine.backend}): {med['verl']:.2f} s wall, step {step['verl']:.2f} s"

@@ -52,11 +52,10 @@ COLUMNS = (
 ARTIFACT_NAME_MAX = 150
 
 
-# a node id whose folder name maps back to it one to one: a module path without dots, tests and
-# classes, one bracket of parameters, all of safe characters (anything else adds a digest)
-_PLAIN_NODEID = re.compile(
-    r"[A-Za-z0-9_/-]+\.py(::[A-Za-z0-9_.-]+)*(\[[A-Za-z0-9_.-]*\])?|[A-Za-z0-9_/-]+\.py"
-)
+# a node id whose folder name maps back to it one to one: a module path of letters, digits and
+# '_' (folders joined by '.'), one test function (no class), one bracket of parameters of safe
+# characters, nothing a folder name strips; anything else adds a digest of the id
+_PLAIN_NODEID = re.compile(r"[A-Za-z0-9_/]+\.py(::[A-Za-z0-9_]+(\[[A-Za-z0-9_.-]*\])?)?")
 
 
 def artifact_name(nodeid: str) -> str:
@@ -69,7 +68,8 @@ def artifact_name(nodeid: str) -> str:
     module = module.removesuffix(".py").replace("/", ".").replace("\\", ".")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{module}.{test}" if test else module)
     name = re.sub(r"\.{2,}", ".", name).strip("-.")
-    plain = _PLAIN_NODEID.fullmatch(nodeid) is not None and ".." not in nodeid
+    joined = f"{module}.{test.replace('[', '-').removesuffix(']')}" if test else module
+    plain = _PLAIN_NODEID.fullmatch(nodeid) is not None and name == joined
     if not plain or len(name) > ARTIFACT_NAME_MAX:
         digest = hashlib.sha256(nodeid.encode()).hexdigest()[:12]
         name = f"{name[: ARTIFACT_NAME_MAX - 13]}-{digest}".lstrip("-")

@@ -544,6 +544,8 @@ def test_two_modules_with_a_test_of_the_same_name_never_share_an_artifact_folder
     # ids that differ only where a folder name drops or changes characters
     odd = ["t.py::test[a b]", "t.py::test[a/b]", "t.py::test[a-b]", "t.py::test[a..b]"]
     odd += ["t.py::test[a.b]", "v1.2/t.py::test", "v1/2/t.py::test", "t.py::test[\u00e9]"]
+    odd += ["t.py::test_split[hello]", "t.py::test_split[hello.]", "t.py::test_split[hello-]"]
+    odd += ["a/b.py::c", "a.py::b.c", "t.py::A::b", "t.py::A[b]", "t.py::test_a[]", "t.py::test_a"]
     assert len({artifact_name(nodeid) for nodeid in odd}) == len(odd), odd
     long_a = artifact_name("t.py::test[" + "x" * 400 + "a]")
     long_b = artifact_name("t.py::test[" + "x" * 400 + "b]")

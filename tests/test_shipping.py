@@ -77,3 +77,15 @@ def test_a_case_sends_its_tiny_model_pythonpath_and_checkout_never_a_real_model(
     assert shipped_folders(request) == sent
     request.case, request.model_path = real, tmp_path / "models" / "big"
     assert str(tmp_path / "models" / "big") not in shipped_folders(request)
+
+
+def test_a_linked_folder_is_sent_once_and_the_innermost_copy_holds_a_path(tmp_path):
+    root = _folder(tmp_path / "engines")
+    (root / "linked").symlink_to(root / "pkg", target_is_directory=True)
+    (root / "loop").symlink_to(root, target_is_directory=True)  # a link loop ends
+    shipping.unpack(shipping.pack(str(root)).data, tmp_path / "node")
+    assert (tmp_path / "node" / "linked" / "__init__.py").read_text() == "X = 1\n"
+    assert (tmp_path / "node" / "pkg" / "__init__.py").is_file()  # the folder itself too
+    assert not (tmp_path / "node" / "loop").exists()
+    places = {"/drv/repo": "/node/0", "/drv/repo/FSDPTurbo": "/node/1"}
+    assert shipping.moved("/drv/repo/FSDPTurbo/fsdp_turbo", places) == "/node/1/fsdp_turbo"

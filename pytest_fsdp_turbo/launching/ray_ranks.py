@@ -51,6 +51,7 @@ from pytest_fsdp_turbo_contract.vocab import DeviceKind
 RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
 PLACEMENT_TIMEOUT_S = 120
 CALL_TIMEOUT_S = 60
+START_TIMEOUT_S = 300  # a start fetches and unpacks what the ranks need (up to SHIP_LIMIT each)
 NODE_DEATH_S = 30.0  # how long a lost actor's node may take to be declared dead
 REPLAYED = "replay"  # a twin's inputs from its main run, under the rank's own folder
 SHIPPED = "shipped"  # the driver's folders this rank needs, under the rank's own folder
@@ -114,8 +115,24 @@ class RankActor:
         """The rank's process, in a folder of this node holding `inputs` and the driver's folders
         it needs (`shipped`: driver path -> [the archive's object]); where it runs, or what this
         node lacks."""
-        node = node_of()
-        self.folder = folder = Path(tempfile.mkdtemp(prefix=f"fsdp-turbo-rank{rank}-"))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"fsdp-turbo-rank{rank}-"))
+        try:
+            return self._start(rank, world_size, overrides, kind, inputs, shipped)
+        except BaseException:
+            self.files()  # whatever started is reaped, and the node keeps nothing
+            raise
+
+    def _start(
+        self,
+        rank: int,
+        world_size: int,
+        overrides: dict,
+        kind: str,
+        inputs: dict[str, bytes],
+        shipped: dict[str, list],
+    ) -> dict:
+        node, folder = node_of(), self.folder
+        assert folder is not None
         for name, data in inputs.items():
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             (folder / name).write_bytes(data)
@@ -351,17 +368,21 @@ def launch_ray(
             del overrides["GLOO_SOCKET_IFNAME"]
         inputs = rank_inputs(out)
         start = time.monotonic()
-        started = ray.get(
-            [
-                actor.start.remote(rank, world_size, overrides, kind, inputs, shipped)
-                for rank, actor in enumerate(actors)
-            ],
-            timeout=CALL_TIMEOUT_S,
-        )
-        if refused := [node["refused"] for node in started if "refused" in node]:
+        try:
+            started = ray.get(
+                [
+                    actor.start.remote(rank, world_size, overrides, kind, inputs, shipped)
+                    for rank, actor in enumerate(actors)
+                ],
+                timeout=START_TIMEOUT_S,
+            )
+            if refused := [node["refused"] for node in started if "refused" in node]:
+                raise ConfigError(refused[0])
+        except BaseException:
             for actor in actors:  # the ranks that did start, and every node's folder, go
-                ray.get([actor.kill.remote(), actor.files.remote()], timeout=CALL_TIMEOUT_S)
-            raise ConfigError(refused[0])
+                with contextlib.suppress(Exception):
+                    ray.get([actor.kill.remote(), actor.files.remote()], timeout=CALL_TIMEOUT_S)
+            raise
         handles = [
             RayRank(rank, actor, RunFolder(out).log(rank), node)
             for rank, (actor, node) in enumerate(zip(actors, started))

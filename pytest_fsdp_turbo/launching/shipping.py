@@ -30,11 +30,18 @@ class Packed:
 
 
 def _files(root: Path) -> Iterable[Path]:
-    for folder, dirs, files in os.walk(root):
+    """Every file to send, folder links followed (a link back to a folder above it is a loop,
+    and is not followed)."""
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        here = Path(folder)
+        above = {os.path.realpath(root / part) for part in here.relative_to(root).parents}
+        if here != root and os.path.realpath(here) in above:
+            dirs[:] = []
+            continue
         dirs[:] = sorted(d for d in dirs if d not in SKIPPED and not d.startswith(".venv"))
         for name in sorted(files):
             if not name.endswith((".pyc", ".lock")):
-                yield Path(folder) / name
+                yield here / name
 
 
 def pack(path: str) -> Packed:
@@ -70,8 +77,8 @@ def unpack(data: bytes, into: Path) -> None:
 
 
 def moved(path: str, places: Mapping[str, str]) -> str:
-    """`path` as it is on the node: under the copy of the shipped folder that holds it."""
-    for origin, here in places.items():
+    """`path` as it is on the node: under the copy of the innermost shipped folder holding it."""
+    for origin, here in sorted(places.items(), key=lambda item: -len(item[0].rstrip(os.sep))):
         origin = origin.rstrip(os.sep)
         if path.rstrip(os.sep) == origin or path.startswith(origin + os.sep):
             return here + path.rstrip(os.sep)[len(origin) :]
