@@ -82,6 +82,32 @@ def node_name(node: dict) -> str:
     return f"node {node['id'][:8]} ({node['ip']})"
 
 
+def settle_inputs(
+    folder: Path, inputs: dict[str, bytes], shipped: dict[str, list]
+) -> tuple[RankSpec, dict[str, str]]:
+    """The rank's inputs and the driver's folders it needs (`shipped`: driver path -> [the
+    archive's object]) written into its node folder; its spec, pointed at them there, and where
+    each driver folder now is."""
+    for name, data in inputs.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    places = {}
+    for index, (origin, (archive,)) in enumerate(shipped.items()):
+        places[origin] = str(folder / SHIPPED / str(index))
+        unpack(ray.get(archive), Path(places[origin]))
+    spec = RankSpec.read(RunFolder(folder).spec)
+    engine = dataclasses.replace(
+        spec.engine, turbo_checkout=moved(spec.engine.turbo_checkout, places)
+    )
+    spec = dataclasses.replace(spec, model_path=moved(spec.model_path, places), engine=engine)
+    if spec.ppo.replay:  # a twin replays its main run's batch from the copy sent here only
+        spec = dataclasses.replace(
+            spec, ppo=dataclasses.replace(spec.ppo, replay=str(folder / REPLAYED))
+        )
+    spec.write(RunFolder(folder).spec)
+    return spec, places
+
+
 @ray.remote
 class RankActor:
     """Lives on the rank's node; owns the rank's process and the folder it runs in."""
@@ -115,58 +141,30 @@ class RankActor:
         """The rank's process, in a folder of this node holding `inputs` and the driver's folders
         it needs (`shipped`: driver path -> [the archive's object]); where it runs, or what this
         node lacks."""
-        self.folder = Path(tempfile.mkdtemp(prefix=f"fsdp-turbo-rank{rank}-"))
+        node = node_of()
+        self.folder = folder = Path(tempfile.mkdtemp(prefix=f"fsdp-turbo-rank{rank}-"))
         try:
-            return self._start(rank, world_size, overrides, kind, inputs, shipped)
+            spec, places = settle_inputs(folder, inputs, shipped)
+            if not (Path(spec.model_path) / "config.json").is_file():
+                return {
+                    **node,
+                    "refused": f"model {spec.model_path} is not on {node_name(node)}: a local "
+                    "model is not sent to the nodes; it must be at the same path on every node "
+                    "(docs/multi-node.md)",
+                }
+            base = {**os.environ, **overrides}
+            if "PYTHONPATH" in overrides:
+                base["PYTHONPATH"] = moved_search_path(overrides["PYTHONPATH"], places)
+            env = rank_env({**base, **node_env(kind, node["ip"], base)}, rank, world_size)
+            var = VISIBLE_DEVICES_VAR.get(kind)
+            if var:  # Ray's assignment, also when RAY_EXPERIMENTAL_NOSET_* kept Ray from exporting
+                env[var] = ",".join(self.visible_devices(kind))
+                env["LOCAL_RANK"] = "0"
+            self.token = env[CASE_TOKEN_VAR] = f"{os.getpid()}-{rank}-{time.time_ns()}"
+            self.rank = LocalRank(rank, worker_command(folder), env, RunFolder(folder).log(rank))
         except BaseException:
             self.files()  # whatever started is reaped, and the node keeps nothing
             raise
-
-    def _start(
-        self,
-        rank: int,
-        world_size: int,
-        overrides: dict,
-        kind: str,
-        inputs: dict[str, bytes],
-        shipped: dict[str, list],
-    ) -> dict:
-        node, folder = node_of(), self.folder
-        assert folder is not None
-        for name, data in inputs.items():
-            (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_bytes(data)
-        places = {}
-        for index, (origin, (archive,)) in enumerate(shipped.items()):
-            places[origin] = str(folder / SHIPPED / str(index))
-            unpack(ray.get(archive), Path(places[origin]))
-        spec = RankSpec.read(RunFolder(folder).spec)
-        engine = dataclasses.replace(
-            spec.engine, turbo_checkout=moved(spec.engine.turbo_checkout, places)
-        )
-        spec = dataclasses.replace(spec, model_path=moved(spec.model_path, places), engine=engine)
-        if spec.ppo.replay:  # a twin replays its main run's batch from the copy sent here only
-            spec = dataclasses.replace(
-                spec, ppo=dataclasses.replace(spec.ppo, replay=str(folder / REPLAYED))
-            )
-        if not (Path(spec.model_path) / "config.json").is_file():
-            return {
-                **node,
-                "refused": f"model {spec.model_path} is not on {node_name(node)}: a local model "
-                "is not sent to the nodes; it must be at the same path on every node "
-                "(docs/multi-node.md)",
-            }
-        spec.write(RunFolder(folder).spec)
-        base = {**os.environ, **overrides}
-        if "PYTHONPATH" in overrides:
-            base["PYTHONPATH"] = moved_search_path(overrides["PYTHONPATH"], places)
-        env = rank_env({**base, **node_env(kind, node["ip"], base)}, rank, world_size)
-        var = VISIBLE_DEVICES_VAR.get(kind)
-        if var:  # Ray's assignment, also when RAY_EXPERIMENTAL_NOSET_* kept Ray from exporting it
-            env[var] = ",".join(self.visible_devices(kind))
-            env["LOCAL_RANK"] = "0"
-        self.token = env[CASE_TOKEN_VAR] = f"{os.getpid()}-{rank}-{time.time_ns()}"
-        self.rank = LocalRank(rank, worker_command(folder), env, RunFolder(folder).log(rank))
         return {**node, "pid": self.rank.proc.pid, "folder": str(folder)}
 
     def reap(self) -> None:

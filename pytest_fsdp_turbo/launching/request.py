@@ -29,7 +29,6 @@ from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.engines import EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
-from pytest_fsdp_turbo_contract.faults import FaultSpec
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.vocab import (
@@ -74,7 +73,7 @@ def rank_spec(request: RunRequest) -> RankSpec:
         model_path=str(request.model_path),
         model_type=model_type_of(request.model_path),
     )
-    run = RunEnv.read({**os.environ, **request.extra_env}, case.engine.world_size)
+    run = run_env(request)
     checkout = str(request.checkout.path) if request.checkout is not None else ""
     engine = replace(spec.engine, turbo_config=request.turbo_config or {}, turbo_checkout=checkout)
     ppo = replace(
@@ -92,10 +91,10 @@ def rank_spec(request: RunRequest) -> RankSpec:
     )
 
 
-def requested_fault(request: RunRequest) -> FaultSpec | None:
-    """A fault the harness's own tests inject (the variable, or ppo_run's extra_env)."""
-    env = {**os.environ, **request.extra_env}
-    return RunEnv.read(env, request.case.engine.world_size).fault
+def run_env(request: RunRequest) -> RunEnv:
+    """What the run's environment asks of its ranks (the session's, ppo_run's extra_env over it):
+    the vLLM memory share and a fault the harness's own tests inject."""
+    return RunEnv.read({**os.environ, **request.extra_env}, request.case.engine.world_size)
 
 
 def _port_clash(result: RunResult) -> bool:
@@ -430,7 +429,7 @@ def with_turbo_config(request: RunRequest) -> RunRequest:
 
 def run_with_twin(request: RunRequest, launch: Callable[[RunRequest], RunResult]) -> RunResult:
     """The case, then (if it declares one and completed) its twin replaying the saved batch."""
-    requested_fault(request)  # a fault the ranks could not act on is refused before anything
+    run_env(request)  # a fault the ranks could not act on is refused before anything
     request = with_turbo_config(request)
     result = launch(request)
     twin = twin_case(request.case)

@@ -10,6 +10,7 @@ import torch
 
 from pytest_fsdp_turbo_contract.records import ReferenceRecord
 from pytest_fsdp_turbo_engine import fsdp_probe
+from pytest_fsdp_turbo_engine.reductions import broadcast_tensors
 from pytest_fsdp_turbo_engine.reference import (
     ReferenceOptimizer,
     fingerprint,
@@ -65,21 +66,8 @@ def shared_reference_gradients(
     """The copy's gradients on the global batch, computed by rank 0 and broadcast: the numbers
     every rank would compute alike (one batch, one checkpoint, one process each), paid once
     instead of once per rank."""
-    import torch.distributed as dist
-
     grads = reference_gradients(copy, global_batch, tokens, ctx.cfg) if ctx.rank == 0 else {}
-    if dist.get_world_size() == 1:
-        return grads
-    layout = [[(name, tuple(g.shape), g.dtype) for name, g in grads.items()]]
-    dist.broadcast_object_list(layout, src=0)
-    shared = {}
-    for name, shape, dtype in layout[0]:
-        tensor = grads.get(name)
-        if tensor is None:
-            tensor = torch.empty(shape, dtype=dtype, device=ctx.device)
-        dist.broadcast(tensor, src=0)
-        shared[name] = tensor
-    return shared
+    return broadcast_tensors(grads, ctx.device)
 
 
 def reference(
