@@ -24,7 +24,6 @@ from pytest_fsdp_turbo.launching.case_runner import (
     standalone_settings,
 )
 from pytest_fsdp_turbo_contract.records import (
-    CaseRecord,
     LossRecord,
     OptimizerRecord,
     PerfRecord,
@@ -78,7 +77,7 @@ def main() -> int:
             rows.append(
                 (
                     case.id,
-                    m.get(CaseRecord.key("dtype"), "?"),
+                    str(result.spec().engine.dtype) if result.spec() else "?",
                     f"{m.get(OptimizerRecord.key('grad_norm'), float('nan')):.4g}",
                     f"{m.get(LossRecord.key('pg_loss'), float('nan')):.4g}",
                     f"{m.get(PostStepRecord.key('rollout_logprob_max_abs_diff'), float('nan')):.3g}",

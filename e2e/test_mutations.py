@@ -26,7 +26,6 @@ from pytest_fsdp_turbo.session import cases_of, goldens_dir
 from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.records import (
     REFERENCE_KEYS,
-    CaseRecord,
     LossRecord,
     OptimizerRecord,
     PerfRecord,
@@ -413,8 +412,7 @@ def in_mode(result: RunResult, mode: str) -> RunResult:
     def bare(metrics: dict | None) -> dict | None:
         if metrics is None:
             return None
-        kept = {k: v for k, v in metrics.items() if k not in REFERENCE_KEYS}
-        return {**kept, CaseRecord.key("reference"): False}
+        return {k: v for k, v in metrics.items() if k not in REFERENCE_KEYS}
 
     ranks = [dataclasses.replace(r, metrics=bare(r.metrics)) for r in result.ranks]
     return dataclasses.replace(result, ranks=ranks, launched=launched)
@@ -476,7 +474,7 @@ def test_a_mode_view_hides_what_the_mode_lacks(ppo_run, pytestconfig):
         assert checks.check_all(view).not_applicable() == ["d: no replicas"], mode
         assert (view.twin is not None) == (mode == "twin")
         has_reference = any(k in view.metrics for k in REFERENCE_KEYS)
-        assert has_reference == (mode == "reference") == view.metrics[CaseRecord.key("reference")]
+        assert has_reference == (mode == "reference") == view.spec().ppo.reference_checks
     case = cases_of(pytestconfig).get(CASE)
     assert golden_failure(result, case, goldens_dir(pytestconfig)) is None
     for rank in result.ranks:  # every rank wrote every metric the checks and goldens read

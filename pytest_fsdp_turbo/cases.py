@@ -128,6 +128,8 @@ class Case:
             ppo=ppo,
             memory_budget_mb=self.memory_budget_mb,
             collective_timeout_s=self.collective_timeout,
+            timeout_s=self.timeout,
+            golden_tier=self.golden_tier,
         )
 
 

@@ -20,11 +20,8 @@ from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import (
     STARTUP,
     TIMING_PREFIX,
-    LossRecord,
-    OptimizerRecord,
-    PerfRecord,
+    Reading,
     StepMetrics,
-    TrainRecord,
 )
 from pytest_fsdp_turbo_contract.results import read_json
 
@@ -77,14 +74,14 @@ def artifact_name(nodeid: str) -> str:
 
 
 JUNIT_METRICS = (
-    OptimizerRecord.key("grad_norm"),
-    LossRecord.key("pg_loss"),
-    TrainRecord.key("retained_grad_bytes"),
-    TrainRecord.key("reduce_scatter_calls"),
-    LossRecord.key("pg_clipfrac_last_update"),
-    OptimizerRecord.key("clip_coef"),
-    PerfRecord.key("peak_memory_bytes"),
-    PerfRecord.key("step_time_s"),
+    Reading(lambda m: m.optimizer.grad_norm).key,
+    Reading(lambda m: m.loss.pg_loss).key,
+    Reading(lambda m: m.train.retained_grad_bytes).key,
+    Reading(lambda m: m.train.reduce_scatter_calls).key,
+    Reading(lambda m: m.loss.pg_clipfrac_last_update).key,
+    Reading(lambda m: m.optimizer.clip_coef).key,
+    Reading(lambda m: m.perf.peak_memory_bytes).key,
+    Reading(lambda m: m.perf.step_time_s).key,
     TIMING_PREFIX + STARTUP,
 )
 
@@ -148,7 +145,7 @@ def summary_row(result: RunResult, test: str = "", options: dict | None = None) 
         "case": result.case_id,
         "overrides": [f"{k}={v}" for k, v in sorted(overrides.items())],
         "cause": run_cause(result),
-        "device": step.case.device or _spec_device(result),
+        "device": _spec_device(result),
         "ranks": ranks_cell(result),
         "grad_norm": step.optimizer.grad_norm,
         "loss": step.loss.pg_loss,
@@ -203,7 +200,7 @@ def run_cause(result: RunResult) -> str:
 
 
 def _spec_device(result: RunResult) -> str:
-    """A run that failed before its metrics still has the spec it was launched with."""
+    """The device kind the run was launched on (a run that failed before its metrics has it)."""
     spec = result.spec()
     return spec.device_kind if spec is not None else "?"
 
@@ -271,10 +268,10 @@ def verdict_cell(row: dict, outcome: str, why: str) -> str:
 
 
 def read_case_artifacts(folder: Path) -> dict:
-    """One case folder -> {'case': case.json, 'spec': spec.json, 'ranks': [metrics...]}."""
+    """One case folder -> {'spec': spec.json, 'ranks': [metrics...]}."""
     run = RunFolder(folder)
     ranks = []
     while (path := run.metrics(len(ranks))).is_file():
         metrics = read_json(path)  # a file cut short reads as missing, never a traceback
         ranks.append(metrics if isinstance(metrics, dict) else {})
-    return {"case": read_json(run.case) or {}, "spec": read_json(run.spec) or {}, "ranks": ranks}
+    return {"spec": read_json(run.spec) or {}, "ranks": ranks}

@@ -41,8 +41,7 @@ class RunFolder:
 
     path: Path
 
-    spec = _File("spec.json")  # the RankSpec every rank reads
-    case = _File("case.json")  # the case as resolved, overrides applied
+    spec = _File("spec.json")  # the RankSpec every rank reads, and what a reader needs of the case
     env = _File("env.json")  # the ranks' environment, secrets masked
     timeline = _File("timeline.json")  # (rank, phase, start, end) rows
     launcher_log = _File("launcher.log")  # port retries

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 # how the reference phase says the engine's parameter names are not the checkpoint's (check c)
 NAMES_DIFFER = "parameter names differ from the reference's"
@@ -108,21 +108,14 @@ class Record:
 
 
 @dataclass
-class CaseRecord(Record):
-    """What the run was, as the rank saw it (so a golden or a reader never needs the spec)."""
+class RankRecord(Record):
+    """Where the rank ran, as it found itself: what a run declared is its spec (spec.json)."""
 
-    NAMESPACE = "case"
+    NAMESPACE = "rank"
     PHASE = "load"
     rank: int | None = metric(key="rank")
-    device: str | None = metric()
-    dtype: str | None = metric()
-    gradient_sync: str | None = metric()
-    world_size: int | None = metric()
-    micro_batches: int | None = metric()
-    reference: bool | None = metric()
-    memory_budget_mb: float | None = metric()
-    replicas: int | None = metric()
-    updates: int | None = metric()  # optimizer updates on the one rollout
+    device: str | None = metric()  # the device it computed on (cpu, cuda:0, npu:3)
+    replicas: int | None = metric()  # ranks holding the same shard as this one (HSDP), itself too
 
 
 @dataclass
@@ -288,7 +281,7 @@ class StepMetrics:
     phase has not run, or does not apply). `to_json` is rankN.metrics.json, or after a failure the
     partial metrics, the records filled so far."""
 
-    case: CaseRecord = field(default_factory=CaseRecord)
+    rank: RankRecord = field(default_factory=RankRecord)
     rollout: RolloutRecord = field(default_factory=RolloutRecord)
     replay: ReplayRecord = field(default_factory=ReplayRecord)  # a replay twin only
     train: TrainRecord = field(default_factory=TrainRecord)
@@ -334,4 +327,33 @@ REFERENCE_KEYS = (
     *ReferenceRecord.metric_keys(),
     PostStepRecord.key("step_max_err_lr"),
     PostStepRecord.key("step_rel_l2_err"),
+)
+
+
+T = TypeVar("T")
+
+
+class Reading(Generic[T]):
+    """One measurement as a reader names it: `Reading(lambda m: m.optimizer.grad_norm)`, an
+    attribute path mypy checks, which also knows its record, its metric key and the phase that
+    writes it (for a message that says which reading is missing or off)."""
+
+    def __init__(self, read: Callable[[StepMetrics], T | None]) -> None:
+        self.of = read
+        # run on metrics whose every field holds (its record type, its name): the path's own field
+        self.record, self.name = cast(tuple[type[Record], str], read(_NAMED))
+
+    @property
+    def key(self) -> str:
+        return self.record.key(self.name)
+
+    def __repr__(self) -> str:
+        return f"Reading({self.key})"
+
+
+_NAMED = StepMetrics(
+    **{
+        name: kind(**{f.name: (kind, f.name) for f in fields(kind)})  # type: ignore[arg-type]
+        for name, kind in StepMetrics.RECORDS.items()
+    }
 )

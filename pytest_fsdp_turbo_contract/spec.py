@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_fsdp_turbo_contract.faults import FaultSpec
-from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, Rollout, SyncPolicy
+from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, GoldenTier, Rollout, SyncPolicy
 
 RUN = "run"  # a field a run fills in (rank_spec), never a case key
 BOUNDS = "bounds"  # a case key's number: Bounds
@@ -143,7 +143,8 @@ class PPOSpec:
 
 @dataclass(frozen=True)
 class RankSpec:
-    """spec.json: everything a rank needs, built by the case for one device kind."""
+    """spec.json: everything a rank needs, built by the case for one device kind; with the case's
+    id, timeout and golden tier, it is also all a reader of the run folder needs of the case."""
 
     case_id: str
     model_path: str
@@ -155,6 +156,8 @@ class RankSpec:
     engine_modules: tuple[str, ...] = ()
     # seconds a collective may wait before it fails and names its rank (below the case timeout)
     collective_timeout_s: float = 120.0
+    timeout_s: float = 300.0  # the whole run's (the progress line counts against it)
+    golden_tier: GoldenTier = GoldenTier.RELATIVE  # how compare holds two runs' metrics
     fault: FaultSpec | None = None  # the harness's own reliability tests inject one
 
     def to_json(self) -> dict[str, Any]:
@@ -175,6 +178,7 @@ class RankSpec:
                     }
                 ),
                 "ppo": PPOSpec(**{**ppo, "rollout": Rollout(ppo["rollout"])}),
+                "golden_tier": GoldenTier(data.get("golden_tier", GoldenTier.RELATIVE)),
                 "engine_modules": tuple(data.get("engine_modules", ())),
                 "fault": FaultSpec(**data["fault"]) if data.get("fault") else None,
             }

@@ -8,7 +8,6 @@ import pytest
 
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo_contract.records import (
-    CaseRecord,
     LossRecord,
     OptimizerRecord,
     PerfRecord,
@@ -22,13 +21,17 @@ from pytest_fsdp_turbo_contract.results import RankResult, RunResult
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, SyncPolicy
 
+# What the run declared rides in the hand-made metrics under this prefix, no record's: declared_by
+# turns it into the run's spec, which is where the checks read it.
+DECLARED = "declared/"
+
 
 def healthy(rank: int, **changes) -> dict:
     metrics = {
-        CaseRecord.key("dtype"): "fp32",
-        CaseRecord.key("gradient_sync"): "deferred",
-        CaseRecord.key("micro_batches"): 2,
-        CaseRecord.key("memory_budget_mb"): None,
+        DECLARED + "dtype": "fp32",
+        DECLARED + "gradient_sync": "deferred",
+        DECLARED + "micro_batches": 2,
+        DECLARED + "memory_budget_mb": None,
         OptimizerRecord.key("grad_norm"): 0.8,
         OptimizerRecord.key("grad_norm_finite"): True,
         OptimizerRecord.key("grad_norm_measured"): 0.8,
@@ -61,9 +64,9 @@ def healthy(rank: int, **changes) -> dict:
 
 
 def declared_by(metrics: dict, world_size: int = 2, reference: bool | None = None) -> RankSpec:
-    """The spec a run was launched with, as its rank 0 echoed it (case/*): the checks read what
-    was declared from the spec, never from the ranks' metrics. The reference is declared where
-    the hand-made metrics hold its readings, unless `reference` says otherwise."""
+    """The spec a run was launched with, from what the hand-made metrics declare (DECLARED): the
+    checks read what was declared from the spec, never from the ranks' metrics. The reference is
+    declared where the hand-made metrics hold its readings, unless `reference` says otherwise."""
     step = StepMetrics.from_json(metrics)
     if reference is None:
         reference = step.reference.measured()
@@ -72,17 +75,16 @@ def declared_by(metrics: dict, world_size: int = 2, reference: bool | None = Non
         world_size=world_size,
         fsdp_size=world_size // sp,
         sp_size=sp,
-        dtype=Dtype(step.case.dtype or "fp32"),
-        gradient_sync=SyncPolicy(step.case.gradient_sync or "deferred"),
+        dtype=Dtype(metrics.get(DECLARED + "dtype") or "fp32"),
+        gradient_sync=SyncPolicy(metrics.get(DECLARED + "gradient_sync") or "deferred"),
     )
     ppo = PPOSpec(
-        micro_batches=step.case.micro_batches or 2,
-        updates=step.case.updates or 1,
+        micro_batches=metrics.get(DECLARED + "micro_batches") or 2,
+        updates=metrics.get(DECLARED + "updates") or 1,
         reference_checks=reference,
     )
-    return RankSpec(
-        "case", "model", "qwen3", DeviceKind.CPU, engine, ppo, step.case.memory_budget_mb
-    )
+    budget = metrics.get(DECLARED + "memory_budget_mb")
+    return RankSpec("case", "model", "qwen3", DeviceKind.CPU, engine, ppo, budget)
 
 
 def result_of(*ranks: dict, twin: RunResult | None = None) -> RunResult:
@@ -152,7 +154,7 @@ def test_every_failed_check_is_listed():
 
 def reference_metrics(dtype: str, per_param: float, l2: float) -> dict:
     return {
-        CaseRecord.key("dtype"): dtype,
+        DECLARED + "dtype": dtype,
         ReferenceRecord.key("grad_max_rel_err"): per_param,
         ReferenceRecord.key("grad_max_rel_err_param"): "model.layers.0.linear_attn.A_log",
         ReferenceRecord.key("grad_rel_l2_err"): l2,
@@ -219,7 +221,7 @@ def test_single_micro_batch_deferred_must_not_retain_gradients():
     run = healthy(
         0,
         **{
-            CaseRecord.key("micro_batches"): 1,
+            DECLARED + "micro_batches": 1,
             TrainRecord.key("reduce_scatter_calls_by_micro_batch"): [5],
             TrainRecord.key("retained_grad_bytes"): 64,
         },
@@ -257,7 +259,7 @@ def test_on_policy_holds_each_token_in_fp32_where_a_mean_can_cancel():
     off = {**cancelled, LossRecord.key("ppo_log_ratio_abs_max_first_micro_batch"): 2e-3}
     with pytest.raises(checks.CheckFailure, match=r"check b: rank 1: a token's .* is 0.002 "):
         checks.check_on_policy(result_of(healthy(0), healthy(1, **off)))
-    bf16 = {**off, CaseRecord.key("dtype"): "bf16"}
+    bf16 = {**off, DECLARED + "dtype": "bf16"}
     checks.check_on_policy(result_of(healthy(0, **bf16), healthy(1, **bf16)))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fsdp_turbo_contract.records import CaseRecord, LossRecord, OptimizerRecord
+from pytest_fsdp_turbo_contract.records import LossRecord, OptimizerRecord, RankRecord
 from tests.helpers import env_with_path, fake_tool, npu_smi_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,9 +115,9 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     metrics = json.loads(done.stdout[: done.stdout.rindex("}") + 1])
-    assert (
-        metrics[OptimizerRecord.key("grad_norm")] > 0 and metrics[CaseRecord.key("world_size")] == 1
-    )
+    assert metrics[OptimizerRecord.key("grad_norm")] > 0 and metrics[RankRecord.key("rank")] == 0
+    spec = json.loads((tmp_path / "a" / "tiny-qwen3-single-rank-cpu" / "spec.json").read_text())
+    assert spec["case_id"] == "tiny-qwen3-single-rank" and spec["engine"]["world_size"] == 1
     assert "case tiny-qwen3-single-rank on cpu: passed" in done.stdout
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     metrics_b = tmp_path / "b" / "tiny-qwen3-single-rank-cpu" / "rank0.metrics.json"
@@ -157,7 +157,7 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
         "holds case tiny-qwen3-single-rank in 2 folders that match none on the other side "
         "(e2e.test_x.test_y, tiny-qwen3-single-rank-cpu); name one of them"
     ) in twice.stderr
-    # a metrics file cut short reads as missing; a case.json without an id is one line
+    # a metrics file cut short reads as missing; a spec.json without a case id is one line
     metrics_b.write_text(metrics_b.read_text()[:40])
     cut = cli("compare", str(tmp_path / "a" / "elsewhere"), str(metrics_b.parent))
     assert cut.returncode == 0, cut.stderr
@@ -165,9 +165,9 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
         OptimizerRecord.key("grad_norm") in line and line.rstrip().endswith("missing")
         for line in cut.stdout.splitlines()
     ), cut.stdout
-    (tmp_path / "b" / "e2e.test_x.test_y" / "case.json").write_text("{}")
+    (tmp_path / "b" / "e2e.test_x.test_y" / "spec.json").write_text("{}")
     no_id = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"))
-    assert no_id.returncode == 2 and "expected the case as a JSON object with an id" in (
+    assert no_id.returncode == 2 and "expected the run's spec as a JSON object with a case_id" in (
         no_id.stderr
     )
     assert "Traceback" not in cut.stderr + no_id.stderr
@@ -409,7 +409,7 @@ def test_compare_into_an_unwritable_png_and_run_help_says_it_reads_the_ini(tmp_p
     assert "ini values" in help_text and "rootdir" in help_text
     folder = tmp_path / "run"
     folder.mkdir()
-    (folder / "case.json").write_text('{"id": "c"}')
+    (folder / "spec.json").write_text('{"case_id": "c"}')
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)

@@ -12,9 +12,10 @@ from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import (
     STARTUP,
     TIMING_PREFIX,
-    CaseRecord,
     LossRecord,
     OptimizerRecord,
+    RankRecord,
+    Reading,
     ReferenceRecord,
     RolloutRecord,
     StepMetrics,
@@ -72,9 +73,9 @@ def test_a_step_of_several_updates_takes_each_field_as_its_record_declares():
 def test_a_record_nothing_was_measured_in_is_not_written():
     """Partial metrics hold the phases that ran; a completed record writes its not-applicable
     fields as null, so a reader tells 'not applicable' from 'never measured'."""
-    step = StepMetrics(case=CaseRecord(rank=0, dtype="fp32"), timings={"load": 1.5})
+    step = StepMetrics(rank=RankRecord(rank=0, device="cpu"), timings={"load": 1.5})
     written = step.to_json()
-    assert written["case/dtype"] == "fp32" and written["case/world_size"] is None
+    assert written["rank/device"] == "cpu" and written["rank/replicas"] is None
     assert "actor/grad_norm" not in written and written[TIMING_PREFIX + "load"] == 1.5
     assert StepMetrics.from_json(written) == step
 
@@ -113,7 +114,7 @@ def test_a_real_runs_files_read_back_into_the_types_unchanged(ppo_run):
         on_disk = json.loads(folder.metrics(rank.rank).read_text())
         step = rank.step  # the typed view of what the rank wrote
         assert step.to_json() == on_disk
-        assert step.case.rank == rank.rank and step.reference.measured()
+        assert step.rank.rank == rank.rank and step.reference.measured()
         assert step.optimizer.grad_norm == on_disk[OptimizerRecord.key("grad_norm")]
         assert step.post_step.post_step_logprob_max_abs_diff is None  # not a twin
         assert STARTUP in step.timings
@@ -197,3 +198,14 @@ def test_the_contract_reads_no_environment_variable():
     reads = re.compile(r"os\.environ|os\.getenv|environ\.get")
     readers = [p.name for p in package.glob("*.py") if reads.search(p.read_text())]
     assert readers == [], readers
+
+
+def test_a_reading_is_an_attribute_path_that_knows_its_key_and_phase():
+    """The checks name what they read by attribute (mypy checks the path), and a missing reading's
+    message still names its metric key and the phase that writes it."""
+    norm = Reading(lambda m: m.optimizer.grad_norm)
+    rows = Reading(lambda m: m.rollout.response_length_mean)  # a key spelled verl's way
+    assert (norm.key, norm.record, norm.name) == ("actor/grad_norm", OptimizerRecord, "grad_norm")
+    assert rows.key == "response_length/mean" and rows.record.PHASE == "rollout"
+    step = StepMetrics.from_json({"actor/grad_norm": 0.5})
+    assert norm.of(step) == 0.5 and rows.of(step) is None

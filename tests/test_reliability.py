@@ -345,7 +345,6 @@ def test_failed_case_keeps_every_log_traceback_and_metric(ppo_run):
         "rank1.log",
         "rank0.error.json",
         "spec.json",
-        "case.json",
         "env.json",
     } <= names
     assert json.loads((result.artifacts_dir / "rank0.error.json").read_text())["phase"] == "checks"

@@ -29,21 +29,9 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from pytest_fsdp_turbo_contract.records import (
-    NAMES_DIFFER,
-    LossRecord,
-    OptimizerRecord,
-    PerfRecord,
-    PostStepRecord,
-    Record,
-    ReferenceRecord,
-    ReplayRecord,
-    RolloutRecord,
-    StepMetrics,
-    TrainRecord,
-)
+from pytest_fsdp_turbo_contract.records import NAMES_DIFFER, Reading, StepMetrics
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.vocab import SyncPolicy, TwinKind
@@ -100,6 +88,52 @@ SKETCH_CANCELLED_SHARE = 1e-3
 # sketches are compared on the first, on-policy update only; l judges every update's loss.
 SKETCH_FIRST_UPDATE_ONLY = ("bf16",)
 LATER_UPDATE = " (update "  # how a later update's entries are named (records.EACH)
+
+# The readings the checks judge: each an attribute path of a rank's records (mypy checks it),
+# which also knows its metric key and the phase that writes it.
+ADAMW_STEP_MAX_ERR_LR = Reading(lambda m: m.optimizer.adamw_step_max_err_lr)
+ADVANTAGES_ABS_MAX = Reading(lambda m: m.rollout.advantages_abs_max)
+CLIP_COEF = Reading(lambda m: m.optimizer.clip_coef)
+CLIP_MAX_REL_ERR = Reading(lambda m: m.optimizer.clip_max_rel_err)
+DATA_ROWS = Reading(lambda m: m.train.data_rows)
+FSDP_UNITS = Reading(lambda m: m.train.fsdp_units)
+GRAD_MAX_REL_ERR = Reading(lambda m: m.reference.grad_max_rel_err)
+GRAD_NORM = Reading(lambda m: m.optimizer.grad_norm)
+GRAD_NORM_MEASURED = Reading(lambda m: m.optimizer.grad_norm_measured)
+GRAD_REL_L2_ERR = Reading(lambda m: m.reference.grad_rel_l2_err)
+GRAD_SKETCH = Reading(lambda m: m.train.grad_sketch)
+HANDOFF_WEIGHT_MAX_ABS_DIFF = Reading(lambda m: m.post_step.handoff_weight_max_abs_diff)
+KL_REFERENCE_GAP_MEAN = Reading(lambda m: m.rollout.kl_reference_gap_mean)
+LAYER_TOKENS = Reading(lambda m: m.train.layer_tokens)
+LOCAL_PARAM_NUMEL = Reading(lambda m: m.optimizer.local_param_numel)
+LOSS = Reading(lambda m: m.loss.loss)
+LOSS_GRAD_MAX_REL_ERR = Reading(lambda m: m.train.loss_grad_max_rel_err)
+MICRO_BATCH_ROWS = Reading(lambda m: m.train.micro_batch_rows)
+OLD_LOGPROB_MAX_ABS_DIFF = Reading(lambda m: m.replay.old_logprob_max_abs_diff)
+OLD_LOGPROB_WORST_ROW = Reading(lambda m: m.replay.old_logprob_worst_row)
+PARAM_UPDATE_MAX_ABS = Reading(lambda m: m.optimizer.param_update_max_abs)
+PEAK_MEMORY_BYTES = Reading(lambda m: m.perf.peak_memory_bytes)
+PG_CLIPFRAC = Reading(lambda m: m.loss.pg_clipfrac)
+PG_CLIPFRAC_FIRST_MICRO_BATCH = Reading(lambda m: m.loss.pg_clipfrac_first_micro_batch)
+PG_CLIPFRAC_LAST_UPDATE = Reading(lambda m: m.loss.pg_clipfrac_last_update)
+POST_STEP_LOGPROB_MAX_ABS_DIFF = Reading(lambda m: m.post_step.post_step_logprob_max_abs_diff)
+PPO_KL = Reading(lambda m: m.loss.ppo_kl)
+PPO_KL_FIRST_MICRO_BATCH = Reading(lambda m: m.loss.ppo_kl_first_micro_batch)
+PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH = Reading(
+    lambda m: m.loss.ppo_log_ratio_abs_max_first_micro_batch
+)
+REDUCE_SCATTER_CALLS_BY_MICRO_BATCH = Reading(lambda m: m.train.reduce_scatter_calls_by_micro_batch)
+REPLICA_MAX_ABS_DIFF = Reading(lambda m: m.post_step.replica_max_abs_diff)
+RETAINED_GRAD_BYTES = Reading(lambda m: m.train.retained_grad_bytes)
+ROLLOUT_LOGPROB_MAX_ABS_DIFF = Reading(lambda m: m.post_step.rollout_logprob_max_abs_diff)
+ROLLOUT_WEIGHT_MAX_ABS_DIFF = Reading(lambda m: m.post_step.rollout_weight_max_abs_diff)
+SEQ_LEN = Reading(lambda m: m.train.seq_len)
+SHARD_GROUP_SIZE = Reading(lambda m: m.train.shard_group_size)
+SP_BOUNDARIES_IN_RESPONSES = Reading(lambda m: m.rollout.sp_boundaries_in_responses)
+STEP_MAX_ERR_LR = Reading(lambda m: m.post_step.step_max_err_lr)
+STEP_REL_L2_ERR = Reading(lambda m: m.post_step.step_rel_l2_err)
+
+T = TypeVar("T")
 
 PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
 
@@ -211,45 +245,50 @@ def _rank0(result: RunResult) -> StepMetrics:
     return result.ranks[0].step
 
 
-def _read(result: RunResult, rank: int, record: type[Record], name: str, required: bool) -> Any:
-    """One rank's field `name` of its `record`. A rank whose record holds nothing (or, `required`,
-    whose field holds nothing) fails, naming the metric and the rank's log."""
-    ranked = result.ranks[rank]
-    got = ranked.step.record(record)
-    value = getattr(got, name)
-    if not got.measured() or (required and value is None):
-        raise CheckFailure(missing(result, rank, record, name))
+def _read(result: RunResult, rank: int, reading: Reading[T], required: bool) -> T | None:
+    """One rank's `reading`. A rank whose record holds nothing (or, `required`, whose reading
+    holds nothing) fails, naming the metric and the rank's log."""
+    step = result.ranks[rank].step
+    value = reading.of(step)
+    if not step.record(reading.record).measured() or (required and value is None):
+        raise CheckFailure(missing(result, rank, reading))
     return value
 
 
-def missing(result: RunResult, rank: int, record: type[Record], name: str) -> str:
+def missing(result: RunResult, rank: int, reading: Reading) -> str:
     """A check that applies found no reading: it fails, naming the reading and the phase."""
     return (
-        f"rank {rank}: metric {record.key(name)!r} missing: the case declares what this check "
-        f"judges, and phase {record.PHASE!r} should have written it "
+        f"rank {rank}: metric {reading.key!r} missing: the case declares what this check "
+        f"judges, and phase {reading.record.PHASE!r} should have written it "
         f"(log {result.ranks[rank].log_path})"
     )
 
 
 def _per_rank(
-    result: RunResult, record: type[Record], name: str, required: bool = False
-) -> Iterator[tuple[int, Any]]:
-    """(rank, its measurement) for every rank, read as _read reads it."""
+    result: RunResult, reading: Reading[T], required: bool = False
+) -> Iterator[tuple[int, T | None]]:
+    """(rank, its reading) for every rank, read as _read reads it."""
     for ranked in result.ranks:
-        yield ranked.rank, _read(result, ranked.rank, record, name, required)
+        yield ranked.rank, _read(result, ranked.rank, reading, required)
 
 
-def _value(result: RunResult, rank: int, record: type[Record], name: str) -> Any:
-    """One rank's measurement, which must hold a value."""
-    return _read(result, rank, record, name, required=True)
+def _measured(result: RunResult, reading: Reading[T]) -> Iterator[tuple[int, T]]:
+    """(rank, its reading) for every rank, each of which must hold a value."""
+    for ranked in result.ranks:
+        yield ranked.rank, _value(result, ranked.rank, reading)
+
+
+def _value(result: RunResult, rank: int, reading: Reading[T]) -> T:
+    """One rank's reading, which must hold a value."""
+    return cast(T, _read(result, rank, reading, required=True))
 
 
 def _first_above(
-    result: RunResult, record: type[Record], name: str, tolerance: float
+    result: RunResult, reading: Reading[float], tolerance: float
 ) -> tuple[int, float] | None:
-    """The first rank whose measurement is above `tolerance` (NaN counts as above), or None; a
-    rank without the measurement fails."""
-    for rank, value in _per_rank(result, record, name, required=True):
+    """The first rank whose reading is above `tolerance` (NaN counts as above), or None; a rank
+    without the reading fails."""
+    for rank, value in _measured(result, reading):
         if not value <= tolerance:
             return rank, value
     return None
@@ -268,11 +307,12 @@ def check_completed(result: RunResult) -> None:
 def check_grad_norm(result: RunResult) -> None:
     """a. Finite, the same on every rank, and true: the global L2 norm of the sharded gradients."""
     dtype = _dtype(result)
-    key = OptimizerRecord.key("grad_norm")
-    norms = list(_per_rank(result, OptimizerRecord, "grad_norm"))
-    for rank, value in norms:
+    key = GRAD_NORM.key
+    norms: list[tuple[int, float]] = []
+    for rank, value in _per_rank(result, GRAD_NORM):
         if value is None or not math.isfinite(value):
             raise CheckFailure(f"check a: rank {rank}: {key} = {value}, expected a finite value")
+        norms.append((rank, value))
     base_rank, base = norms[0]
     for rank, value in norms[1:]:
         if abs(value - base) > NORM_AGREEMENT_REL * max(abs(base), 1e-12):
@@ -281,9 +321,7 @@ def check_grad_norm(result: RunResult) -> None:
                 f"{base!r} beyond relative tolerance {NORM_AGREEMENT_REL:g}"
             )
     tol = GRAD_NORM_TRUE_REL[dtype]
-    for (rank, reported), (_, measured) in zip(
-        norms, _per_rank(result, OptimizerRecord, "grad_norm_measured", required=True)
-    ):
+    for (rank, reported), (_, measured) in zip(norms, _measured(result, GRAD_NORM_MEASURED)):
         if not _rel(reported, measured) <= tol:
             raise CheckFailure(
                 f"check a: rank {rank}: {key} = {reported:.6g} but the global L2 norm of "
@@ -294,7 +332,7 @@ def check_grad_norm(result: RunResult) -> None:
     if base == 0 and advantages > 0:
         raise CheckFailure(
             f"check a: rank {base_rank}: {key} = 0 on a step whose advantages are not all zero "
-            f"({RolloutRecord.key('advantages_abs_max')} = {advantages:.3g}): no gradient reached "
+            f"({ADVANTAGES_ABS_MAX.key} = {advantages:.3g}): no gradient reached "
             "the shards"
         )
     reference = _rank0(result).reference.reference_grad_norm
@@ -314,27 +352,26 @@ def check_on_policy(result: RunResult) -> None:
     token's log-ratio ~ 0, which a mean can hide when errors of both signs cancel."""
     dtype = _dtype(result)
     tol = ON_POLICY_LOG_RATIO_TOL.get(dtype)
-    name = "ppo_log_ratio_abs_max_first_micro_batch"
-    key = LossRecord.key(name)
-    if tol is not None and (over := _first_above(result, LossRecord, name, tol)):
+    key = PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH.key
+    if tol is not None and (
+        over := _first_above(result, PPO_LOG_RATIO_ABS_MAX_FIRST_MICRO_BATCH, tol)
+    ):
         raise CheckFailure(
             f"check b: rank {over[0]}: a token's |logprob - old logprob| on the first micro-batch "
             f"is {over[1]:.3g} ({key}), expected <= {tol:g} (old logprobs must come from the "
             "same weights)"
         )
     tol = ON_POLICY_KL_TOL[dtype]
-    for rank, value in _per_rank(result, LossRecord, "ppo_kl_first_micro_batch", required=True):
+    for rank, value in _measured(result, PPO_KL_FIRST_MICRO_BATCH):
         if not abs(value) <= tol:
             raise CheckFailure(
-                f"check b: rank {rank}: {LossRecord.key('ppo_kl')} on the first micro-batch = {value:.3g}, "
+                f"check b: rank {rank}: {PPO_KL.key} on the first micro-batch = {value:.3g}, "
                 f"expected |value| <= {tol:g} (old logprobs must come from the same weights)"
             )
-    for rank, value in _per_rank(
-        result, LossRecord, "pg_clipfrac_first_micro_batch", required=True
-    ):
+    for rank, value in _measured(result, PG_CLIPFRAC_FIRST_MICRO_BATCH):
         if value != 0:
             raise CheckFailure(
-                f"check b: rank {rank}: {LossRecord.key('pg_clipfrac')} on the first micro-batch = {value:.3g}, expected 0"
+                f"check b: rank {rank}: {PG_CLIPFRAC.key} on the first micro-batch = {value:.3g}, expected 0"
             )
 
 
@@ -343,7 +380,7 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
     """c. Sharded gradients after accumulation equal a single-process reference over the batch."""
     if not declares_reference(result):
         raise NotApplicable("no reference declared")
-    _value(result, 0, ReferenceRecord, "grad_rel_l2_err")  # declared: it must have run
+    _value(result, 0, GRAD_REL_L2_ERR)  # declared: it must have run
     dtype = _dtype(result)
     tol = GRAD_PARITY_TOL.get(dtype) if tolerance is None else tolerance
     policy = declared(result).engine.gradient_sync
@@ -352,7 +389,7 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
         names = ranked.step.reference.grad_max_rel_err_param or ""
         if names.startswith(NAMES_DIFFER):
             raise CheckFailure(f"check c: rank {ranked.rank}: the engine's {names}")
-    if tol is not None and (over := _first_above(result, ReferenceRecord, "grad_max_rel_err", tol)):
+    if tol is not None and (over := _first_above(result, GRAD_MAX_REL_ERR, tol)):
         rank, err = over
         param = result.ranks[rank].step.reference.grad_max_rel_err_param
         raise CheckFailure(
@@ -361,10 +398,10 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
             f"[sync policy {policy}]"
         )
     tol = GRAD_PARITY_L2_TOL[dtype]
-    if over := _first_above(result, ReferenceRecord, "grad_rel_l2_err", tol):
+    if over := _first_above(result, GRAD_REL_L2_ERR, tol):
         raise CheckFailure(
             f"check c: rank {over[0]}: gradients differ from the single-process reference by "
-            f"relative L2 error {over[1]:.3g} ({ReferenceRecord.key('grad_rel_l2_err')}), "
+            f"relative L2 error {over[1]:.3g} ({GRAD_REL_L2_ERR.key}), "
             f"tolerance {tol:g} "
             f"[sync policy {policy}]"
         )
@@ -384,29 +421,29 @@ def check_twin(result: RunResult) -> None:
     dtype = _dtype(result)
     mine, theirs = _rank0(result), _rank0(twin)
     atol, rtol = TWIN_LOSS_TOL[dtype]
-    a, b = _value(result, 0, LossRecord, "loss"), _value(twin, 0, LossRecord, "loss")
+    a, b = _value(result, 0, LOSS), _value(twin, 0, LOSS)
     diff = abs(a - b)
     if not diff <= atol + rtol * abs(b):
         raise CheckFailure(
-            f"{label}: {LossRecord.key('loss')} = {a:.6g}, twin {b:.6g} "
+            f"{label}: {LOSS.key} = {a:.6g}, twin {b:.6g} "
             f"(difference {diff:.3g}, tolerance atol {atol:g} + rtol {rtol:g})"
         )
     tol = TWIN_GRAD_NORM_REL[dtype]
-    a = _value(result, 0, OptimizerRecord, "grad_norm")
-    b = _value(twin, 0, OptimizerRecord, "grad_norm")
+    a = _value(result, 0, GRAD_NORM)
+    b = _value(twin, 0, GRAD_NORM)
     if not (math.isfinite(a) and _rel(a, b) <= tol):
         raise CheckFailure(
-            f"{label}: {OptimizerRecord.key('grad_norm')} = {a:.6g}, twin {b:.6g} (relative "
+            f"{label}: {GRAD_NORM.key} = {a:.6g}, twin {b:.6g} (relative "
             f"difference {_rel(a, b):.3g}, tolerance {tol:g})"
         )
     _twin_sketches_agree(label, mine.train.grad_sketch, theirs.train.grad_sketch, dtype)
     _ranks_agree_with_twin(label, result, twin, dtype)
     tol = TWIN_LOGPROB_TOL[dtype]
-    lp = _value(twin, 0, PostStepRecord, "post_step_logprob_max_abs_diff")
+    lp = _value(twin, 0, POST_STEP_LOGPROB_MAX_ABS_DIFF)
     if not lp <= tol:
         raise CheckFailure(
             f"{label}: post-step logprobs on the batch differ from the twin's by up to {lp:.3g} "
-            f"({PostStepRecord.key('post_step_logprob_max_abs_diff')}), tolerance {tol:g}"
+            f"({POST_STEP_LOGPROB_MAX_ABS_DIFF.key}), tolerance {tol:g}"
         )
 
 
@@ -416,16 +453,16 @@ def _ranks_agree_with_twin(label: str, result: RunResult, twin: RunResult, dtype
     rank's rotary embedding in bf16) is off on its rows alone; its own ratio cancels it and the
     totals average it away."""
     tol = TWIN_OLD_LOGPROB_TOL[dtype]
-    diff = _value(twin, 0, ReplayRecord, "old_logprob_max_abs_diff")
+    diff = _value(twin, 0, OLD_LOGPROB_MAX_ABS_DIFF)
     if not diff <= tol:
-        row = _value(twin, 0, ReplayRecord, "old_logprob_worst_row")
+        row = _value(twin, 0, OLD_LOGPROB_WORST_ROW)
         spec = declared(result)
         dp = spec.engine.world_size // spec.engine.sp_size
         block = spec.ppo.num_prompts * spec.ppo.n // dp
         raise CheckFailure(
             f"{label}: the old log-probs of row {row}, which data-parallel rank {row // block} "
             f"computed, differ from the twin's forward of them by {diff:.3g} "
-            f"({ReplayRecord.key('old_logprob_max_abs_diff')}), tolerance {tol:g}: that rank "
+            f"({OLD_LOGPROB_MAX_ABS_DIFF.key}), tolerance {tol:g}: that rank "
             "computes differently"
         )
 
@@ -453,7 +490,7 @@ def _twin_sketches_agree(label: str, mine: dict | None, twin: dict | None, dtype
     if not worst <= tol:
         raise CheckFailure(
             f"{label}: parameter {worst_name}: gradient sketch differs from the twin's by "
-            f"{worst:.3g} of its norm ({TrainRecord.key('grad_sketch')}), tolerance {tol:g}"
+            f"{worst:.3g} of its norm ({GRAD_SKETCH.key}), tolerance {tol:g}"
         )
 
 
@@ -508,9 +545,9 @@ def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
     """d. Every replica holds identical parameters after the step."""
     if not declares_replicas(result):
         raise NotApplicable("no replicas")
-    if over := _first_above(result, PostStepRecord, "replica_max_abs_diff", tolerance):
+    if over := _first_above(result, REPLICA_MAX_ABS_DIFF, tolerance):
         raise CheckFailure(
-            f"check d: rank {over[0]}: {PostStepRecord.key('replica_max_abs_diff')} = "
+            f"check d: rank {over[0]}: {REPLICA_MAX_ABS_DIFF.key} = "
             f"{over[1]:.3g}, tolerance {tolerance:g}"
         )
 
@@ -525,27 +562,26 @@ def check_weight_sync(result: RunResult, tolerance: float | None = None) -> None
         raise NotApplicable("no rollout (a replay twin)")
     tol = WEIGHT_SYNC_TOL[_dtype(result)] if tolerance is None else tolerance
     problems = []
-    if over := _first_above(result, PostStepRecord, "rollout_logprob_max_abs_diff", tol):
+    if over := _first_above(result, ROLLOUT_LOGPROB_MAX_ABS_DIFF, tol):
         problems.append(
-            f"rank {over[0]}: {PostStepRecord.key('rollout_logprob_max_abs_diff')} = "
-            f"{over[1]:.3g}, tolerance {tol:g}"
+            f"rank {over[0]}: {ROLLOUT_LOGPROB_MAX_ABS_DIFF.key} = {over[1]:.3g}, tolerance {tol:g}"
         )
-    for rank, diff in _per_rank(result, PostStepRecord, "handoff_weight_max_abs_diff", True):
+    for rank, diff in _measured(result, HANDOFF_WEIGHT_MAX_ABS_DIFF):
         if diff != 0:
             worst = result.ranks[rank].step.post_step.handoff_weight_worst
             problems.append(
                 f"rank {rank}: the engine hands the rollout {worst!r} {diff:.3g} away from its "
-                f"own parameter ({PostStepRecord.key('handoff_weight_max_abs_diff')})"
+                f"own parameter ({HANDOFF_WEIGHT_MAX_ABS_DIFF.key})"
             )
             break
-    for rank, diff in _per_rank(result, PostStepRecord, "rollout_weight_max_abs_diff", True):
+    for rank, diff in _measured(result, ROLLOUT_WEIGHT_MAX_ABS_DIFF):
         after = result.ranks[rank].step.post_step
         compared = after.rollout_weights_compared
         if diff != 0 or compared == 0:
             problems.append(
                 f"rank {rank}: the rollout serves {after.rollout_weight_worst!r} "
                 f"{diff:.3g} away from the trainer's parameter after the push ({compared} "
-                f"tensors compared exactly; {PostStepRecord.key('rollout_weight_max_abs_diff')})"
+                f"tensors compared exactly; {ROLLOUT_WEIGHT_MAX_ABS_DIFF.key})"
             )
             break
     if problems:
@@ -557,10 +593,10 @@ def check_memory(result: RunResult, budget_mb: float | None) -> None:
     """f. Peak memory within budget."""
     if budget_mb is None:
         raise NotApplicable("no memory budget")
-    for rank, value in _per_rank(result, PerfRecord, "peak_memory_bytes", required=True):
+    for rank, value in _measured(result, PEAK_MEMORY_BYTES):
         if value > budget_mb * 2**20:
             raise CheckFailure(
-                f"check f: rank {rank}: {PerfRecord.key('peak_memory_bytes')} = {value / 2**20:.1f} MiB, "
+                f"check f: rank {rank}: {PEAK_MEMORY_BYTES.key} = {value / 2**20:.1f} MiB, "
                 f"budget {budget_mb:g} MiB"
             )
 
@@ -589,41 +625,39 @@ def check_sync_contract(result: RunResult) -> None:
     check_reduce_scatters(result, policy, micro_batches, head)
     sp = spec.engine.sp_size
     if sp > 1:  # sequence parallelism: each rank's decoder layers see only its chunk
-        rows = _value(result, 0, TrainRecord, "micro_batch_rows")
-        seq = _value(result, 0, TrainRecord, "seq_len")
+        rows = _value(result, 0, MICRO_BATCH_ROWS)
+        seq = _value(result, 0, SEQ_LEN)
         tokens = rows * seq
         # 1/sp of the micro-batch's tokens, each row (or the one packed row) padded to split evenly
         low, high = -(-tokens // sp), (tokens + rows * (sp - 1)) // sp
-        for rank, seen in _per_rank(result, TrainRecord, "layer_tokens", required=True):
+        for rank, seen in _measured(result, LAYER_TOKENS):
             if not low <= seen <= high:
                 raise CheckFailure(
                     f"{head}: declared sp_size {sp} over micro-batches of {rows} x {seq} tokens: "
                     f"expected each rank's decoder layers to be handed {low}..{high} tokens at "
-                    f"once, measured {seen} on rank {rank} ({TrainRecord.key('layer_tokens')})"
+                    f"once, measured {seen} on rank {rank} ({LAYER_TOKENS.key})"
                 )
     check_retained_gradients(result, policy, micro_batches, head)
 
 
 def check_reduce_scatters(result: RunResult, policy: str, micro_batches: int, head: str) -> None:
     """h's counts: one reduce-scatter per FSDP unit that ran, on each synced backward."""
-    for rank, calls in _per_rank(
-        result, TrainRecord, "reduce_scatter_calls_by_micro_batch", required=True
-    ):
-        units = _value(result, rank, TrainRecord, "fsdp_units")
-        shards = _value(result, rank, TrainRecord, "shard_group_size")
+    for rank, calls in _measured(result, REDUCE_SCATTER_CALLS_BY_MICRO_BATCH):
+        units = _value(result, rank, FSDP_UNITS)
+        shards = _value(result, rank, SHARD_GROUP_SIZE)
         want = expected_reduce_scatters(policy, micro_batches, units, shards)
         if calls != want:
             raise CheckFailure(
                 f"{head} over {units} FSDP units that ran, sharded {shards} ways: expected "
                 f"reduce-scatters per micro-batch {want}, measured {calls} on rank {rank} "
-                f"({TrainRecord.key('reduce_scatter_calls_by_micro_batch')})"
+                f"({REDUCE_SCATTER_CALLS_BY_MICRO_BATCH.key})"
             )
 
 
 def check_retained_gradients(result: RunResult, policy: str, micro_batches: int, head: str) -> None:
     """h's memory: deferral holds unsharded gradients between micro-batches, syncing never does."""
-    retained_key = TrainRecord.key("retained_grad_bytes")
-    for rank, retained in _per_rank(result, TrainRecord, "retained_grad_bytes", required=True):
+    retained_key = RETAINED_GRAD_BYTES.key
+    for rank, retained in _measured(result, RETAINED_GRAD_BYTES):
         holds = policy == SyncPolicy.DEFERRED and micro_batches > 1
         if holds and not retained > 0:
             raise CheckFailure(
@@ -646,9 +680,9 @@ def check_optimizer_step(result: RunResult) -> None:
     `updates = 2` proves them); with a reference, the post-step parameters also equal the
     reference's steps."""
     finite = _rank0(result).optimizer.grad_norm_finite is not False
-    moved_key = OptimizerRecord.key("param_update_max_abs")
-    numel = dict(_per_rank(result, OptimizerRecord, "local_param_numel", required=True))
-    for rank, moved in _per_rank(result, OptimizerRecord, "param_update_max_abs", required=True):
+    moved_key = PARAM_UPDATE_MAX_ABS.key
+    numel = dict(_measured(result, LOCAL_PARAM_NUMEL))
+    for rank, moved in _measured(result, PARAM_UPDATE_MAX_ABS):
         if finite and numel[rank] and not moved > 0:
             raise CheckFailure(
                 f"check i: rank {rank}: {moved_key} = {moved}, expected this rank's "
@@ -660,32 +694,30 @@ def check_optimizer_step(result: RunResult) -> None:
                 "gradient norm, expected the step to be skipped (parameters bit-identical)"
             )
     tol = ADAMW_STEP_TOL_LR[_dtype(result)]
-    over = _first_above(result, OptimizerRecord, "adamw_step_max_err_lr", tol) if finite else None
+    over = _first_above(result, ADAMW_STEP_MAX_ERR_LR, tol) if finite else None
     if over:
         raise CheckFailure(
             f"check i: rank {over[0]}: post-step parameters differ from AdamW in closed form "
             f"(from the gradients and parameters the harness read, its own moments over "
             f"{declared(result).ppo.updates} update(s), and the case's lr, betas, eps and weight "
-            f"decay) by {over[1]:.3g} x lr ({OptimizerRecord.key('adamw_step_max_err_lr')}), "
+            f"decay) by {over[1]:.3g} x lr ({ADAMW_STEP_MAX_ERR_LR.key}), "
             f"tolerance {tol:g}"
         )
     if _rank0(result).post_step.step_max_err_lr is None:
         return  # no reference step
     dtype = _dtype(result)
     tol = STEP_L2_TOL[dtype]
-    if over := _first_above(result, PostStepRecord, "step_rel_l2_err", tol):
+    if over := _first_above(result, STEP_REL_L2_ERR, tol):
         raise CheckFailure(
             f"check i: rank {over[0]}: the update differs from the single-process reference "
-            f"step's by relative L2 error {over[1]:.3g} ({PostStepRecord.key('step_rel_l2_err')}), "
+            f"step's by relative L2 error {over[1]:.3g} ({STEP_REL_L2_ERR.key}), "
             f"tolerance {tol:g}"
         )
     tol_lr = STEP_TOL_LR.get(dtype)
-    if tol_lr is not None and (
-        over := _first_above(result, PostStepRecord, "step_max_err_lr", tol_lr)
-    ):
+    if tol_lr is not None and (over := _first_above(result, STEP_MAX_ERR_LR, tol_lr)):
         raise CheckFailure(
             f"check i: rank {over[0]}: post-step parameters differ from the single-process "
-            f"reference step by {over[1]:.3g} x lr ({PostStepRecord.key('step_max_err_lr')}), "
+            f"reference step by {over[1]:.3g} x lr ({STEP_MAX_ERR_LR.key}), "
             f"tolerance {tol_lr:g}"
         )
 
@@ -700,14 +732,14 @@ def check_clip(result: RunResult) -> None:
     the raw gradients times min(1, max_norm / (norm + 1e-6)). Adam's first step barely sees a
     gradient's scale, so only this reading shows a clip that ignores max_norm or uses each
     shard's own norm."""
-    coef = _value(result, 0, OptimizerRecord, "clip_coef")
+    coef = _value(result, 0, CLIP_COEF)
     tol = CLIP_TOL[_dtype(result)]
-    if over := _first_above(result, OptimizerRecord, "clip_max_rel_err", tol):
+    if over := _first_above(result, CLIP_MAX_REL_ERR, tol):
         raise CheckFailure(
             f"check k: rank {over[0]}: the optimizer stepped on gradients {over[1]:.3g} away "
-            f"(relative, {OptimizerRecord.key('clip_max_rel_err')}) from the raw ones clipped by "
+            f"(relative, {CLIP_MAX_REL_ERR.key}) from the raw ones clipped by "
             f"the global norm and max_norm (coefficient {coef:.4g}, "
-            f"{OptimizerRecord.key('clip_coef')}), tolerance {tol:g}"
+            f"{CLIP_COEF.key}), tolerance {tol:g}"
         )
 
 
@@ -720,9 +752,9 @@ def check_data_rows(result: RunResult) -> None:
     same duplicated batch."""
     if declared(result).engine.world_size < 2:
         raise NotApplicable("one rank")
-    rows: dict[int, list[int]] = dict(_per_rank(result, TrainRecord, "data_rows", required=True))
+    rows: dict[int, list[int]] = dict(_measured(result, DATA_ROWS))
     sp = declared(result).engine.sp_size
-    key = TrainRecord.key("data_rows")
+    key = DATA_ROWS.key
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank, listed in sorted(rows.items()):
         groups.setdefault(tuple(sorted(listed)), []).append(rank)
@@ -760,7 +792,7 @@ def check_loss_gradient(result: RunResult) -> None:
     the KL gradient 0, so only a case with `updates = 2` shows a loss that drops the clip range,
     counts the KL twice or ignores the response mask."""
     tol = LOSS_GRAD_TOL[_dtype(result)]
-    if over := _first_above(result, TrainRecord, "loss_grad_max_rel_err", tol):
+    if over := _first_above(result, LOSS_GRAD_MAX_REL_ERR, tol):
         updates = declared(result).ppo.updates
         what = (
             "never reached the log-probabilities the engine reported"
@@ -770,7 +802,7 @@ def check_loss_gradient(result: RunResult) -> None:
         raise CheckFailure(
             f"check l: rank {over[0]}: the loss's gradient on the log-probabilities {what} from "
             f"the PPO loss's in closed form over {updates} update(s) "
-            f"({TrainRecord.key('loss_grad_max_rel_err')}), tolerance {tol:g}"
+            f"({LOSS_GRAD_MAX_REL_ERR.key}), tolerance {tol:g}"
         )
 
 
@@ -784,22 +816,23 @@ def check_exercised(result: RunResult) -> None:
     check_completed(result)
     spec = declared(result)
     again, ppo = spec.ppo.updates > 1, spec.ppo
-    wanted = (  # (declared, record, reading, must hold, what it says when not, what to change)
-        (again and not ppo.clip_not_exercised, LossRecord, "pg_clipfrac_last_update",
+    wanted: tuple[tuple[bool, Reading[Any], Callable[[Any], bool], str, str], ...] = (
+        # (declared, reading, must hold, what it says when not, what to change)
+        (again and not ppo.clip_not_exercised, PG_CLIPFRAC_LAST_UPDATE,
          lambda v: v > 0, f"its last of {ppo.updates} updates clipped no token",
          f"lower clip_ratio ({ppo.clip_ratio:g})"),
-        (again, OptimizerRecord, "clip_coef", lambda v: v < 1, "its gradients were not clipped",
+        (again, CLIP_COEF, lambda v: v < 1, "its gradients were not clipped",
          f"lower grad_clip ({spec.engine.grad_clip:g})"),
-        (ppo.kl_reference_shift > 0, RolloutRecord, "kl_reference_gap_mean", lambda v: v > 0,
+        (ppo.kl_reference_shift > 0, KL_REFERENCE_GAP_MEAN, lambda v: v > 0,
          "its KL reference equals the rollout policy", "a kl_reference_shift that moves it"),
-        (spec.engine.sp_size > 1, RolloutRecord, "sp_boundaries_in_responses", lambda v: v > 0,
+        (spec.engine.sp_size > 1, SP_BOUNDARIES_IN_RESPONSES, lambda v: v > 0,
          "no SP chunk boundary fell on a response token",
          f"raise max_new_tokens ({ppo.max_new_tokens})"),
     )  # fmt: skip
     problems = [
-        f"{said} ({record.key(name)} = {value:.3g}): {change}"
-        for applies, record, name, holds, said, change in wanted
-        if applies and not holds(value := _value(result, 0, record, name))
+        f"{said} ({reading.key} = {value:.3g}): {change}"
+        for applies, reading, holds, said, change in wanted
+        if applies and not holds(value := _value(result, 0, reading))
     ]
     if problems:
         raise CheckFailure(

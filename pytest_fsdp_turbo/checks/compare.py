@@ -11,15 +11,15 @@ from pytest_fsdp_turbo.checks.goldens import GOLDEN_KEYS, within
 from pytest_fsdp_turbo.report import read_case_artifacts
 from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
 from pytest_fsdp_turbo_contract.errors import ConfigError
-from pytest_fsdp_turbo_contract.records import PerfRecord, TrainRecord
+from pytest_fsdp_turbo_contract.records import Reading
 from pytest_fsdp_turbo_contract.vocab import GoldenTier
 
 # shown side by side, never judged: they move with the machine and the sync policy
 INFORMATIONAL = (
-    PerfRecord.key("peak_memory_bytes"),
-    TrainRecord.key("retained_grad_bytes"),
-    TrainRecord.key("reduce_scatter_calls"),
-    PerfRecord.key("step_time_s"),
+    Reading(lambda m: m.perf.peak_memory_bytes).key,
+    Reading(lambda m: m.train.retained_grad_bytes).key,
+    Reading(lambda m: m.train.reduce_scatter_calls).key,
+    Reading(lambda m: m.perf.step_time_s).key,
 )
 COMPARED_KEYS = (*GOLDEN_KEYS, *INFORMATIONAL)
 
@@ -34,13 +34,13 @@ class Row:
 
 
 def _case_id(folder: Path) -> str:
-    case = read_json(RunFolder(folder).case)
-    if not isinstance(case, dict) or not isinstance(case.get("id"), str):
+    spec = read_json(RunFolder(folder).spec)
+    if not isinstance(spec, dict) or not isinstance(spec.get("case_id"), str):
         raise ConfigError(
-            f"compare: {RunFolder(folder).case}: expected the case as a JSON object with an id "
-            "(written by the run); it is unreadable or has none"
+            f"compare: {RunFolder(folder).spec}: expected the run's spec as a JSON object with a "
+            "case_id (written by the run); it is unreadable or has none"
         )
-    return case["id"]
+    return spec["case_id"]
 
 
 def _case_folders(root: Path) -> dict[str, tuple[str, Path]]:
@@ -50,11 +50,11 @@ def _case_folders(root: Path) -> dict[str, tuple[str, Path]]:
         raise ConfigError(f"compare: {root} is not a folder of run artifacts")
     folders = (
         [root]
-        if RunFolder(root).case.is_file()
-        else sorted(p for p in root.iterdir() if RunFolder(p).case.is_file())
+        if RunFolder(root).spec.is_file()
+        else sorted(p for p in root.iterdir() if RunFolder(p).spec.is_file())
     )
     if not folders:
-        raise ConfigError(f"compare: {root} holds no case artifacts (no case.json found)")
+        raise ConfigError(f"compare: {root} holds no case artifacts (no spec.json found)")
     return {folder.name: (_case_id(folder), folder) for folder in folders}
 
 
@@ -100,7 +100,7 @@ def compare_runs(a: Path, b: Path) -> tuple[list[Row], str, str]:
         ra, rb = read_case_artifacts(fa), read_case_artifacts(fb)
         label_a = ra["spec"].get("device_kind", "A")
         label_b = rb["spec"].get("device_kind", "B")
-        tier = ra["case"].get("golden_tier", "relative")
+        tier = ra["spec"].get("golden_tier", GoldenTier.RELATIVE)
         tier = GoldenTier.RELATIVE if tier == GoldenTier.NONE else tier
         ma = ra["ranks"][0] if ra["ranks"] else {}
         mb = rb["ranks"][0] if rb["ranks"] else {}

@@ -18,21 +18,19 @@ from pathlib import Path
 from pytest_fsdp_turbo.checks import FAILED, PASSED, CheckFailure, check_completed, judge
 from pytest_fsdp_turbo_contract.records import (
     LossRecord,
-    OptimizerRecord,
-    PostStepRecord,
-    RolloutRecord,
+    Reading,
 )
 from pytest_fsdp_turbo_contract.vocab import GoldenStatus, GoldenTier
 
 # a golden file is plain JSON under the metric keys, so any reader (or an older golden) reads it
 GOLDEN_KEYS = (
-    OptimizerRecord.key("grad_norm"),
+    Reading(lambda m: m.optimizer.grad_norm).key,
     *map(LossRecord.key, ("pg_loss", "entropy", "kl_loss", "pg_clipfrac")),
-    RolloutRecord.key("score_mean"),
-    RolloutRecord.key("response_length_mean"),
-    OptimizerRecord.key("update_l2"),
-    PostStepRecord.key("post_step_logprob_mean"),
-    PostStepRecord.key("rollout_logprob_mean"),
+    Reading(lambda m: m.rollout.score_mean).key,
+    Reading(lambda m: m.rollout.response_length_mean).key,
+    Reading(lambda m: m.optimizer.update_l2).key,
+    Reading(lambda m: m.post_step.post_step_logprob_mean).key,
+    Reading(lambda m: m.post_step.rollout_logprob_mean).key,
 )
 RECORD_COMMAND = "pytest -m <device>_e2e -k <case> --fsdp-turbo-record-golden"
 RELATIVE_TOL = 1e-3

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pytest_fsdp_turbo.checks import (
     FAILED,
+    GRAD_NORM,
     NORM_AGREEMENT_REL,
     NOT_APPLICABLE,
     PASSED,
@@ -37,8 +38,9 @@ from pytest_fsdp_turbo.trainer.readings import (
     rank_readings,
     verl_step_metrics,
 )
+from pytest_fsdp_turbo.trainer.verl_config import declared as verl_declared
+from pytest_fsdp_turbo.trainer.verl_config import read_resolved
 from pytest_fsdp_turbo_contract.artifacts import read_json
-from pytest_fsdp_turbo_contract.records import OptimizerRecord
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 
@@ -73,7 +75,7 @@ def check_trainer_grad_norm(result: RunResult) -> None:
     if reported is None or not _rel(verl, reported) <= NORM_AGREEMENT_REL:
         raise CheckFailure(
             f"check a: verl's step metric {VERL_GRAD_NORM} = {verl!r}, but rank 0's engine "
-            f"reported {reported!r} ({OptimizerRecord.key('grad_norm')})"
+            f"reported {reported!r} ({GRAD_NORM.key})"
         )
 
 
@@ -101,7 +103,13 @@ def check_rollout_weights(result: RunResult) -> None:
     trainer = rank_readings(folder).get(0, {}).get("post_step_parameters") or {}
     if not trainer:
         raise CheckFailure(f"check e: rank 0 read no parameters after the step ({folder.rank(0)})")
-    expected = result.ranks[0].step.case.replicas or 0
+    if not folder.resolved_config.is_file():
+        raise CheckFailure(
+            f"check e: verl saved no resolved config ({folder.resolved_config}): the rollout "
+            "replicas it declares are unknown"
+        )
+    world_size = declared(result).engine.world_size
+    expected = verl_declared(read_resolved(folder.resolved_config), world_size).rollout_replicas
     replicas = [(path, read_json(path)) for path in folder.replicas()]
     if len(replicas) != expected:
         raise CheckFailure(

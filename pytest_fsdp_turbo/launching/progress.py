@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.spec import RankSpec
 
 
 def read_phases(path: Path) -> list[tuple[str, float]]:
@@ -186,21 +187,21 @@ class ArtifactWatcher:
 
     def _follow(self, folder: Path) -> Progress | None:
         try:
-            case = json.loads(RunFolder(folder).case.read_text())
-        except (OSError, json.JSONDecodeError):
+            spec = RankSpec.read(RunFolder(folder).spec)
+        except (OSError, ValueError, KeyError, TypeError):  # being written right now
             return None
         if not RunFolder(folder).phases(0).exists():
             return None
         progress = Progress(
-            case["id"],
-            case["world_size"],
-            float(case["timeout"]),
+            spec.case_id,
+            spec.engine.world_size,
+            spec.timeout_s,
             folder,
             None,
             self.line,
             stall_share=self.stall_share,
             quiet_s=self.quiet_s,
-            collective_timeout_s=float(case.get("collective_timeout") or case["timeout"]),
+            collective_timeout_s=spec.collective_timeout_s,
         )
         self.running[folder] = progress
         return progress

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pytest_fsdp_turbo.cases import TINY_PREFIX, Case, case_keys
+from pytest_fsdp_turbo.cases import TINY_PREFIX, Case
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import (
     Timeouts,
@@ -196,8 +196,6 @@ def _prepare(request: RunRequest, *, local: bool) -> Path:
         out.mkdir(parents=True)
         folder = RunFolder(out)
         spec.write(folder.spec)
-        table = case_keys(request.case)  # as a case file writes it, overrides applied
-        folder.case.write_text(json.dumps(table, indent=1, default=sorted))
     except OSError as exc:  # below a regular file, not writable, the disk full
         where = exc.filename or out
         raise ConfigError(

@@ -13,10 +13,10 @@ from typing import Any
 from pytest_fsdp_turbo.trainer.verl_config import TrainerDeclared
 from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
 from pytest_fsdp_turbo_contract.records import (
-    CaseRecord,
     LossRecord,
     OptimizerRecord,
     PerfRecord,
+    RankRecord,
     RolloutRecord,
     StepMetrics,
     TrainRecord,
@@ -109,16 +109,8 @@ def write_rank_metrics(folder: TrainerFolder, declared: TrainerDeclared, spec: T
             continue
         step = reading["steps"][0]
         metrics = StepMetrics()
-        metrics.case = CaseRecord(
-            rank=rank,
-            device=str(spec.device_kind),
-            dtype=str(run_spec(declared, spec, shard).engine.dtype),
-            gradient_sync=str(declared.gradient_sync),
-            world_size=spec.world_size,
-            micro_batches=len(step["reduce_scatters_by_micro_batch"]),
-            reference=False,
-            replicas=declared.rollout_replicas,
-            updates=len(reading["steps"]),
+        metrics.rank = RankRecord(
+            rank=rank, device=str(spec.device_kind), replicas=spec.world_size // shard
         )
         calls = step["reduce_scatters_by_micro_batch"]
         metrics.train = TrainRecord(

@@ -13,10 +13,10 @@ import torch
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import (
     PARTIAL_METRICS_ATTR,
-    CaseRecord,
     LossRecord,
     OptimizerRecord,
     PerfRecord,
+    RankRecord,
     ReferenceRecord,
     StepMetrics,
     TrainRecord,
@@ -54,17 +54,10 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
     ctx = load(spec, rank, phase, out)
     cfg, device, folder = ctx.cfg, ctx.device, RunFolder(out)
     replicas = ctx.engine.replicate_group()
-    metrics.case = CaseRecord(
+    metrics.rank = RankRecord(
         rank=rank,
-        device=spec.device_kind,
-        dtype=ctx.engine_cfg.dtype,
-        gradient_sync=ctx.engine_cfg.gradient_sync,
-        world_size=ctx.engine_cfg.world_size,
-        micro_batches=cfg.micro_batches,
-        reference=cfg.reference_checks and not ctx.replaying,
-        memory_budget_mb=spec.memory_budget_mb,
+        device=str(device),
         replicas=1 if replicas is None else torch.distributed.get_world_size(replicas),
-        updates=cfg.updates,
     )
     step_start = time.perf_counter()
     collected = replayed(ctx) if ctx.replaying else collect(ctx)
