@@ -32,7 +32,7 @@ RANK = textwrap.dedent(
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
-    from pytest_fsdp_turbo_engine import fsdp_probe
+    from pytest_fsdp_turbo_engine.step import fsdp_probe
 
     model_dir, store, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)

@@ -6,8 +6,8 @@ post-backward then reads the vision tower's unsharded parameters, which were nev
 
 import torch
 
-from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
-from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.engines.registry import register
+from pytest_fsdp_turbo_engine.engines.turbo import FSDPTurboEngineWithLMHead
 
 
 @register(model_type="qwen3_5", backend="fsdp_turbo", device=["cpu", "cuda", "npu"])

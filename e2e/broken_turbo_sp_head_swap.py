@@ -8,8 +8,8 @@ per-parameter comparison sees it.
 import torch
 import torch.distributed as dist
 
-from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
-from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.engines.registry import register
+from pytest_fsdp_turbo_engine.engines.turbo import FSDPTurboEngineWithLMHead
 
 
 def backward_to_the_wrong_rank(ctx, grad):

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.distributed.nn as dist_nn
 import torch.nn.functional as F
 
-from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
-from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.engines.registry import register
+from pytest_fsdp_turbo_engine.engines.turbo import FSDPTurboEngineWithLMHead
 
 
 def per_rank_mean_loss(fn, group):

@@ -7,8 +7,8 @@ registered for every model type.
 
 import torch.distributed as dist
 
-from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead, GatherSequence
-from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.engines.registry import register
+from pytest_fsdp_turbo_engine.engines.turbo import FSDPTurboEngineWithLMHead, GatherSequence
 
 
 class _GatherWithoutReduce(GatherSequence):

@@ -5,8 +5,8 @@ runs from one sequence into the next (what a kernel that ignores the bounds does
 
 import torch
 
-from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
-from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.engines.registry import register
+from pytest_fsdp_turbo_engine.engines.turbo import FSDPTurboEngineWithLMHead
 
 
 class _WithoutBounds(torch.nn.Module):

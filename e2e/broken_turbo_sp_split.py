@@ -1,8 +1,8 @@
 """A deliberately broken FSDP-Turbo engine for an SP mutant (see broken_turbo_sp_loss.py for why it
 registers under backend "fsdp_turbo")."""
 
-from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
-from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.engines.registry import register
+from pytest_fsdp_turbo_engine.engines.turbo import FSDPTurboEngineWithLMHead
 
 
 @register(model_type="qwen3_5", backend="fsdp_turbo", device=["cpu", "cuda", "npu"])

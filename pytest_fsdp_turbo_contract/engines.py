@@ -83,9 +83,9 @@ def _built_in(module: str, backend: str, *declares: str) -> EngineEntry:
 
 _VERL = (Capability.SP, Capability.OWN_LOOP, Capability.ALWAYS_PACKS)
 BUILT_INS = (
-    _built_in("pytest_fsdp_turbo_engine.fsdp_engine", "fsdp", Capability.GUARDS_IDLE_UNITS),
+    _built_in("pytest_fsdp_turbo_engine.engines.fsdp2", "fsdp", Capability.GUARDS_IDLE_UNITS),
     _built_in(
-        "pytest_fsdp_turbo_engine.fsdp_turbo_engine",
+        "pytest_fsdp_turbo_engine.engines.turbo",
         "fsdp_turbo",
         Capability.SP,
         Capability.TURBO_CONFIG,

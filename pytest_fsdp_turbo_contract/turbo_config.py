@@ -91,7 +91,7 @@ def model_family(model: str) -> str | None:
 
 
 def detect_layout(schema: dict) -> str:
-    """schema: nested {field: subschema or None} of FSDPTurboConfig (see pytest_fsdp_turbo_engine/turbo_inspect)."""
+    """schema: nested {field: subschema or None} of FSDPTurboConfig (see pytest_fsdp_turbo_engine/engines/turbo_inspect)."""
     cp_plan = (schema.get("distributed") or {}).get("fields", {}).get("cp_plan") or {}
     cp_fields = cp_plan.get("fields") or {}
     if "ulysses_function_patches" in cp_fields:

@@ -67,7 +67,8 @@ def _warm_up() -> None:
         AutoTokenizer,  # noqa: F401
     )
 
-    from pytest_fsdp_turbo_engine import step, worker  # noqa: F401
+    from pytest_fsdp_turbo_engine import worker  # noqa: F401
+    from pytest_fsdp_turbo_engine.step import run  # noqa: F401
 
     for spec in sorted((DATA_DIR / "models").glob("*.json")):
         family = json.loads(spec.read_text())["model_type"].removesuffix("_text")
@@ -84,7 +85,7 @@ def _exercise() -> None:
     import torch
     from pytest_fsdp_turbo_fixtures import DATA_DIR
 
-    from pytest_fsdp_turbo_engine.hf_model import from_config
+    from pytest_fsdp_turbo_engine.engines.hf_model import from_config
     from pytest_fsdp_turbo_engine.tiny_models import tiny_config
 
     rng = torch.random.get_rng_state()
@@ -195,7 +196,7 @@ def _run_module(module: str, argv: list[str]) -> int:
 # and caches its platform while importing). A zygote per (stack, kind) imports one, then forks the
 # ranks that need it. CPU only: importing verl elsewhere probes CUDA/NPU, and a process that did
 # must not fork.
-PRELOADS = {"verl": "pytest_fsdp_turbo_engine.verl_adapter:preload"}
+PRELOADS = {"verl": "pytest_fsdp_turbo_engine.engines.verl_adapter:preload"}
 PRELOAD_KINDS = ("cpu",)
 
 

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     from pytest_fsdp_turbo_engine.faults import Fault
-    from pytest_fsdp_turbo_engine.step import Phase
+    from pytest_fsdp_turbo_engine.step.phases import Phase
 
     phase = Phase(rank, report=folder.phases(rank))
     try:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         from pytest_fsdp_turbo_contract.vocab import BACKEND_BY_KIND
-        from pytest_fsdp_turbo_engine.step import run_ppo_step
+        from pytest_fsdp_turbo_engine.step.run import run_ppo_step
 
         backend = BACKEND_BY_KIND[spec.device_kind]
         timeout = timedelta(seconds=spec.collective_timeout_s)

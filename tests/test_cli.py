@@ -304,13 +304,13 @@ def test_doctor_names_the_case_file_and_every_announced_engine_with_its_origin(t
         "fsdp_turbo_engine_modules =\n    mine = my_engines\n    more_engines\n"
     )
     (project / "my_engines.py").write_text(
-        "import torch\nfrom pytest_fsdp_turbo_engine.registry import register\n"
+        "import torch\nfrom pytest_fsdp_turbo_engine.engines.registry import register\n"
         "@register(model_type='qwen3', backend='mine', device=['cpu'])\nclass Mine: ...\n"
     )
     shown = cli("doctor", cwd=project / "tests", env={"PYTHONPATH": str(project)})
     lines = shown.stdout.splitlines()
     assert f"cases:     {project / 'tests' / 'cases.toml'} (ini fsdp_turbo_cases, missing)" in lines
-    assert "engine:    fsdp  [built in: pytest_fsdp_turbo_engine.fsdp_engine]" in lines
+    assert "engine:    fsdp  [built in: pytest_fsdp_turbo_engine.engines.fsdp2]" in lines
     assert "engine:    mine  [ini fsdp_turbo_engine_modules: my_engines]" in lines
     bare = "(any backend more_engines registers; its ranks tell)"
     assert f"engine:    {bare}  [ini fsdp_turbo_engine_modules: more_engines]" in lines

@@ -39,8 +39,8 @@ FILES = {
         """,
     "ds_rl/__init__.py": "",
     "ds_rl/engines.py": """
-        from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
-        from pytest_fsdp_turbo_engine.registry import register
+        from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead
+        from pytest_fsdp_turbo_engine.engines.registry import register
 
 
         @register(backend="ds_engine", device=["cpu", "cuda", "npu"])
@@ -48,8 +48,8 @@ FILES = {
             pass
         """,
     "ds_rl/ini_engines.py": """
-        from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
-        from pytest_fsdp_turbo_engine.registry import register
+        from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead
+        from pytest_fsdp_turbo_engine.engines.registry import register
 
 
         @register(backend="ini_engine", device=["cpu", "cuda", "npu"])

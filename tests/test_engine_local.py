@@ -11,8 +11,8 @@ dist = torch.distributed
 from pytest_fsdp_turbo.environ import restored_environ  # noqa: E402
 from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir  # noqa: E402
 from pytest_fsdp_turbo_contract.spec import EngineSpec  # noqa: E402
-from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead  # noqa: E402
-from pytest_fsdp_turbo_engine.rollout import response_mask  # noqa: E402
+from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead  # noqa: E402
+from pytest_fsdp_turbo_engine.rollout.hf_rollout import response_mask  # noqa: E402
 from pytest_fsdp_turbo_engine.tiny_models import build_tiny_model  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def test_sync_context_restores_on_exception(process_group):
 
 
 def test_probe_sees_unsharded_grads_only_under_deferred_sync(process_group):
-    from pytest_fsdp_turbo_engine import fsdp_probe
+    from pytest_fsdp_turbo_engine.step import fsdp_probe
 
     for policy, retained in (("deferred", (16 + 4 + 4 + 1) * 4), ("every_micro_batch", 0)):
         engine = make_engine(policy)
@@ -95,7 +95,7 @@ def test_probe_sees_unsharded_grads_only_under_deferred_sync(process_group):
 
 
 def test_probe_norm_is_the_global_l2_norm(process_group):
-    from pytest_fsdp_turbo_engine import fsdp_probe
+    from pytest_fsdp_turbo_engine.step import fsdp_probe
 
     engine = make_engine("every_micro_batch")
     engine.module(torch.randn(3, 4)).sum().backward()
@@ -107,7 +107,7 @@ def test_probe_norm_is_the_global_l2_norm(process_group):
 def test_probe_names_the_torch_version_when_fsdp_internals_move(process_group, monkeypatch):
     from torch.distributed.fsdp import FSDPModule
 
-    from pytest_fsdp_turbo_engine import fsdp_probe
+    from pytest_fsdp_turbo_engine.step import fsdp_probe
 
     engine = make_engine("deferred")
     monkeypatch.delattr(FSDPModule, "_get_fsdp_state")
@@ -142,7 +142,7 @@ def test_response_mask_cuts_after_first_eos():
 def test_tiny_model_builder_saves_hf_format(tmp_path):
     from transformers import AutoTokenizer
 
-    from pytest_fsdp_turbo_engine.hf_model import load_pretrained
+    from pytest_fsdp_turbo_engine.engines.hf_model import load_pretrained
 
     out = build_tiny_model("tiny-qwen3_5", tmp_path / "m")
     assert local_model_dir("m", tmp_path) == out  # complete: config and weights
@@ -180,7 +180,7 @@ class _TwoOfThree(torch.nn.Module):
 def _deferred_bf16_steps(materialize: bool) -> torch.Tensor:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from pytest_fsdp_turbo_engine.fsdp_engine import materialize_unsharded_params
+    from pytest_fsdp_turbo_engine.engines.fsdp2 import materialize_unsharded_params
 
     torch.manual_seed(0)
     model = _TwoOfThree()
@@ -211,8 +211,8 @@ def test_sp_boundaries_count_response_tokens_a_chunk_starts_on():
     second response token); a packed micro-batch of 2 rows splits between them (a prompt token);
     of 3 rows, at 15, inside the middle row (its second response token). Masked tokens (after EOS)
     do not count."""
-    from pytest_fsdp_turbo_engine.measurements import sp_boundaries_in_responses
-    from pytest_fsdp_turbo_engine.train_batch import TrainBatch
+    from pytest_fsdp_turbo_engine.step.measurements import sp_boundaries_in_responses
+    from pytest_fsdp_turbo_engine.step.train_batch import TrainBatch
 
     def batch(rows: int, mask_row0=None) -> TrainBatch:
         mask = torch.ones(rows, 6)

@@ -1,4 +1,4 @@
-"""Every engine the harness drives meets pytest_fsdp_turbo_engine/protocol.py, and one that does not is refused in one
+"""Every engine the harness drives meets pytest_fsdp_turbo_engine/engines/protocol.py, and one that does not is refused in one
 line naming what it lacks (checked in each rank before the engine is built)."""
 
 import inspect
@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead  # noqa: E402
-from pytest_fsdp_turbo_engine.protocol import (  # noqa: E402
+from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead  # noqa: E402
+from pytest_fsdp_turbo_engine.engines.protocol import (  # noqa: E402
     HarnessLoopEngine,
     OwnLoopEngine,
     contract_breaches,
@@ -20,8 +20,8 @@ E2E = Path(__file__).resolve().parents[1] / "e2e"
 
 
 def shipped_engines() -> list[type]:
-    from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
-    from pytest_fsdp_turbo_engine.verl_adapter import VerlEngineAdapter
+    from pytest_fsdp_turbo_engine.engines.turbo import FSDPTurboEngineWithLMHead
+    from pytest_fsdp_turbo_engine.engines.verl_adapter import VerlEngineAdapter
 
     sys.path.insert(0, str(E2E))
     try:

@@ -20,7 +20,7 @@ RANK_SCRIPT = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from pytest_fsdp_turbo_engine.fsdp_probe import CollectiveCounter, fsdp_units
+    from pytest_fsdp_turbo_engine.step.fsdp_probe import CollectiveCounter, fsdp_units
 
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}",
                             rank=int(os.environ["RANK"]), world_size=2)
@@ -69,7 +69,7 @@ def test_counter_sees_every_fsdp2_reduce_scatter_by_micro_batch(tmp_path):
     units, torch_version = found["units"], metadata.version("torch")
     hint = (
         f"torch {torch_version}: FSDP2 no longer issues its collectives through the "
-        "torch.distributed functions pytest_fsdp_turbo_engine.fsdp_probe hooks; update it"
+        "torch.distributed functions pytest_fsdp_turbo_engine.step.fsdp_probe hooks; update it"
     )
     assert units == 3, found
     assert found["deferred"] == [0, 0, units], hint

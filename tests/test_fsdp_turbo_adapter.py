@@ -9,13 +9,13 @@ import pytest
 
 pytest.importorskip("torch")
 
-from pytest_fsdp_turbo_engine import registry  # noqa: E402
-from pytest_fsdp_turbo_engine.fsdp_turbo_engine import (  # noqa: E402
+from pytest_fsdp_turbo_engine.engines import registry  # noqa: E402
+from pytest_fsdp_turbo_engine.engines.turbo import (  # noqa: E402
     FSDPTurboAPIChanged,
     import_fsdp_turbo,
     reset_parallel_state,
 )
-from pytest_fsdp_turbo_engine.turbo_inspect import schema_of  # noqa: E402
+from pytest_fsdp_turbo_engine.engines.turbo_inspect import schema_of  # noqa: E402
 
 STANDIN = Path(__file__).parent / "standin_fsdp_turbo"
 
@@ -230,7 +230,7 @@ def test_strict_preflight_names_a_missing_model_folder_before_any_case_starts(py
 
 
 def test_vllm_adapter_import_error_is_clear():
-    from pytest_fsdp_turbo_engine.vllm_rollout import _import_vllm
+    from pytest_fsdp_turbo_engine.rollout.vllm_rollout import _import_vllm
 
     with pytest.raises(
         ImportError, match=r"rollout 'vllm' needs vllm \(CUDA\) or vllm-ascend \(NPU\)"
@@ -265,7 +265,7 @@ class RecordingLLM:
 def test_vllm_weight_push_uses_the_supported_api_the_release_offers():
     import torch
 
-    from pytest_fsdp_turbo_engine.vllm_rollout import push_weights
+    from pytest_fsdp_turbo_engine.rollout.vllm_rollout import push_weights
 
     weights = {"lm_head.weight": torch.zeros(2)}
     both = RecordingLLM("collective_rpc", "apply_model")
@@ -284,7 +284,10 @@ def test_ulysses_patches_are_lifted_around_unsharded_models_and_restored(tmp_pat
     import functools
     import sys
 
-    from pytest_fsdp_turbo_engine.ulysses_lift import CannotLiftPatch, library_patches_lifted
+    from pytest_fsdp_turbo_engine.engines.ulysses_lift import (
+        CannotLiftPatch,
+        library_patches_lifted,
+    )
 
     (tmp_path / "lift_target.py").write_text(
         "def attention(x):\n    return 'whole'\n\nclass Layer:\n    def forward(self):\n"

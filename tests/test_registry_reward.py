@@ -1,7 +1,7 @@
 import pytest
 
-from pytest_fsdp_turbo_engine import registry
-from pytest_fsdp_turbo_engine.reward import closeness_reward, load_prompts
+from pytest_fsdp_turbo_engine.engines import registry
+from pytest_fsdp_turbo_engine.rollout.reward import closeness_reward, load_prompts
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_a_rank_imports_what_the_catalog_names_for_its_backend_and_nothing_else(
 
     for name, backend in (("downstream_engines", "downstream"), ("other_engines", "other")):
         (tmp_path / f"{name}.py").write_text(
-            "from pytest_fsdp_turbo_engine.registry import register\n"
+            "from pytest_fsdp_turbo_engine.engines.registry import register\n"
             f"@register(backend='{backend}', device='cpu')\n"
             "class Downstream: pass\n"
         )
@@ -110,7 +110,7 @@ def test_an_entry_point_names_its_backend_and_a_module_that_does_not_register_it
 
     (tmp_path / "ep_engines_mod.py").write_text(
         "import torch  # never imported by the pytest process\n"
-        "from pytest_fsdp_turbo_engine.registry import register\n"
+        "from pytest_fsdp_turbo_engine.engines.registry import register\n"
         "@register(backend='ep_engine', device='cpu')\n"
         "class FromEntryPoint: pass\n"
     )
@@ -161,7 +161,7 @@ def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path
 
     (tmp_path / "ini_engines_mod.py").write_text(
         "import torch  # never imported by the pytest process\n"
-        "from pytest_fsdp_turbo_engine.registry import register\n"
+        "from pytest_fsdp_turbo_engine.engines.registry import register\n"
         "@register(model_type='qwen3', backend='ini_engine', device=['cpu'])\n"
         "class FromIni: pass\n"
     )
@@ -196,7 +196,7 @@ def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path
 
 def test_a_backend_no_engine_module_registers_is_refused_before_any_rank_starts(ppo_run, tmp_path):
     (tmp_path / "real_engines.py").write_text(
-        "import torch\nfrom pytest_fsdp_turbo_engine.registry import register\n"
+        "import torch\nfrom pytest_fsdp_turbo_engine.engines.registry import register\n"
         "@register(backend='real', device=['cpu'])\nclass Real: ...\n"
     )
     with pytest.raises(pytest.fail.Exception) as failed:  # a typo: no rank is started for it
@@ -243,8 +243,8 @@ def test_a_backend_only_the_ranks_can_refuse_is_reported_once_with_the_cases_dev
     (tmp_path / "indirect_engines.py").write_text(
         "import os, time\n"
         "from pathlib import Path\n"
-        "from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead\n"
-        "from pytest_fsdp_turbo_engine.registry import register\n"
+        "from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead\n"
+        "from pytest_fsdp_turbo_engine.engines.registry import register\n"
         "NAME = 'indirect'\n"
         "@register(backend=NAME, device=['cpu'])\n"
         "class Indirect(FSDPEngineWithLMHead): ...\n"
@@ -348,7 +348,7 @@ def test_finding_an_engine_module_imports_nothing_of_its_package(tmp_path):
     assert found == package / "mod.py"
     assert not touched.exists() and "noisy_engines" not in sys.modules
     assert engine_module_source("noisy_engines.absent", [str(tmp_path)]) is None
-    assert engine_module_source("pytest_fsdp_turbo_engine.fsdp_engine") is not None
+    assert engine_module_source("pytest_fsdp_turbo_engine.engines.fsdp2") is not None
 
 
 @pytest.mark.parametrize(

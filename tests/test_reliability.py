@@ -360,8 +360,8 @@ def test_failed_case_keeps_every_log_traceback_and_metric(ppo_run):
 
 FLAKY_ENGINE = """
 import torch.distributed as dist
-from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
-from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead
+from pytest_fsdp_turbo_engine.engines.registry import register
 
 
 @register(backend="flaky_step", device=["cpu"])
@@ -491,8 +491,8 @@ def test_a_hand_off_that_raises_keeps_what_the_post_step_phase_had_measured(ppo_
     """The post-step phase fills the step's record as it measures: an engine whose hand-off
     raises leaves the post-step log-probabilities (taken before it) in the partial metrics."""
     (tmp_path / "handoff_engines.py").write_text(
-        "from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead\n"
-        "from pytest_fsdp_turbo_engine.registry import register\n"
+        "from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead\n"
+        "from pytest_fsdp_turbo_engine.engines.registry import register\n"
         "@register(backend='handoff_raises', device=['cpu'])\n"
         "class HandOffRaises(FSDPEngineWithLMHead):\n"
         "    def full_state_dict(self):\n"

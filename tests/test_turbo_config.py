@@ -1,5 +1,5 @@
 """turbo_config generation per library layout, and validation against a checkout's schema
-(torch-free here; the schema and module tree come from pytest_fsdp_turbo_engine/turbo_inspect in a subprocess)."""
+(torch-free here; the schema and module tree come from pytest_fsdp_turbo_engine/engines/turbo_inspect in a subprocess)."""
 
 import json
 import os

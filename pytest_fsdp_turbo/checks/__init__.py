@@ -41,7 +41,7 @@ from pytest_fsdp_turbo_contract.vocab import SyncPolicy, TwinKind
 # decay parameters: 5.6e-5). Under bf16 compute, parameters whose reference gradient is tiny flip
 # sign against an fp32 reference, so bf16 is held to whole-gradient relative L2 errors instead.
 # Per parameter, relative to its largest reference entry, or to 1e-3 of the largest of any
-# parameter where its own is smaller (pytest_fsdp_turbo_engine/reference.py, CANCELLED_SHARE).
+# parameter where its own is smaller (pytest_fsdp_turbo_engine/step/reference.py, CANCELLED_SHARE).
 GRAD_PARITY_TOL = {"fp32": 1e-4}
 GRAD_PARITY_L2_TOL = {"fp32": 1e-5, "bf16": 5e-2}  # all gradients: ||g - ref|| / ||ref||
 # Deferred vs every-micro-batch sum the same gradients in a different order. Measured on Qwen3.5's

@@ -31,7 +31,7 @@ from pytest_fsdp_turbo_contract.turbo_config import (
     target_problems,
 )
 
-INSPECT_MODULE = "pytest_fsdp_turbo_engine.turbo_inspect"
+INSPECT_MODULE = "pytest_fsdp_turbo_engine.engines.turbo_inspect"
 INSPECT_TIMEOUT_S = 300
 # The library's README: Python >= 3.11, torch / torch_npu >= 2.9, < 2.12. A checkout that declares
 # its own torch requirement (requirements.txt) is taken at its word instead.

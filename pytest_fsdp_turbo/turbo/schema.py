@@ -1,5 +1,5 @@
 """The library's published config schema per layout, for checking a turbo_config when no checkout
-is at hand (`pytest-fsdp-turbo config` on a laptop): the same shape pytest_fsdp_turbo_engine/turbo_inspect reads from
+is at hand (`pytest-fsdp-turbo config` on a laptop): the same shape pytest_fsdp_turbo_engine/engines/turbo_inspect reads from
 a checkout's dataclasses, {field: {"required": bool, "fields": nested or None}}. A checkout's own
 schema always wins. Sections whose fields are not pinned here ("fields": None: model, optimizer,
 data, run, checkpoint, memory, quantization, tp_plan, ep_plan) are not looked into.

@@ -12,14 +12,16 @@ the measuring itself is in measurements.py and fsdp_probe.py.
 - run.py: `run_ppo_step`, the phases in order; it keeps the records as they come, so a failure
   keeps every record filled before it
 
+What the phases measure with, and the maths they hold the engine to:
+- measurements.py, fsdp_probe.py: the harness's probes (norms, collectives counted, closed forms)
+- reductions.py: the few collectives the harness itself runs
+- ppo.py, train_batch.py: PPO's loss and advantages as pure functions (engines share them), and
+  the batch a step trains on
+- reference.py: the single-process reference the reference phase steps
+
 rollout -> reward -> advantages -> logprobs -> micro-batches under the case's gradient-sync policy
 -> (reference gradients) -> optimizer step -> (reference step) -> post-step checks -> metrics.
 
 A twin run (`ppo.replay` set) skips rollout and reward and trains on the batch the main run saved.
 Every measurement a check depends on is taken here, never inside an engine method.
 """
-
-from pytest_fsdp_turbo_engine.step.phases import Phase
-from pytest_fsdp_turbo_engine.step.run import StepOutput, run_ppo_step
-
-__all__ = ["Phase", "StepOutput", "run_ppo_step"]

@@ -9,18 +9,18 @@ from dataclasses import dataclass
 import torch
 
 from pytest_fsdp_turbo_contract.records import OptimizerRecord
-from pytest_fsdp_turbo_engine import fsdp_probe
-from pytest_fsdp_turbo_engine.fsdp_engine import local_tensor
-from pytest_fsdp_turbo_engine.measurements import (
+from pytest_fsdp_turbo_engine.engines.fsdp2 import local_tensor
+from pytest_fsdp_turbo_engine.step import fsdp_probe
+from pytest_fsdp_turbo_engine.step.measurements import (
     AdamMoments,
     adamw_closed_form,
     clip_error,
     stepped_gradients,
 )
-from pytest_fsdp_turbo_engine.reductions import all_max, all_sum
-from pytest_fsdp_turbo_engine.reference import clip_coefficient
 from pytest_fsdp_turbo_engine.step.phases import phase_name
 from pytest_fsdp_turbo_engine.step.rank import Rank
+from pytest_fsdp_turbo_engine.step.reductions import all_max, all_sum
+from pytest_fsdp_turbo_engine.step.reference import clip_coefficient
 
 
 @dataclass

@@ -13,9 +13,9 @@ import torch
 
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo_contract.vocab import Capability, DeviceKind, Rollout
-from pytest_fsdp_turbo_engine.rollout import HFRollout
+from pytest_fsdp_turbo_engine.engines.ulysses_lift import library_patches_lifted
+from pytest_fsdp_turbo_engine.rollout.hf_rollout import HFRollout
 from pytest_fsdp_turbo_engine.step.phases import Phase
-from pytest_fsdp_turbo_engine.ulysses_lift import library_patches_lifted
 
 
 def device_for(kind: str, local_rank: int) -> torch.device:
@@ -40,7 +40,7 @@ class Rank:
     phase: Phase
     out: Path
     device: torch.device
-    engine: Any  # a pytest_fsdp_turbo_engine/protocol.py Engine, built
+    engine: Any  # a pytest_fsdp_turbo_engine/engines/protocol.py Engine, built
     tokenizer: Any
     reference_module: torch.nn.Module | None  # frozen initial policy, for ref logprobs (not a twin)
     rollout: Any  # None for a twin, which replays the main run's batch
@@ -69,7 +69,7 @@ class Rank:
 
     def unsharded(self):
         """Around the harness's own whole-sequence models (rollout, single-process reference): the
-        FSDP-Turbo library's Ulysses patches lifted (pytest_fsdp_turbo_engine/ulysses_lift.py); a no-op without SP."""
+        FSDP-Turbo library's Ulysses patches lifted (pytest_fsdp_turbo_engine/engines/ulysses_lift.py); a no-op without SP."""
         return library_patches_lifted(self.engine_cfg.turbo_config)
 
 
@@ -77,8 +77,13 @@ def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
     from transformers import AutoTokenizer
 
     from pytest_fsdp_turbo_contract.engines import EngineCatalog
-    from pytest_fsdp_turbo_engine.protocol import require_protocol
-    from pytest_fsdp_turbo_engine.registry import VERL_PREFIX, RegistryError, load_engines, lookup
+    from pytest_fsdp_turbo_engine.engines.protocol import require_protocol
+    from pytest_fsdp_turbo_engine.engines.registry import (
+        VERL_PREFIX,
+        RegistryError,
+        load_engines,
+        lookup,
+    )
 
     engine_cfg, cfg, kind = spec.engine, spec.ppo, spec.device_kind
     device = device_for(kind, int(os.environ.get("LOCAL_RANK", rank)))
@@ -125,7 +130,7 @@ def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
 
 def make_rollout(cfg: PPOSpec, engine_cfg: EngineSpec, model_path: str, device, tokenizer):
     if cfg.rollout == Rollout.VLLM:
-        from pytest_fsdp_turbo_engine.vllm_rollout import VLLMRollout
+        from pytest_fsdp_turbo_engine.rollout.vllm_rollout import VLLMRollout
 
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         return VLLMRollout(

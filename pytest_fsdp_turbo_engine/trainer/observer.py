@@ -83,7 +83,7 @@ class TrainerRank:
 
         if not (torch.is_grad_enabled() and module.training and self._is_root(module)):
             return  # forward-only passes (old and reference log-probs), inner units
-        from pytest_fsdp_turbo_engine import fsdp_probe
+        from pytest_fsdp_turbo_engine.step import fsdp_probe
 
         if self._pass is None:
             self._units = fsdp_probe.UnitsThatRan(module).__enter__()
@@ -142,8 +142,8 @@ class TrainerRank:
         """Every parameter gathered whole, one at a time (a collective: every rank calls it)."""
         import torch
 
-        from pytest_fsdp_turbo_engine import fsdp_probe
-        from pytest_fsdp_turbo_engine.fsdp_engine import full_tensor
+        from pytest_fsdp_turbo_engine.engines.fsdp2 import full_tensor
+        from pytest_fsdp_turbo_engine.step import fsdp_probe
 
         digests = {}
         for name, param in module.named_parameters(remove_duplicate=False):
@@ -197,7 +197,10 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
         register_optimizer_step_pre_hook,
     )
 
-    from pytest_fsdp_turbo_engine.fsdp_probe import REDUCE_SCATTER_FUNCTIONS, FSDPInternalsChanged
+    from pytest_fsdp_turbo_engine.step.fsdp_probe import (
+        REDUCE_SCATTER_FUNCTIONS,
+        FSDPInternalsChanged,
+    )
 
     rank = TrainerRank(folder, int(os.environ["RANK"]))
 

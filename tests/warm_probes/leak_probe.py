@@ -3,7 +3,7 @@
 import os
 import sys
 
-from pytest_fsdp_turbo_engine import registry
+from pytest_fsdp_turbo_engine.engines import registry
 
 leaks = []
 if "PYTEST_FSDP_TURBO_POLLUTED" in os.environ:

@@ -6,8 +6,8 @@ import sys
 
 import torch
 
-from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
-from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead
+from pytest_fsdp_turbo_engine.engines.registry import register
 
 os.environ["PYTEST_FSDP_TURBO_POLLUTED"] = "1"
 torch.manual_seed(12345)

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from pytest_fsdp_turbo_contract.spec import EngineSpec
 from pytest_fsdp_turbo_contract.vocab import Dtype, SyncPolicy
-from pytest_fsdp_turbo_engine.ppo import entropy_from_logits, response_logprobs
-from pytest_fsdp_turbo_engine.registry import register
+from pytest_fsdp_turbo_engine.engines.registry import register
+from pytest_fsdp_turbo_engine.step.ppo import entropy_from_logits, response_logprobs
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def _of_the_response(logits: torch.Tensor, input_ids: torch.Tensor, prompt_len: 
 
 @register(backend="fsdp", device=["cpu", "cuda", "npu"])
 class FSDPEngineWithLMHead:
-    """Our FSDP2 engine; it meets pytest_fsdp_turbo_engine/protocol.py's HarnessLoopEngine."""
+    """Our FSDP2 engine; it meets pytest_fsdp_turbo_engine/engines/protocol.py's HarnessLoopEngine."""
 
     # the harness runs the micro-batch loop, asking gradient_sync_context per micro-batch
     drives_micro_batches: ClassVar[bool] = False
@@ -124,7 +124,7 @@ class FSDPEngineWithLMHead:
         return {}
 
     def build(self, model_path: str, *, trainable: bool = True) -> torch.nn.Module:
-        from pytest_fsdp_turbo_engine.hf_model import load_pretrained
+        from pytest_fsdp_turbo_engine.engines.hf_model import load_pretrained
 
         model = load_pretrained(model_path, dtype=torch.float32, **self.load_options())
         model.to(self.device)

@@ -14,9 +14,9 @@ import sys
 import torch
 
 from pytest_fsdp_turbo_contract.vocab import Dtype
-from pytest_fsdp_turbo_engine.rollout import RolloutBatch, response_mask
+from pytest_fsdp_turbo_engine.rollout.hf_rollout import RolloutBatch, response_mask
 
-WORKER_EXTENSION = "pytest_fsdp_turbo_engine.vllm_rollout.WeightLoaderExtension"
+WORKER_EXTENSION = "pytest_fsdp_turbo_engine.rollout.vllm_rollout.WeightLoaderExtension"
 
 
 class WeightLoaderExtension:

@@ -77,7 +77,7 @@ def _backends() -> str:
 def lookup(model_type: str, backend: str, device: str) -> type:
     device = str(device)  # a DeviceKind reads as its value in keys and messages
     if backend.startswith(VERL_PREFIX):  # verl's registry decides; ours only adapts
-        from pytest_fsdp_turbo_engine.verl_adapter import VerlEngineAdapter
+        from pytest_fsdp_turbo_engine.engines.verl_adapter import VerlEngineAdapter
 
         return VerlEngineAdapter
     for key in ((model_type, backend, device), (ANY, backend, device)):

@@ -2,7 +2,7 @@
 config schema (from an FSDPTurbo checkout, importing only its config module and torch, so it runs
 on any box) and the module tree of the model class actually loaded (on the meta device, no weights).
 
-  python -m pytest_fsdp_turbo_engine.turbo_inspect [--model DIR] [--checkout PATH]
+  python -m pytest_fsdp_turbo_engine.engines.turbo_inspect [--model DIR] [--checkout PATH]
 
 prints {"layout", "schema", "modules"} as JSON. The FSDP-Turbo engine uses `schema_of` on the live
 library too, so the rank validates against exactly what it imports.
@@ -120,7 +120,7 @@ def meta_model(model_dir: Path):
     import torch
     from transformers import AutoConfig
 
-    from pytest_fsdp_turbo_engine.hf_model import from_config
+    from pytest_fsdp_turbo_engine.engines.hf_model import from_config
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
@@ -128,7 +128,9 @@ def meta_model(model_dir: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pytest_fsdp_turbo_engine.turbo_inspect")
+    parser = argparse.ArgumentParser(
+        prog="python -m pytest_fsdp_turbo_engine.engines.turbo_inspect"
+    )
     parser.add_argument("--model", type=Path)
     parser.add_argument("--checkout", type=Path)
     args = parser.parse_args(argv)

@@ -21,10 +21,10 @@ from pytest_fsdp_turbo_contract.turbo_config import (
     entry_problems,
     schema_problems,
 )
-from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
-from pytest_fsdp_turbo_engine.registry import register
-from pytest_fsdp_turbo_engine.turbo_inspect import schema_of
-from pytest_fsdp_turbo_engine.ulysses_lift import library_patches_lifted
+from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead
+from pytest_fsdp_turbo_engine.engines.registry import register
+from pytest_fsdp_turbo_engine.engines.turbo_inspect import schema_of
+from pytest_fsdp_turbo_engine.engines.ulysses_lift import library_patches_lifted
 
 # The older layout has no data-parallel getters; its cdp mesh is the same group of ranks.
 DATA_GETTERS = {
@@ -69,7 +69,7 @@ def reset_parallel_state(parallel_state) -> None:
     if not isinstance(store, dict):
         raise FSDPTurboAPIChanged(
             "fsdp_turbo's ParallelState is no longer a metaclass singleton with an _instances "
-            "store; update pytest_fsdp_turbo_engine.fsdp_turbo_engine.reset_parallel_state"
+            "store; update pytest_fsdp_turbo_engine.engines.turbo.reset_parallel_state"
         )
     store.pop(cls, None)
 
@@ -164,7 +164,7 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
         the process would then exchange its sequence twice."""
         if trainable or self._ulysses_group() is None:
             return super().build(model_path, trainable=trainable)
-        from pytest_fsdp_turbo_engine.hf_model import load_pretrained
+        from pytest_fsdp_turbo_engine.engines.hf_model import load_pretrained
 
         model = load_pretrained(model_path, dtype=torch.float32, **self.load_options())
         model.to(self.device).requires_grad_(False)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from pytest_fsdp_turbo_contract.spec import PPOSpec
-from pytest_fsdp_turbo_engine import ppo
-from pytest_fsdp_turbo_engine.reductions import gather_rows
+from pytest_fsdp_turbo_engine.step import ppo
+from pytest_fsdp_turbo_engine.step.reductions import gather_rows
 
 TENSOR_FIELDS = ("input_ids", "mask", "advantages", "old_logprobs", "ref_logprobs")
 
@@ -24,12 +24,7 @@ class TrainBatch:
     ref_logprobs: torch.Tensor  # [B, R]
 
     def _map(self, fn) -> TrainBatch:
-        return TrainBatch(
-            **{
-                f.name: fn(getattr(self, f.name)) if f.name in TENSOR_FIELDS else self.prompt_len
-                for f in fields(self)
-            }
-        )
+        return replace(self, **{name: fn(getattr(self, name)) for name in TENSOR_FIELDS})
 
     def rows(self, index) -> TrainBatch:
         return self._map(lambda t: t[index])

@@ -72,13 +72,13 @@ class OwnLoopEngine(Engine, Protocol):
 
 def require_protocol(engine_class: type, backend: str) -> type:
     """The engine class a case's backend names, refused in one line if it breaks the protocol."""
-    from pytest_fsdp_turbo_engine.registry import RegistryError
+    from pytest_fsdp_turbo_engine.engines.registry import RegistryError
 
     breaches = contract_breaches(engine_class)
     if breaches:
         raise RegistryError(
             f"engine {engine_class.__qualname__} (backend {backend!r}) does not meet the engine "
-            f"protocol (pytest_fsdp_turbo_engine.protocol): {'; '.join(breaches)}"
+            f"protocol (pytest_fsdp_turbo_engine.engines.protocol): {'; '.join(breaches)}"
         )
     return engine_class
 
@@ -99,9 +99,9 @@ def contract_breaches(engine_class: type) -> list[str]:
 
 
 if TYPE_CHECKING:  # the type checker proves that the engines shipped here meet their protocol
-    from pytest_fsdp_turbo_engine.fsdp_engine import FSDPEngineWithLMHead
-    from pytest_fsdp_turbo_engine.fsdp_turbo_engine import FSDPTurboEngineWithLMHead
-    from pytest_fsdp_turbo_engine.verl_adapter import VerlEngineAdapter
+    from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead
+    from pytest_fsdp_turbo_engine.engines.turbo import FSDPTurboEngineWithLMHead
+    from pytest_fsdp_turbo_engine.engines.verl_adapter import VerlEngineAdapter
 
     _ours: type[HarnessLoopEngine] = FSDPEngineWithLMHead
     _turbo: type[HarnessLoopEngine] = FSDPTurboEngineWithLMHead

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from pytest_fsdp_turbo_engine.fsdp_engine import full_tensor
+from pytest_fsdp_turbo_engine.engines.fsdp2 import full_tensor
 
 
 class FSDPInternalsChanged(RuntimeError):
@@ -150,7 +150,7 @@ class CollectiveCounter:
         if not any(n in hooked for n in REDUCE_SCATTER_FUNCTIONS):
             raise FSDPInternalsChanged(
                 f"torch {torch.__version__}: torch.distributed has none of "
-                f"{REDUCE_SCATTER_FUNCTIONS}; update pytest_fsdp_turbo_engine.fsdp_probe"
+                f"{REDUCE_SCATTER_FUNCTIONS}; update pytest_fsdp_turbo_engine.step.fsdp_probe"
             )
         for name in hooked:
             self._wrap(name)
@@ -168,7 +168,7 @@ def _param_group(unit: FSDPModule):
     except AttributeError as exc:
         raise FSDPInternalsChanged(
             f"torch {torch.__version__}: FSDP2 state no longer exposes _get_fsdp_state()."
-            f"_fsdp_param_group ({exc}); update pytest_fsdp_turbo_engine.fsdp_probe"
+            f"_fsdp_param_group ({exc}); update pytest_fsdp_turbo_engine.step.fsdp_probe"
         ) from None
 
 
@@ -185,7 +185,7 @@ def unsharded_grad_bytes(model: torch.nn.Module) -> int:
             ):
                 raise FSDPInternalsChanged(
                     f"torch {torch.__version__}: FSDPParam has no unsharded_accumulated_grad / "
-                    "init_unsharded_param; update pytest_fsdp_turbo_engine.fsdp_probe"
+                    "init_unsharded_param; update pytest_fsdp_turbo_engine.step.fsdp_probe"
                 )
             grad = param.unsharded_accumulated_grad
             # `_unsharded_param` exists only after the first all-gather (torch tests it the same
