@@ -142,7 +142,7 @@ def test_verl_ranks_fork_from_a_zygote_that_imported_verl_once(ppo_run):
 
 def test_a_stack_that_fails_to_preload_leaves_forking_to_the_parent():
     from pytest_fsdp_turbo_contract.warm_protocol import Fork, Ready
-    from pytest_fsdp_turbo_engine.warm_parent import Channel, Server, Zygote
+    from pytest_fsdp_turbo_engine.warm.server import Channel, Server, Zygote
 
     broken = Zygote("no-such-stack:cpu", [])
     assert broken.reason.startswith("KeyError"), broken.reason
