@@ -38,6 +38,7 @@ class HarnessEnv:
     no_fork: bool  # spawn every rank, never fork one from a warm parent
     engine_modules: str  # engine catalog entries, comma-separated (README "Engines")
     cache_home: Path  # tiny models, inspections, cloned checkouts live below it
+    warm_socket: str  # an ancestor session's warm parent, advertised to its descendants
 
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> HarnessEnv:
@@ -49,6 +50,7 @@ class HarnessEnv:
             no_fork=env.get(Env.NO_FORK, "") not in ("", "0"),
             engine_modules=env.get(Env.ENGINE_MODULES, ""),
             cache_home=Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache"),
+            warm_socket=env.get(Env.WARM_SOCKET, ""),
         )
 
 

@@ -20,6 +20,7 @@ from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import PARTIAL_METRICS_ATTR
 from pytest_fsdp_turbo_contract.results import UNWRITABLE_REPORT, RankError
 from pytest_fsdp_turbo_contract.spec import RankSpec
+from pytest_fsdp_turbo_engine.rank_env import RankEnv
 
 
 def _write_json(path: Path, payload: dict) -> None:
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = RankSpec.read(spec_path)
     out = spec_path.parent
     folder = RunFolder(out)
-    rank = int(os.environ["RANK"])  # torch's rendezvous variables; everything else: the spec
+    place = RankEnv.read()  # torch's rendezvous variables; everything else: the spec
+    rank = place.rank
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"the process group has {dist.get_world_size()} ranks; the spec asks for "
                 f"{spec.engine.world_size}"
             )
-        output = run_ppo_step(spec, rank, phase, out)
+        output = run_ppo_step(spec, place, phase, out)
         phase.enter("write")
         if output.grads_fingerprint is not None:
             _write_json(folder.grads(rank), output.grads_fingerprint)

@@ -209,3 +209,18 @@ def test_a_reading_is_an_attribute_path_that_knows_its_key_and_phase():
     assert rows.key == "response_length/mean" and rows.record.PHASE == "rollout"
     step = StepMetrics.from_json({"actor/grad_norm": 0.5})
     assert norm.of(step) == 0.5 and rows.of(step) is None
+
+
+def test_the_step_reads_its_environment_in_rank_env_alone():
+    """A rank's step reads what it is asked from its spec; where it sits in the group and when it
+    was launched, from RankEnv (pytest_fsdp_turbo_engine/rank_env.py), the one reader."""
+    engine = REPO / "pytest_fsdp_turbo_engine"
+    reads = re.compile(r"os\.environ\.get|os\.environ\[|os\.getenv|in os\.environ")
+    modules = [*sorted((engine / "step").glob("*.py")), engine / "worker.py"]
+    assert [p.name for p in modules if reads.search(p.read_text())] == []
+    assert "RankEnv.read()" in (engine / "worker.py").read_text()
+    from pytest_fsdp_turbo_engine.rank_env import RankEnv
+
+    launched = {"RANK": "3", "LOCAL_RANK": "1", "PYTEST_FSDP_TURBO_LAUNCHED_AT": "12.5"}
+    assert RankEnv.read(launched) == RankEnv(rank=3, local_rank=1, launched_at=12.5)
+    assert RankEnv.read({"RANK": "2"}) == RankEnv(rank=2, local_rank=2, launched_at=None)

@@ -295,7 +295,7 @@ class SharedWarmParent(_Conversation):
 
 def _shared_parent() -> SharedWarmParent | None:
     """An ancestor's warm parent this process may fork from, if one is advertised and fits."""
-    path = os.environ.get(SOCKET_VAR)
+    path = HarnessEnv.read().warm_socket
     if not path or path in SILENT_SOCKETS:
         return None
     try:

@@ -4,7 +4,6 @@ rollout."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo_contract.vocab import Capability, DeviceKind, Rollout
 from pytest_fsdp_turbo_engine.engines.ulysses_lift import library_patches_lifted
+from pytest_fsdp_turbo_engine.rank_env import RankEnv
 from pytest_fsdp_turbo_engine.rollout.hf_rollout import HFRollout
 from pytest_fsdp_turbo_engine.step.phases import Phase
 
@@ -73,7 +73,7 @@ class Rank:
         return library_patches_lifted(self.engine_cfg.turbo_config)
 
 
-def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
+def load(spec: RankSpec, place: RankEnv, phase: Phase, out: Path) -> Rank:
     from transformers import AutoTokenizer
 
     from pytest_fsdp_turbo_contract.engines import EngineCatalog
@@ -86,7 +86,8 @@ def load(spec: RankSpec, rank: int, phase: Phase, out: Path) -> Rank:
     )
 
     engine_cfg, cfg, kind = spec.engine, spec.ppo, spec.device_kind
-    device = device_for(kind, int(os.environ.get("LOCAL_RANK", rank)))
+    rank = place.rank
+    device = device_for(kind, place.local_rank)
     torch.manual_seed(cfg.seed)
 
     phase.enter("load")

@@ -3,7 +3,6 @@ filled before it."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from pytest_fsdp_turbo_contract.records import (
     TrainRecord,
 )
 from pytest_fsdp_turbo_contract.spec import RankSpec
-from pytest_fsdp_turbo_contract.vocab import Env
+from pytest_fsdp_turbo_engine.rank_env import RankEnv
 from pytest_fsdp_turbo_engine.step.batch import collect, replay_record, replayed, rollout_record
 from pytest_fsdp_turbo_engine.step.measurements import peak_memory_bytes
 from pytest_fsdp_turbo_engine.step.optimizer_step import HarnessAdamW, optimizer
@@ -40,18 +39,21 @@ class StepOutput:
     grads_fingerprint: dict | None = None
 
 
-def run_ppo_step(spec: RankSpec, rank: int, phase: Phase, out: Path) -> StepOutput:
+def run_ppo_step(spec: RankSpec, place: RankEnv, phase: Phase, out: Path) -> StepOutput:
     """What was measured so far rides on any exception as `partial_metrics`, so nothing is lost."""
     metrics = StepMetrics()
     try:
-        return _run(spec, rank, phase, out, metrics)
+        return _run(spec, place, phase, out, metrics)
     except BaseException as exc:
         setattr(exc, PARTIAL_METRICS_ATTR, metrics)
         raise
 
 
-def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetrics) -> StepOutput:
-    ctx = load(spec, rank, phase, out)
+def _run(
+    spec: RankSpec, place: RankEnv, phase: Phase, out: Path, metrics: StepMetrics
+) -> StepOutput:
+    rank = place.rank
+    ctx = load(spec, place, phase, out)
     cfg, device, folder = ctx.cfg, ctx.device, RunFolder(out)
     replicas = ctx.engine.replicate_group()
     metrics.rank = RankRecord(
@@ -106,6 +108,5 @@ def _run(spec: RankSpec, rank: int, phase: Phase, out: Path, metrics: StepMetric
         tokens_per_s=global_tokens / step_time,
         peak_memory_bytes=peak_memory_bytes(device),
     )
-    launched = os.environ.get(Env.LAUNCHED_AT)
-    metrics.timings = phase.timings(float(launched) if launched else None)
+    metrics.timings = phase.timings(place.launched_at)
     return StepOutput(metrics, ref_run.fingerprint if ref_run is not None else None)
