@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
+from pytest_fsdp_turbo.settings import collective_timeout_override
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.vocab import DeviceKind, Env
 
@@ -100,17 +101,14 @@ def _profile(
     return profile
 
 
-def collective_timeout_s(timeouts: Timeouts, user_env: Mapping[str, str] | None = None) -> float:
+def collective_timeout_s(timeouts: Timeouts, override: float | None) -> float:
     """The collective timeout the ranks get (through their spec): the case's, or the user's
-    variable, held below the case timeout so a hang is reported with its rank."""
-    user_env = os.environ if user_env is None else user_env
-    if COLLECTIVE_TIMEOUT_VAR not in user_env:
+    variable's (settings.collective_timeout_override), held below the case timeout so a hang is
+    reported with its rank."""
+    if override is None:
         return timeouts.collective_s
-    from pytest_fsdp_turbo_contract.bounds import seconds
-
-    collective = seconds(user_env[COLLECTIVE_TIMEOUT_VAR], COLLECTIVE_TIMEOUT_VAR)
-    Timeouts(collective, timeouts.case_s)
-    return collective
+    Timeouts(override, timeouts.case_s)
+    return override
 
 
 def build_collective_env(
@@ -128,7 +126,7 @@ def build_collective_env(
     """Rendezvous and visible devices come from the lease; profile variables the user set win."""
     user_env = os.environ if user_env is None else user_env
     timeouts = timeouts or Timeouts()
-    collective_s = collective_timeout_s(timeouts, user_env)
+    collective_s = collective_timeout_s(timeouts, collective_timeout_override(user_env))
     timeouts = Timeouts(collective_s, timeouts.case_s)
     if cpu_count is None:  # the box is shared with the other xdist workers' ranks
         workers = int(user_env.get(XDIST_WORKERS_VAR, "1") or 1)

@@ -54,6 +54,12 @@ class HarnessEnv:
         )
 
 
+def collective_timeout_override(env: Mapping[str, str]) -> float | None:
+    """The collective timeout a user's variable asks for (None: the case's own), in seconds."""
+    value = env.get(Env.COLLECTIVE_TIMEOUT_S)
+    return None if value is None else seconds(value, Env.COLLECTIVE_TIMEOUT_S)
+
+
 @dataclass(frozen=True)
 class RunEnv:
     """What a run's environment (the session's, with ppo_run's extra_env over it) asks of its
@@ -61,6 +67,7 @@ class RunEnv:
 
     vllm_memory_share: float
     fault: FaultSpec | None
+    collective_timeout_s: float | None  # the variable's, held below the case timeout later
 
     @classmethod
     def read(cls, env: Mapping[str, str], world_size: int) -> RunEnv:
@@ -68,6 +75,7 @@ class RunEnv:
         return cls(
             vllm_memory_share=number_in(share, Env.VLLM_MEMORY, 0.0, 1.0, low_open=True),
             fault=parse_fault(env.get(Env.FAULT, ""), world_size, env.get(Env.FAULT_STALL_S, "")),
+            collective_timeout_s=collective_timeout_override(env),
         )
 
 

@@ -86,7 +86,9 @@ def rank_spec(request: RunRequest) -> RankSpec:
         engine=engine,
         ppo=ppo,
         engine_modules=request.engines.for_ranks(),
-        collective_timeout_s=collective_timeout_s(Timeouts(case.collective_timeout, case.timeout)),
+        collective_timeout_s=collective_timeout_s(
+            Timeouts(case.collective_timeout, case.timeout), run.collective_timeout_s
+        ),
         fault=run.fault,
     )
 
