@@ -109,7 +109,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if not _is_xdist_controller(config):
         return
-    from pytest_fsdp_turbo.launching.progress import ArtifactWatcher
+    from pytest_fsdp_turbo.launching.progress import ArtifactWatcher, Display
     from pytest_fsdp_turbo.session import artifacts_root
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
@@ -124,12 +124,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             writer.line()
         reporter.write_line(text)
 
-    watcher = ArtifactWatcher(
-        artifacts_root(config),
-        line,
-        settings_of(config).stall_share,
-        settings_of(config).quiet_s,
-    )
+    settings = settings_of(config)
+    display = Display(None, line, settings.stall_share, settings.quiet_s)
+    watcher = ArtifactWatcher(artifacts_root(config), display)
     watcher.start()
     config.stash[_WATCHER] = watcher
 

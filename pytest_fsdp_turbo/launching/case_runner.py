@@ -22,6 +22,7 @@ from pytest_fsdp_turbo.cases import (
     with_overrides,
 )
 from pytest_fsdp_turbo.devices import Accelerator
+from pytest_fsdp_turbo.launching.progress import Display
 from pytest_fsdp_turbo.launching.request import RunRequest, launcher_for, run_with_twin
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
@@ -45,7 +46,7 @@ class CaseRunner:
     artifacts_root: Path
     checkout: Callable[[], Checkout] = field(default=lambda: None)  # resolved only when needed
     start_ray: Callable[[], RayDriver] = field(default=lambda: None)
-    progress: Callable | None = None  # (case_id, world_size, timeout_s, artifacts) -> Progress
+    progress: Display | None = None  # where live status goes while the ranks run
 
     def resolve(
         self, case: Case | CaseParam | str, engines: EngineCatalog, overrides: dict
@@ -215,17 +216,13 @@ def standalone_runner(settings: Settings, accelerator: Accelerator) -> CaseRunne
         artifacts_root=artifacts,
         checkout=lambda: resolve_checkout(settings.checkout),
         start_ray=lambda: _start_ray(settings, artifacts),
-        progress=_stderr_progress,
+        progress=_stderr_progress(),
     )
 
 
-def _stderr_progress(
-    case_id: str, world_size: int, timeout_s: float, out: Path, collective_timeout_s=None
-):
+def _stderr_progress() -> Display:
     """Live status on stderr for `pytest-fsdp-turbo run`: rewritten in place on a terminal."""
     import sys
-
-    from pytest_fsdp_turbo.launching.progress import Progress
 
     def live(text: str) -> None:
         sys.stderr.write("\r\x1b[2K" + text)
@@ -234,16 +231,7 @@ def _stderr_progress(
     def line(text: str) -> None:
         sys.stderr.write(text + "\n")
 
-    interactive = live if sys.stderr.isatty() else None
-    return Progress(
-        case_id,
-        world_size,
-        timeout_s,
-        out,
-        interactive,
-        line,
-        collective_timeout_s=collective_timeout_s,
-    )
+    return Display(live if sys.stderr.isatty() else None, line)
 
 
 def _start_ray(settings: Settings, log_dir: Path) -> RayDriver:

@@ -15,7 +15,6 @@ from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.cases import Case, CaseParam
-    from pytest_fsdp_turbo.launching.progress import Progress
     from pytest_fsdp_turbo_contract.results import RunResult
 
 
@@ -77,7 +76,7 @@ def terminal_progress(config: pytest.Config):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return None
-    from pytest_fsdp_turbo.launching.progress import Progress
+    from pytest_fsdp_turbo.launching.progress import Display
 
     settings = settings_of(config)
     share, quiet = settings.stall_share, settings.quiet_s
@@ -96,20 +95,4 @@ def terminal_progress(config: pytest.Config):
         with uncaptured():
             reporter.write_line(text)
 
-    def make(
-        case_id: str, world_size: int, timeout_s: float, out: Path, collective_timeout_s=None
-    ) -> Progress:
-        interactive = live if getattr(reporter, "isatty", False) else None
-        return Progress(
-            case_id,
-            world_size,
-            timeout_s,
-            out,
-            interactive,
-            line,
-            stall_share=share,
-            quiet_s=quiet,
-            collective_timeout_s=collective_timeout_s,
-        )
-
-    return make
+    return Display(live if getattr(reporter, "isatty", False) else None, line, share, quiet)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
@@ -138,21 +138,40 @@ class Progress:
             self.live("")
 
 
+@dataclass(frozen=True)
+class Display:
+    """Where runs' progress goes: one status line rewritten in place (`live`, on a terminal; None
+    in a CI log) and plain lines; with the ini's stall share and quiet time."""
+
+    live: Callable[[str], None] | None
+    line: Callable[[str], None]
+    stall_share: float = 0.5
+    quiet_s: float = 10.0
+
+    def follow(self, spec: RankSpec, folder: Path) -> Progress:
+        """The progress of the run launched with `spec` into `folder`."""
+        return Progress(
+            spec.case_id,
+            spec.engine.world_size,
+            spec.timeout_s,
+            folder,
+            self.live,
+            self.line,
+            stall_share=self.stall_share,
+            quiet_s=self.quiet_s,
+            collective_timeout_s=spec.collective_timeout_s,
+        )
+
+
 class ArtifactWatcher:
     """Live progress under pytest-xdist: the controller cannot see its workers' terminal output,
     so it follows the artifact folders instead (every run writes rankN.phases.jsonl there while it
     runs, and timeline.json when it ends) and prints plain status and stall lines."""
 
-    def __init__(
-        self,
-        root: Path,
-        line: Callable[[str], None],
-        stall_share: float = 0.5,
-        quiet_s: float = 10.0,
-    ):
+    def __init__(self, root: Path, display: Display):
         import threading
 
-        self.root, self.line, self.stall_share, self.quiet_s = root, line, stall_share, quiet_s
+        self.root, self.display = root, replace(display, live=None)  # plain lines only
         self.since = time.time()  # runs of earlier sessions are not followed
         self.running: dict[Path, Progress] = {}
         self._stop = threading.Event()
@@ -192,16 +211,6 @@ class ArtifactWatcher:
             return None
         if not RunFolder(folder).phases(0).exists():
             return None
-        progress = Progress(
-            spec.case_id,
-            spec.engine.world_size,
-            spec.timeout_s,
-            folder,
-            None,
-            self.line,
-            stall_share=self.stall_share,
-            quiet_s=self.quiet_s,
-            collective_timeout_s=spec.collective_timeout_s,
-        )
+        progress = self.display.follow(spec, folder)
         self.running[folder] = progress
         return progress

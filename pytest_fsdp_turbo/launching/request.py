@@ -20,7 +20,7 @@ from pytest_fsdp_turbo.environ import (
     collective_timeout_s,
     mask_secrets,
 )
-from pytest_fsdp_turbo.launching.progress import Progress
+from pytest_fsdp_turbo.launching.progress import Display, Progress
 from pytest_fsdp_turbo.launching.supervisor import launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
@@ -61,7 +61,7 @@ class RunRequest:
     replay: Path | None = None  # twin runs: the main run's artifacts, whose batch is replayed
     turbo_config: dict | None = None  # fsdp_turbo cases: the exact config, see with_turbo_config
     launcher: Launcher = Launcher.LOCAL  # see launcher_for
-    progress: Callable[..., Progress] | None = None  # live status while the ranks run
+    progress: Display | None = None  # where live status goes while the ranks run
 
 
 def rank_spec(request: RunRequest) -> RankSpec:
@@ -207,12 +207,10 @@ def _prepare(request: RunRequest, *, local: bool) -> Path:
 
 
 def _progress(request: RunRequest, out: Path) -> Progress | None:
+    """The run's live status, from the spec its ranks were just handed."""
     if request.progress is None:
         return None
-    case = request.case
-    return request.progress(
-        case.id, case.engine.world_size, case.timeout, out, case.collective_timeout
-    )
+    return request.progress.follow(RankSpec.read(RunFolder(out).spec), out)
 
 
 def _finish(progress: Progress | None, result: RunResult) -> RunResult:
