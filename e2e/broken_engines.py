@@ -11,15 +11,15 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead, full_tensor, local_tensor
-from pytest_fsdp_turbo_engine.engines.registry import register
-from pytest_fsdp_turbo_engine.step.ppo import (
+from pytest_fsdp_turbo_engine.core.ppo import (
     entropy_from_logits,
     low_var_kl,
     response_logprobs,
     token_sum,
 )
-from pytest_fsdp_turbo_engine.step.train_batch import ppo_loss
+from pytest_fsdp_turbo_engine.core.train_batch import ppo_loss
+from pytest_fsdp_turbo_engine.engines.fsdp2 import FSDPEngineWithLMHead, full_tensor, local_tensor
+from pytest_fsdp_turbo_engine.engines.registry import register
 
 EVERYWHERE = ["cpu", "cuda", "npu"]
 

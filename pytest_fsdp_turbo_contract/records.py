@@ -11,7 +11,7 @@ import math
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar, Generic, TypeVar, cast
+from typing import Any, ClassVar, Generic, TypeVar
 
 # how the reference phase says the engine's parameter names are not the checkpoint's (check c)
 NAMES_DIFFER = "parameter names differ from the reference's"
@@ -340,8 +340,14 @@ class Reading(Generic[T]):
 
     def __init__(self, read: Callable[[StepMetrics], T | None]) -> None:
         self.of = read
-        # run on metrics whose every field holds (its record type, its name): the path's own field
-        self.record, self.name = cast(tuple[type[Record], str], read(_NAMED))
+        # run on metrics whose every field holds its own name: the path's own field
+        try:
+            named = read(_NAMED)
+        except (TypeError, AttributeError, KeyError) as exc:
+            raise TypeError(f"{_PATH_ONLY}; {type(exc).__name__}: {exc}") from None
+        if not isinstance(named, _Named):
+            raise TypeError(f"{_PATH_ONLY}; it gave a {type(named).__name__}")
+        self.record, self.name = named.record, named.name
 
     @property
     def key(self) -> str:
@@ -351,9 +357,24 @@ class Reading(Generic[T]):
         return f"Reading({self.key})"
 
 
+_PATH_ONLY = "a Reading reads one field, as `lambda m: m.<record>.<field>`"
+
+
+@dataclass(frozen=True)
+class _Named:
+    """What a field of _NAMED holds: which field it is. Anything but reading it is refused, so a
+    reader that computes (`or`, arithmetic, indexing) cannot be taken for the field it touched."""
+
+    record: type[Record]
+    name: str
+
+    def __bool__(self) -> bool:
+        raise TypeError("a field's value was used, not read")
+
+
 _NAMED = StepMetrics(
     **{
-        name: kind(**{f.name: (kind, f.name) for f in fields(kind)})  # type: ignore[arg-type]
+        name: kind(**{f.name: _Named(kind, f.name) for f in fields(kind)})  # type: ignore[arg-type]
         for name, kind in StepMetrics.RECORDS.items()
     }
 )

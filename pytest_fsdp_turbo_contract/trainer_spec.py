@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pytest_fsdp_turbo_contract.vocab import DeviceKind
+from pytest_fsdp_turbo_contract.vocab import DeviceKind, GoldenTier
 
 # the run folder, for the observer verl imports in every process of the run (Ray hands the driver's
 # environment to its workers, vLLM to its engine cores)
@@ -37,6 +37,8 @@ class TrainerSpec:
     # handed to every Ray worker over verl's own runtime env (which sets HCCL ranges to "auto")
     worker_env: dict[str, str] = field(default_factory=dict)
     ray_temp_dir: str = ""  # Ray's session folder for this run (its logs are copied into actors/)
+    timeout_s: float = 900.0  # the case's, for the run's spec.json (progress, readers)
+    golden_tier: GoldenTier = GoldenTier.RELATIVE  # the case's, for the run's spec.json (compare)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -48,6 +50,7 @@ class TrainerSpec:
                 **data,
                 "device_kind": DeviceKind(data["device_kind"]),
                 "overrides": tuple(data["overrides"]),
+                "golden_tier": GoldenTier(data.get("golden_tier", GoldenTier.RELATIVE)),
             }
         )
 

@@ -93,7 +93,7 @@ def tiny_config(
 def build_tiny_model(name: str, out_dir: Path, spec_dir: Path | None = None) -> Path:
     import torch
 
-    from pytest_fsdp_turbo_engine.engines.hf_model import from_config
+    from pytest_fsdp_turbo_engine.core.hf_model import from_config
 
     spec = load_spec(name, spec_dir)
     tokenizer = build_byte_tokenizer(chat=spec.get("chat", False))
@@ -119,7 +119,7 @@ def check_spec(name: str, spec_dir: Path | None = None) -> None:
     accepts and its weights fit TINY_BYTES_MAX, before anything is allocated."""
     import torch
 
-    from pytest_fsdp_turbo_engine.engines.hf_model import from_config
+    from pytest_fsdp_turbo_engine.core.hf_model import from_config
 
     path = (spec_dir or SPECS_DIR) / f"{name}.json"
     try:

@@ -209,6 +209,15 @@ def test_a_reading_is_an_attribute_path_that_knows_its_key_and_phase():
     assert rows.key == "response_length/mean" and rows.record.PHASE == "rollout"
     step = StepMetrics.from_json({"actor/grad_norm": 0.5})
     assert norm.of(step) == 0.5 and rows.of(step) is None
+    # a reader that computes is refused: its key would name whichever field it touched first
+    for computes in (
+        lambda m: m.loss.loss or m.loss.ppo_kl,
+        lambda m: abs(m.loss.loss),
+        lambda m: m.loss,
+        lambda m: m.timings["train"],
+    ):
+        with pytest.raises(TypeError, match=r"reads one field, as `lambda m: m.<record>.<field>`"):
+            Reading(computes)
 
 
 def test_the_step_reads_its_environment_in_rank_env_alone():

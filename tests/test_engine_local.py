@@ -142,7 +142,7 @@ def test_response_mask_cuts_after_first_eos():
 def test_tiny_model_builder_saves_hf_format(tmp_path):
     from transformers import AutoTokenizer
 
-    from pytest_fsdp_turbo_engine.engines.hf_model import load_pretrained
+    from pytest_fsdp_turbo_engine.core.hf_model import load_pretrained
 
     out = build_tiny_model("tiny-qwen3_5", tmp_path / "m")
     assert local_model_dir("m", tmp_path) == out  # complete: config and weights
@@ -211,8 +211,8 @@ def test_sp_boundaries_count_response_tokens_a_chunk_starts_on():
     second response token); a packed micro-batch of 2 rows splits between them (a prompt token);
     of 3 rows, at 15, inside the middle row (its second response token). Masked tokens (after EOS)
     do not count."""
+    from pytest_fsdp_turbo_engine.core.train_batch import TrainBatch
     from pytest_fsdp_turbo_engine.step.measurements import sp_boundaries_in_responses
-    from pytest_fsdp_turbo_engine.step.train_batch import TrainBatch
 
     def batch(rows: int, mask_row0=None) -> TrainBatch:
         mask = torch.ones(rows, 6)

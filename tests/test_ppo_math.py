@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pytest_fsdp_turbo_engine.step import ppo  # noqa: E402
+from pytest_fsdp_turbo_engine.core import ppo  # noqa: E402
 
 
 def test_grpo_normalises_within_each_group():
@@ -145,9 +145,9 @@ def test_the_probe_compares_the_loss_gradient_an_engine_delivers_with_the_closed
     against autograd over the harness's loss. Off-policy (old != current), a KL term counted
     twice moves it; a detached tensor never receives one (infinite)."""
     from pytest_fsdp_turbo_contract.spec import PPOSpec
+    from pytest_fsdp_turbo_engine.core.train_batch import TrainBatch, ppo_loss
     from pytest_fsdp_turbo_engine.step.fsdp_probe import CollectiveCounter
     from pytest_fsdp_turbo_engine.step.measurements import MicroBatchProbe
-    from pytest_fsdp_turbo_engine.step.train_batch import TrainBatch, ppo_loss
 
     torch.manual_seed(0)
     cfg = PPOSpec(kl_coef=0.1)

@@ -41,6 +41,7 @@ from pytest_fsdp_turbo.trainer.readings import (
 from pytest_fsdp_turbo.trainer.verl_config import declared as verl_declared
 from pytest_fsdp_turbo.trainer.verl_config import read_resolved
 from pytest_fsdp_turbo_contract.artifacts import read_json
+from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 
@@ -109,7 +110,11 @@ def check_rollout_weights(result: RunResult) -> None:
             "replicas it declares are unknown"
         )
     world_size = declared(result).engine.world_size
-    expected = verl_declared(read_resolved(folder.resolved_config), world_size).rollout_replicas
+    try:
+        config = read_resolved(folder.resolved_config)
+    except ConfigError as unreadable:
+        raise CheckFailure(f"check e: {unreadable}") from None
+    expected = verl_declared(config, world_size).rollout_replicas
     replicas = [(path, read_json(path)) for path in folder.replicas()]
     if len(replicas) != expected:
         raise CheckFailure(

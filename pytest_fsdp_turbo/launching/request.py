@@ -119,6 +119,7 @@ def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[st
         world_size=case.engine.world_size,
         port_ranges=ranges,
         timeouts=Timeouts(case.collective_timeout, case.timeout),
+        user_env={**os.environ, **request.extra_env},  # the run's, as run_env reads it
     )
     env = dict(group.env)
     paths = [*request.pythonpath]
@@ -183,7 +184,7 @@ def refuse_missing_hardware(request: RunRequest) -> None:
 
 
 def _prepare(request: RunRequest, *, local: bool) -> Path:
-    """A fresh run folder with the spec and the case, or one line naming the folder. `local`:
+    """A fresh run folder with the ranks' spec, or one line naming the folder. `local`:
     the ranks start on this machine, so its hardware must be there (Ray places them itself,
     possibly on nodes that have what this one lacks)."""
     out = request.artifacts_dir

@@ -90,6 +90,8 @@ def run_spec(declared: TrainerDeclared, spec: TrainerSpec, shard: int) -> RankSp
             rollout=Rollout.VLLM if declared.rollout == "vllm" else Rollout.HF,
             reference_checks=False,
         ),
+        timeout_s=spec.timeout_s,
+        golden_tier=spec.golden_tier,
     )
 
 

@@ -135,6 +135,8 @@ class TrainerRunner:
                 cores=os.cpu_count() or 1,
                 worker_env=worker_env,
                 ray_temp_dir=tempfile.mkdtemp(prefix="pftr-"),  # short: Ray's sockets live there
+                timeout_s=case.timeout,
+                golden_tier=case.golden_tier,
             )
             return self._launch(case, spec, out, worker_env)
         finally:

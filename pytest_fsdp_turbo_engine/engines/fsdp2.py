@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from pytest_fsdp_turbo_contract.spec import EngineSpec
 from pytest_fsdp_turbo_contract.vocab import Dtype, SyncPolicy
+from pytest_fsdp_turbo_engine.core.ppo import entropy_from_logits, response_logprobs
 from pytest_fsdp_turbo_engine.engines.registry import register
-from pytest_fsdp_turbo_engine.step.ppo import entropy_from_logits, response_logprobs
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,7 @@ class FSDPEngineWithLMHead:
         return {}
 
     def build(self, model_path: str, *, trainable: bool = True) -> torch.nn.Module:
-        from pytest_fsdp_turbo_engine.engines.hf_model import load_pretrained
+        from pytest_fsdp_turbo_engine.core.hf_model import load_pretrained
 
         model = load_pretrained(model_path, dtype=torch.float32, **self.load_options())
         model.to(self.device)

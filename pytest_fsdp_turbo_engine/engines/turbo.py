@@ -164,7 +164,7 @@ class FSDPTurboEngineWithLMHead(FSDPEngineWithLMHead):
         the process would then exchange its sequence twice."""
         if trainable or self._ulysses_group() is None:
             return super().build(model_path, trainable=trainable)
-        from pytest_fsdp_turbo_engine.engines.hf_model import load_pretrained
+        from pytest_fsdp_turbo_engine.core.hf_model import load_pretrained
 
         model = load_pretrained(model_path, dtype=torch.float32, **self.load_options())
         model.to(self.device).requires_grad_(False)

@@ -120,7 +120,7 @@ def meta_model(model_dir: Path):
     import torch
     from transformers import AutoConfig
 
-    from pytest_fsdp_turbo_engine.engines.hf_model import from_config
+    from pytest_fsdp_turbo_engine.core.hf_model import from_config
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):

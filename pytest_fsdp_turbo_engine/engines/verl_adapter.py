@@ -16,7 +16,7 @@ import torch
 
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec
 from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX, Capability, Dtype, SyncPolicy
-from pytest_fsdp_turbo_engine.step.train_batch import TrainBatch
+from pytest_fsdp_turbo_engine.core.train_batch import TrainBatch
 
 MODEL_TYPE = "language_model"  # verl's registry key for causal LMs with an LM head
 FP32_MIXED_PRECISION = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}

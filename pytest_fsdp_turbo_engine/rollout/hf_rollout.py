@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from pytest_fsdp_turbo_engine.step.ppo import response_logprobs
+from pytest_fsdp_turbo_engine.core.ppo import response_logprobs
 
 
 @dataclass
@@ -63,7 +63,7 @@ def runs_transformers_forwards(model: torch.nn.Module) -> bool:
 
 class HFRollout:
     def __init__(self, model_path: str, device: torch.device, eos_id: int, pad_id: int):
-        from pytest_fsdp_turbo_engine.engines.hf_model import load_pretrained
+        from pytest_fsdp_turbo_engine.core.hf_model import load_pretrained
 
         self.model = load_pretrained(model_path, dtype=torch.float32)
         self.model.to(device).eval()

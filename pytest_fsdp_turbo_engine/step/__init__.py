@@ -12,12 +12,11 @@ the measuring itself is in measurements.py and fsdp_probe.py.
 - run.py: `run_ppo_step`, the phases in order; it keeps the records as they come, so a failure
   keeps every record filled before it
 
-What the phases measure with, and the maths they hold the engine to:
+What the phases measure with, and hold the engine to:
 - measurements.py, fsdp_probe.py: the harness's probes (norms, collectives counted, closed forms)
-- reductions.py: the few collectives the harness itself runs
-- ppo.py, train_batch.py: PPO's loss and advantages as pure functions (engines share them), and
-  the batch a step trains on
 - reference.py: the single-process reference the reference phase steps
+PPO's maths, the batch and the harness's collectives are in pytest_fsdp_turbo_engine/core/, which
+engines and rollouts share.
 
 rollout -> reward -> advantages -> logprobs -> micro-batches under the case's gradient-sync policy
 -> (reference gradients) -> optimizer step -> (reference step) -> post-step checks -> metrics.

@@ -13,13 +13,13 @@ from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import ReplayRecord, RolloutRecord
 from pytest_fsdp_turbo_contract.spec import PPOSpec
 from pytest_fsdp_turbo_contract.vocab import Capability
+from pytest_fsdp_turbo_engine.core import ppo
+from pytest_fsdp_turbo_engine.core.reductions import all_max, all_sum, gather_objects
+from pytest_fsdp_turbo_engine.core.train_batch import TrainBatch
 from pytest_fsdp_turbo_engine.rollout.hf_rollout import RolloutBatch
 from pytest_fsdp_turbo_engine.rollout.reward import closeness_reward, load_prompts
-from pytest_fsdp_turbo_engine.step import ppo
 from pytest_fsdp_turbo_engine.step.measurements import sp_boundaries_in_responses
 from pytest_fsdp_turbo_engine.step.rank import Rank
-from pytest_fsdp_turbo_engine.step.reductions import all_max, all_sum, gather_objects
-from pytest_fsdp_turbo_engine.step.train_batch import TrainBatch
 
 
 def score_batch(batch: RolloutBatch, tokenizer, targets: list[str]) -> torch.Tensor:

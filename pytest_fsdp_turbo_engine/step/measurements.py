@@ -15,10 +15,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
+from pytest_fsdp_turbo_engine.core.reductions import all_max
+from pytest_fsdp_turbo_engine.core.train_batch import TrainBatch, ppo_loss
 from pytest_fsdp_turbo_engine.engines.fsdp2 import local_tensor
 from pytest_fsdp_turbo_engine.step import fsdp_probe
-from pytest_fsdp_turbo_engine.step.reductions import all_max
-from pytest_fsdp_turbo_engine.step.train_batch import TrainBatch, ppo_loss
 
 
 def peak_memory_bytes(device: torch.device) -> int:

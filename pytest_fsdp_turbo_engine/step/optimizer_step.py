@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pytest_fsdp_turbo_contract.records import OptimizerRecord
+from pytest_fsdp_turbo_engine.core.reductions import all_max, all_sum
 from pytest_fsdp_turbo_engine.engines.fsdp2 import local_tensor
 from pytest_fsdp_turbo_engine.step import fsdp_probe
 from pytest_fsdp_turbo_engine.step.measurements import (
@@ -19,7 +20,6 @@ from pytest_fsdp_turbo_engine.step.measurements import (
 )
 from pytest_fsdp_turbo_engine.step.phases import phase_name
 from pytest_fsdp_turbo_engine.step.rank import Rank
-from pytest_fsdp_turbo_engine.step.reductions import all_max, all_sum
 from pytest_fsdp_turbo_engine.step.reference import clip_coefficient
 
 

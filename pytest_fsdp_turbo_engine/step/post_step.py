@@ -10,14 +10,14 @@ import torch
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import PostStepRecord
 from pytest_fsdp_turbo_contract.vocab import Dtype
+from pytest_fsdp_turbo_engine.core.reductions import all_max, all_sum, gather_rows
+from pytest_fsdp_turbo_engine.core.train_batch import TrainBatch
 from pytest_fsdp_turbo_engine.rollout import weight_handoff
 from pytest_fsdp_turbo_engine.step import fsdp_probe
 from pytest_fsdp_turbo_engine.step.measurements import replica_max_abs_diff
 from pytest_fsdp_turbo_engine.step.rank import Rank
-from pytest_fsdp_turbo_engine.step.reductions import all_max, all_sum, gather_rows
 from pytest_fsdp_turbo_engine.step.reference import max_abs_error, relative_l2_error
 from pytest_fsdp_turbo_engine.step.reference_run import ReferenceRun
-from pytest_fsdp_turbo_engine.step.train_batch import TrainBatch
 
 
 def post_step(

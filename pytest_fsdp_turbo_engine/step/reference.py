@@ -10,8 +10,8 @@ import torch
 
 from pytest_fsdp_turbo_contract.records import NAMES_DIFFER
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec
-from pytest_fsdp_turbo_engine.step import ppo
-from pytest_fsdp_turbo_engine.step.train_batch import TrainBatch, ppo_loss
+from pytest_fsdp_turbo_engine.core import ppo
+from pytest_fsdp_turbo_engine.core.train_batch import TrainBatch, ppo_loss
 
 FINGERPRINT_VALUES = 16
 

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pytest_fsdp_turbo_contract.records import ReferenceRecord
+from pytest_fsdp_turbo_engine.core.reductions import broadcast_tensors
+from pytest_fsdp_turbo_engine.core.train_batch import TrainBatch
 from pytest_fsdp_turbo_engine.rollout.hf_rollout import HFRollout
 from pytest_fsdp_turbo_engine.step import fsdp_probe
 from pytest_fsdp_turbo_engine.step.phases import phase_name
 from pytest_fsdp_turbo_engine.step.rank import Rank
-from pytest_fsdp_turbo_engine.step.reductions import broadcast_tensors
 from pytest_fsdp_turbo_engine.step.reference import (
     ReferenceOptimizer,
     fingerprint,
@@ -23,14 +24,13 @@ from pytest_fsdp_turbo_engine.step.reference import (
     reference_gradients,
     relative_l2_error,
 )
-from pytest_fsdp_turbo_engine.step.train_batch import TrainBatch
 
 
 def single_process_copy(ctx: Rank) -> torch.nn.Module:
     """The initial policy, unsharded: the HF rollout already holds one; otherwise load it."""
     if isinstance(ctx.rollout, HFRollout):
         return ctx.rollout.model
-    from pytest_fsdp_turbo_engine.engines.hf_model import load_pretrained
+    from pytest_fsdp_turbo_engine.core.hf_model import load_pretrained
 
     model = load_pretrained(ctx.spec.model_path, dtype=torch.float32)
     return model.to(ctx.device)

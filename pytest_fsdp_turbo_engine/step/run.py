@@ -21,6 +21,7 @@ from pytest_fsdp_turbo_contract.records import (
     TrainRecord,
 )
 from pytest_fsdp_turbo_contract.spec import RankSpec
+from pytest_fsdp_turbo_engine.core.reductions import all_sum
 from pytest_fsdp_turbo_engine.rank_env import RankEnv
 from pytest_fsdp_turbo_engine.step.batch import collect, replay_record, replayed, rollout_record
 from pytest_fsdp_turbo_engine.step.measurements import peak_memory_bytes
@@ -28,7 +29,6 @@ from pytest_fsdp_turbo_engine.step.optimizer_step import HarnessAdamW, optimizer
 from pytest_fsdp_turbo_engine.step.phases import Phase
 from pytest_fsdp_turbo_engine.step.post_step import post_step
 from pytest_fsdp_turbo_engine.step.rank import load
-from pytest_fsdp_turbo_engine.step.reductions import all_sum
 from pytest_fsdp_turbo_engine.step.reference_run import ReferenceRun, reference
 from pytest_fsdp_turbo_engine.step.train import train
 

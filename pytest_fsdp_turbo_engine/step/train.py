@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 
 from pytest_fsdp_turbo_contract.records import LossRecord, TrainRecord
+from pytest_fsdp_turbo_engine.core.reductions import all_max, all_sum
+from pytest_fsdp_turbo_engine.core.train_batch import TrainBatch, ppo_loss
 from pytest_fsdp_turbo_engine.engines.fsdp2 import local_tensor
 from pytest_fsdp_turbo_engine.step import fsdp_probe
 from pytest_fsdp_turbo_engine.step.batch import Collected
 from pytest_fsdp_turbo_engine.step.measurements import MicroBatchProbe
 from pytest_fsdp_turbo_engine.step.phases import phase_name
 from pytest_fsdp_turbo_engine.step.rank import Rank
-from pytest_fsdp_turbo_engine.step.reductions import all_max, all_sum
-from pytest_fsdp_turbo_engine.step.train_batch import TrainBatch, ppo_loss
 
 # LossRecord fields summed over micro-batches and ranks (each a token mean over the global batch)
 SUMMED_PARTS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy")

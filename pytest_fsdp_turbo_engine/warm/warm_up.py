@@ -43,7 +43,7 @@ def exercise() -> None:
     import torch
     from pytest_fsdp_turbo_fixtures import DATA_DIR
 
-    from pytest_fsdp_turbo_engine.engines.hf_model import from_config
+    from pytest_fsdp_turbo_engine.core.hf_model import from_config
     from pytest_fsdp_turbo_engine.tiny_models import tiny_config
 
     rng = torch.random.get_rng_state()

@@ -18,7 +18,7 @@ from fsdp_turbo_standin_ulysses import full_attention, gated_delta_net
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 from two_ranks import run_on_two_ranks
 
-from pytest_fsdp_turbo_engine.engines.hf_model import from_config
+from pytest_fsdp_turbo_engine.core.hf_model import from_config
 from pytest_fsdp_turbo_engine.tiny_models import load_spec, tiny_config
 
 WORLD, SEQ, BATCH = 2, 12, 2

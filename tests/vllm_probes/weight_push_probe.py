@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from pytest_fsdp_turbo_engine.engines.hf_model import load_pretrained
+from pytest_fsdp_turbo_engine.core.hf_model import load_pretrained
 from pytest_fsdp_turbo_engine.rollout.vllm_rollout import (
     VLLMRollout,
     push_weights,

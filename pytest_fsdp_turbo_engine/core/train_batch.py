@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from pytest_fsdp_turbo_contract.spec import PPOSpec
-from pytest_fsdp_turbo_engine.step import ppo
-from pytest_fsdp_turbo_engine.step.reductions import gather_rows
+from pytest_fsdp_turbo_engine.core import ppo
+from pytest_fsdp_turbo_engine.core.reductions import gather_rows
 
 TENSOR_FIELDS = ("input_ids", "mask", "advantages", "old_logprobs", "ref_logprobs")
 
