@@ -173,7 +173,7 @@ def observed_run(
     out = tmp_path / "run"
     folder = TrainerFolder(out)
     folder.observe.mkdir(parents=True)
-    spec = TrainerSpec("t", DeviceKind.CPU, 2, "/model", ("a=b",))
+    spec = TrainerSpec("t", DeviceKind.CPU, 2, "/model", ("a=b",), timeout_s=600.0)
     spec.write(folder.spec)
     folder.resolved_config.parent.mkdir(parents=True)
     folder.resolved_config.write_text(json.dumps(verl_config(flag)))  # JSON is YAML
@@ -212,6 +212,16 @@ def test_a_healthy_trainer_run_passes_a_e_h_and_says_what_it_cannot_have(tmp_pat
     assert any(line.startswith("c: no reference or twin") for line in verdict.not_applicable())
     assert result.metrics["critic/score/mean"] == 0.2
     assert result.metrics["comm/reduce_scatter_calls"] == 10
+    # spec.json holds what a reader of the run needs of its case, as every case's does
+    assert (result.spec().case_id, result.spec().timeout_s) == ("t", 600.0)
+
+
+def test_check_e_on_an_unreadable_verl_config_fails_in_one_line(tmp_path):
+    result = observed_run(tmp_path)
+    TrainerFolder(result.artifacts_dir).resolved_config.write_text("{unclosed: [")
+    problem = failed(result)["e"]
+    assert problem.startswith("check e: ") and "verl's resolved config cannot be read" in problem
+    assert "\n" not in problem
 
 
 @pytest.mark.parametrize(

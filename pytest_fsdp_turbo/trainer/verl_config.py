@@ -100,7 +100,8 @@ def read_resolved(path: Path) -> dict:
     try:
         return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
     except Exception as exc:  # noqa: BLE001 - OmegaConf raises many kinds; one line says which file
-        raise ConfigError(f"{path}: verl's resolved config cannot be read: {exc}") from None
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]  # YAML's: several lines
+        raise ConfigError(f"{path}: verl's resolved config cannot be read: {said}") from None
 
 
 def verl_config_dir() -> Path:
