@@ -127,7 +127,10 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "cmp.png"
     cmp = cli(
-        "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--png", str(png), "--fail-on-diff"
+        "compare",
+        str(tmp_path / "a"),
+        str(tmp_path / "b"),
+        *("--png", str(png), "--timeline", "--fail-on-diff"),
     )
     assert cmp.returncode == 1
     lines = cmp.stdout.splitlines()
@@ -136,7 +139,12 @@ def test_run_one_case_and_compare_two_runs(tmp_path):
         for line in lines
     )
     assert any(LossRecord.key("pg_loss") in line and "differs (relative)" in line for line in lines)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the per-rank timeline is drawn beside the metrics, from each run's timeline.json
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    rows = json.loads((tmp_path / "a" / "tiny-qwen3-single-rank-cpu" / "timeline.json").read_text())
+    assert [r["phase"] for r in rows][:3] == ["init", "load", "rollout"]
+    alone = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--timeline")
+    assert alone.returncode == 2 and "compare --timeline: also give --png FILE" in alone.stderr
     # the README's flow: one case in several test folders on each machine pairs by folder name
     for side in ("a", "b"):
         shutil.copytree(
@@ -259,22 +267,6 @@ def test_run_takes_the_rootdirs_case_file_and_the_fixtures_gates(tmp_path):
         "transformers >= 5.16.1, < 5.20; installed: torch "
     )
     assert len(gated.stderr.strip().splitlines()) == 1
-
-
-def test_compare_draws_a_per_rank_timeline(tmp_path):
-    for name in ("a", "b"):
-        done = cli(
-            "run", "tiny-qwen3-single-rank", "--device", "cpu", "--artifacts", str(tmp_path / name)
-        )
-        assert done.returncode == 0, done.stderr[-1500:]
-    png = tmp_path / "timeline.png"
-    done = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--png", str(png), "--timeline")
-    assert done.returncode == 0, done.stderr
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    rows = json.loads((tmp_path / "a" / "tiny-qwen3-single-rank-cpu" / "timeline.json").read_text())
-    assert [r["phase"] for r in rows][:3] == ["init", "load", "rollout"]
-    alone = cli("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--timeline")
-    assert alone.returncode == 2 and "compare --timeline: also give --png FILE" in alone.stderr
 
 
 def test_the_cli_finds_its_configuration_as_pytest_does(tmp_path):
