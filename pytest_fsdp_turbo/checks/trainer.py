@@ -18,21 +18,20 @@ from __future__ import annotations
 
 from pytest_fsdp_turbo.checks import (
     FAILED,
-    GRAD_NORM,
     NORM_AGREEMENT_REL,
     NOT_APPLICABLE,
     PASSED,
     CheckFailure,
     Outcome,
     Verdict,
-    _lettered,
-    _rel,
     check_grad_norm,
     check_reduce_scatters,
     check_retained_gradients,
     declared,
     judges,
 )
+from pytest_fsdp_turbo.checks.readings import GRAD_NORM, _rel
+from pytest_fsdp_turbo.checks.verdicts import _lettered
 from pytest_fsdp_turbo.trainer.readings import (
     VERL_GRAD_NORM,
     rank_readings,
