@@ -47,7 +47,7 @@ from pytest_fsdp_turbo.session import (
 from pytest_fsdp_turbo_contract.errors import ConfigError
 
 # named, not imported: the plugin's start-up modules stay free of the checks
-CHECK_FAILURE = "pytest_fsdp_turbo.checks.CheckFailure"
+CHECK_FAILURE = "pytest_fsdp_turbo.checks.verdicts.CheckFailure"
 MARKERS = (
     "e2e: a distributed end-to-end test (runs on whatever hardware is detected)",
     "cpu_e2e: an e2e test that runs on CPU rank processes over gloo",

@@ -381,3 +381,11 @@ def test_a_case_that_declares_what_exercises_the_checks_must_show_it_happened():
     with pytest.raises(checks.CheckFailure) as failure:
         checks.check_exercised(lazy)
     assert "clipped no token" not in str(failure.value) and "clip_coef" in str(failure.value)
+
+
+def test_the_plugin_names_the_class_whose_failures_it_shows_as_their_message():
+    """The plugin names CheckFailure without importing the checks; the name must stay the class's,
+    or a failed check shows its traceback before its cause."""
+    from pytest_fsdp_turbo.plugin import CHECK_FAILURE
+
+    assert f"{checks.CheckFailure.__module__}.{checks.CheckFailure.__name__}" == CHECK_FAILURE
