@@ -39,6 +39,11 @@ def preload(kind: str) -> None:
         "verl.workers.utils.losses",
     ):
         importlib.import_module(module)
+    # verl tells a vision-language checkpoint by its config class among an auto mapping's keys
+    # (verl.utils.model), which imports every such model's config module: 0.3 s a rank, paid here
+    from transformers import AutoModelForImageTextToText
+
+    AutoModelForImageTextToText._model_mapping.keys()
 
 
 class _InitialPolicy:
