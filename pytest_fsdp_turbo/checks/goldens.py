@@ -17,7 +17,6 @@ from pathlib import Path
 
 from pytest_fsdp_turbo.checks import FAILED, PASSED, CheckFailure, check_completed, judge
 from pytest_fsdp_turbo_contract.records import (
-    LossRecord,
     Reading,
 )
 from pytest_fsdp_turbo_contract.vocab import GoldenStatus, GoldenTier
@@ -25,7 +24,10 @@ from pytest_fsdp_turbo_contract.vocab import GoldenStatus, GoldenTier
 # a golden file is plain JSON under the metric keys, so any reader (or an older golden) reads it
 GOLDEN_KEYS = (
     Reading(lambda m: m.optimizer.grad_norm).key,
-    *map(LossRecord.key, ("pg_loss", "entropy", "kl_loss", "pg_clipfrac")),
+    Reading(lambda m: m.loss.pg_loss).key,
+    Reading(lambda m: m.loss.entropy).key,
+    Reading(lambda m: m.loss.kl_loss).key,
+    Reading(lambda m: m.loss.pg_clipfrac).key,
     Reading(lambda m: m.rollout.score_mean).key,
     Reading(lambda m: m.rollout.response_length_mean).key,
     Reading(lambda m: m.optimizer.update_l2).key,

@@ -183,10 +183,10 @@ def refuse_missing_hardware(request: RunRequest) -> None:
     raise Unavailable(f"case {case.id}: {problem}")
 
 
-def _prepare(request: RunRequest, *, local: bool) -> Path:
-    """A fresh run folder with the ranks' spec, or one line naming the folder. `local`:
-    the ranks start on this machine, so its hardware must be there (Ray places them itself,
-    possibly on nodes that have what this one lacks)."""
+def _prepare(request: RunRequest, *, local: bool) -> tuple[Path, RankSpec]:
+    """A fresh run folder with the ranks' spec written in it (both returned), or one line naming
+    the folder. `local`: the ranks start on this machine, so its hardware must be there (Ray
+    places them itself, possibly on nodes that have what this one lacks)."""
     out = request.artifacts_dir
     spec = rank_spec(request)  # a turbo_config that does not fit fails here, before anything else
     if local:
@@ -204,14 +204,12 @@ def _prepare(request: RunRequest, *, local: bool) -> Path:
         raise ConfigError(
             f"artifacts folder {out}: cannot write {where}: {exc.strerror or exc}; {fix}"
         ) from None
-    return out
+    return out, spec
 
 
-def _progress(request: RunRequest, out: Path) -> Progress | None:
+def _progress(request: RunRequest, spec: RankSpec, out: Path) -> Progress | None:
     """The run's live status, from the spec its ranks were just handed."""
-    if request.progress is None:
-        return None
-    return request.progress.follow(RankSpec.read(RunFolder(out).spec), out)
+    return request.progress.follow(spec, out) if request.progress is not None else None
 
 
 def _finish(progress: Progress | None, result: RunResult) -> RunResult:
@@ -224,14 +222,14 @@ def _finish(progress: Progress | None, result: RunResult) -> RunResult:
 def run_case_on_ray(request: RunRequest, driver: RayDriver) -> RunResult:
     """Ray places the ranks and assigns their devices; rank 0's node gives the rendezvous."""
     case, kind = request.case, request.accelerator.kind
-    out = _prepare(request, local=False)
+    out, spec = _prepare(request, local=False)
     overrides = _env_overrides(
         request, (), 0, hccl_port_ranges(0) if kind == DeviceKind.NPU else None
     )
     for name in ("MASTER_ADDR", "MASTER_PORT"):  # rank 0's node decides these
         overrides.pop(name)
     RunFolder(out).env.write_text(json.dumps(mask_secrets(overrides), indent=1, sort_keys=True))
-    progress = _progress(request, out)
+    progress = _progress(request, spec, out)
     result = driver.launch(
         case_id=case.id,
         world_size=case.engine.world_size,
@@ -280,8 +278,8 @@ def run_case(
 ) -> RunResult:
     """Lease devices and ports, write the spec, start the ranks (forked from the warm parent when
     `warm` and one can start, else fresh interpreters); leases are freed whatever happens."""
-    out = _prepare(request, local=True)
-    progress = _progress(request, out)
+    out, spec = _prepare(request, local=True)
+    progress = _progress(request, spec, out)
     parent, notes = _warm_parent(book, warm)
     with _leased(request, book, lease_timeout_s) as (ids, ranges):
 
