@@ -173,3 +173,24 @@ def test_recording_never_writes_through_a_link_or_outside_the_goldens_folder(tmp
                 goldens.record_golden(target, METRICS, locked / "goldens")
     finally:
         locked.chmod(0o700)
+
+
+def test_compare_holds_two_runs_to_the_golden_tier_their_spec_declares(tmp_path):
+    """compare reads the case's tier from spec.json (case.json is gone): a case declared exact
+    differs at a change the relative tier lets through."""
+    import json
+
+    from pytest_fsdp_turbo.checks.compare import compare_runs
+
+    key = OptimizerRecord.key("grad_norm")
+    verdicts = {}
+    for tier in ("exact", "relative"):
+        for side, value in (("a", 0.8), ("b", 0.8 * (1 + 1e-6))):
+            folder = tmp_path / tier / side / "run"
+            folder.mkdir(parents=True)
+            spec = {"case_id": "c", "device_kind": "cpu", "golden_tier": tier}
+            (folder / "spec.json").write_text(json.dumps(spec))
+            (folder / "rank0.metrics.json").write_text(json.dumps({key: value}))
+        rows, _, _ = compare_runs(tmp_path / tier / "a", tmp_path / tier / "b")
+        verdicts[tier] = next(r.verdict for r in rows if r.metric == key)
+    assert verdicts == {"exact": "differs (exact)", "relative": "match"}
