@@ -22,7 +22,7 @@ import pytest
 
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.checks import goldens
-from pytest_fsdp_turbo.session import cases_of, goldens_dir
+from pytest_fsdp_turbo.session import goldens_dir
 from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.records import (
     REFERENCE_KEYS,
@@ -418,20 +418,21 @@ def in_mode(result: RunResult, mode: str) -> RunResult:
     return dataclasses.replace(result, ranks=ranks, launched=launched)
 
 
-def golden_failure(result: RunResult, case, root) -> str | None:
-    """g, as test_ppo_one_step runs it under --fsdp-turbo-strict: the case's cpu golden."""
+def golden_failure(result: RunResult, root: Path) -> str | None:
+    """g, as test_ppo_one_step runs it under --fsdp-turbo-strict: the golden of what the run's
+    spec declares (its case, on cpu)."""
     try:
-        goldens.check_or_record(result, case, "cpu", root, record=False, strict=True)
+        goldens.check_or_record(result, root, record=False, strict=True)
     except checks.CheckFailure as failure:
         return str(failure)
     return None
 
 
-def failed_checks(result: RunResult, mode: str, case=None, root=None) -> dict[str, str]:
-    """Every check that fails in `mode`, by letter; g too when the case's golden applies."""
+def failed_checks(result: RunResult, mode: str, goldens_root: Path | None = None) -> dict[str, str]:
+    """Every check that fails in `mode`, by letter; g too when goldens judge the run."""
     verdict = checks.evaluate(in_mode(result, mode))
     failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
-    if case is not None and (golden := golden_failure(result, case, root)):
+    if goldens_root is not None and (golden := golden_failure(result, goldens_root)):
         failed["g"] = golden
     return failed
 
@@ -475,8 +476,7 @@ def test_a_mode_view_hides_what_the_mode_lacks(ppo_run, pytestconfig):
         assert (view.twin is not None) == (mode == "twin")
         has_reference = any(k in view.metrics for k in REFERENCE_KEYS)
         assert has_reference == (mode == "reference") == view.spec().ppo.reference_checks
-    case = cases_of(pytestconfig).get(CASE)
-    assert golden_failure(result, case, goldens_dir(pytestconfig)) is None
+    assert golden_failure(result, goldens_dir(pytestconfig)) is None
     for rank in result.ranks:  # every rank wrote every metric the checks and goldens read
         assert set(MEASURED) <= set(rank.metrics), set(MEASURED) - set(rank.metrics)
 
@@ -515,9 +515,8 @@ def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant):
         runs = {m: run(ONE_MODE[m]) for m in MODES}
     for result in runs.values():
         checks.check_completed(result)  # every bug here runs to the end: only the checks can tell
-    case = cases_of(pytestconfig).get(mutant.case) if mutant.golden else None
-    root = goldens_dir(pytestconfig)
-    failed = {mode: failed_checks(result, mode, case, root) for mode, result in runs.items()}
+    root = goldens_dir(pytestconfig) if mutant.golden else None
+    failed = {mode: failed_checks(result, mode, root) for mode, result in runs.items()}
 
     for mode in MODES:
         expected = {letter for letter, _ in mutant.caught[mode]}

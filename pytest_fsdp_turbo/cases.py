@@ -32,7 +32,6 @@ from pytest_fsdp_turbo_contract.vocab import (
     VERL_PREFIX,
     Capability,
     DeviceKind,
-    Dtype,
     GoldenTier,
     SyncPolicy,
     TwinKind,
@@ -88,10 +87,6 @@ class Case:
         """Built on the fsdp_turbo library (its catalog entry declares turbo_config): ours,
         verl's FSDP-Turbo engine, or a downstream engine that says so."""
         return Capability.TURBO_CONFIG in self.capabilities
-
-    def golden_layout(self, kind: str) -> tuple[Dtype, int]:
-        """What a golden is keyed by besides case and device kind: dtype and ranks."""
-        return self.engine.dtype_on(kind), self.engine.world_size
 
     def with_reference_checks(self) -> bool:
         checks = self.ppo.reference_checks

@@ -277,30 +277,30 @@ def verl_trainer_run(
 
 
 @pytest.fixture
-def fsdp_turbo_golden(
-    pytestconfig: pytest.Config, accelerator: Accelerator
-) -> Callable[..., GoldenOutcome]:
+def fsdp_turbo_golden(pytestconfig: pytest.Config) -> Callable[..., GoldenOutcome]:
     """Check g for a downstream test: `fsdp_turbo_golden(result, case)` checks the run against
     its recorded golden, or records it under --fsdp-turbo-record-golden, in the session's goldens
     folder (never an installed package); strict turns a missing golden into a failure, otherwise
-    it warns. `case` is the `fsdp_turbo_case` parameter, or a Case run on this session's device."""
+    it warns. The golden is keyed by what the run's spec.json declares; `case` (the
+    `fsdp_turbo_case` parameter, a trainer case, or a Case) is optional and, when given, must be
+    the case the run ran."""
     import warnings
 
     from pytest_fsdp_turbo.checks import goldens
+    from pytest_fsdp_turbo.checks.verdicts import CheckFailure
     from pytest_fsdp_turbo_contract.vocab import GoldenStatus
 
     settings = settings_of(pytestconfig)
 
-    def check(result, case) -> GoldenOutcome:
-        kind = getattr(case, "kind", accelerator.kind)
-        plain = getattr(case, "case", case)
+    def check(result, case=None) -> GoldenOutcome:
+        named = getattr(getattr(case, "case", case), "id", None)
+        if named is not None and named != result.case_id:
+            raise CheckFailure(
+                f"fsdp_turbo_golden: the result is a run of case {result.case_id}, not of case "
+                f"{named}"
+            )
         outcome = goldens.check_or_record(
-            result,
-            plain,
-            kind,
-            goldens_dir(pytestconfig),
-            settings.record_golden,
-            strict=settings.strict,
+            result, goldens_dir(pytestconfig), settings.record_golden, strict=settings.strict
         )
         if outcome.status == GoldenStatus.MISSING:
             warnings.warn(f"golden {outcome}; record it: {goldens.RECORD_COMMAND}", stacklevel=2)

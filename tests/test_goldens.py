@@ -1,11 +1,15 @@
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from pytest_fsdp_turbo.checks import CheckFailure, goldens
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import LossRecord, OptimizerRecord, RolloutRecord
+from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
+from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, GoldenTier
 
 METRICS = {
     OptimizerRecord.key("grad_norm"): 0.5,
@@ -42,22 +46,33 @@ def test_refuses_to_record_nan(tmp_path):
         goldens.record_golden(tmp_path / "g.json", {OptimizerRecord.key("grad_norm"): math.nan})
 
 
+def launched(kind: str = "cpu", tier: str = "relative", dtype: str = "fp32") -> RankSpec:
+    """The spec.json of a run of case c on two ranks: what its golden is keyed by."""
+    return RankSpec(
+        case_id="c",
+        model_path="/m",
+        model_type="qwen3",
+        device_kind=DeviceKind(kind),
+        engine=EngineSpec(world_size=2, dtype=Dtype(dtype)),
+        ppo=PPOSpec(),
+        golden_tier=GoldenTier(tier),
+    )
+
+
 @dataclass
 class Result:
     metrics: dict = field(default_factory=lambda: dict(METRICS))
     ok: bool = True
+    launched: RankSpec | None = field(default_factory=launched)
+    case_id: str = "c"
+    folder: RunFolder = RunFolder(Path("/run"))
+    judged: dict = field(default_factory=dict)
 
     def failure_text(self) -> str:
         return "" if self.ok else "case c: rank 1 failed first in phase train: RuntimeError: boom"
 
-
-def Case(golden_tier: str = "relative"):  # noqa: N802 - the plugin's Case, two fp32 ranks
-    from pytest_fsdp_turbo.cases import Case as PluginCase
-    from pytest_fsdp_turbo_contract.spec import EngineSpec
-    from pytest_fsdp_turbo_contract.vocab import Dtype, GoldenTier
-
-    engine = EngineSpec(dtype=Dtype.FP32)
-    return PluginCase("c", "tiny-qwen3", engine=engine, golden_tier=GoldenTier(golden_tier))
+    def spec(self) -> RankSpec | None:
+        return self.launched
 
 
 def test_a_golden_older_than_a_measured_metric_fails_until_re_recorded(tmp_path):
@@ -76,29 +91,23 @@ def test_a_golden_older_than_a_measured_metric_fails_until_re_recorded(tmp_path)
 
 def test_strict_turns_a_missing_golden_into_a_failure_naming_path_and_command(tmp_path):
     with pytest.raises(CheckFailure) as failure:
-        goldens.check_or_record(Result(), Case(), "npu", tmp_path, record=False, strict=True)
+        goldens.check_or_record(Result(launched=launched("npu")), tmp_path, False, strict=True)
     message = str(failure.value)
     assert message.startswith("check g: case c: no golden for npu fp32 on 2 ranks at ")
     assert str(goldens.golden_path("c", "npu", "fp32", 2, tmp_path)) in message
     assert goldens.RECORD_COMMAND in message
-    lenient = goldens.check_or_record(Result(), Case(), "npu", tmp_path, record=False)
+    lenient = goldens.check_or_record(Result(launched=launched("npu")), tmp_path, False)
     assert lenient.status == "missing"
 
 
 def test_check_or_record_says_what_happened_as_a_status(tmp_path):
     from pytest_fsdp_turbo_contract.vocab import GoldenStatus
 
-    outcome = goldens.check_or_record(Result(), Case(), "cpu", tmp_path, record=False)
+    outcome = goldens.check_or_record(Result(), tmp_path, record=False)
     assert outcome.status == GoldenStatus.MISSING and outcome.path.parent.name == "c"
-    assert (
-        goldens.check_or_record(Result(), Case(), "cpu", tmp_path, True).status
-        == GoldenStatus.RECORDED
-    )
-    assert (
-        goldens.check_or_record(Result(), Case(), "cpu", tmp_path, False).status
-        == GoldenStatus.MATCHED
-    )
-    none = goldens.check_or_record(Result(), Case(golden_tier="none"), "cpu", tmp_path, False)
+    assert goldens.check_or_record(Result(), tmp_path, True).status == GoldenStatus.RECORDED
+    assert goldens.check_or_record(Result(), tmp_path, False).status == GoldenStatus.MATCHED
+    none = goldens.check_or_record(Result(launched=launched(tier="none")), tmp_path, False)
     assert none.status == GoldenStatus.NOT_COMPARED and str(none) == "not compared (tier none)"
 
 
@@ -136,7 +145,7 @@ def test_a_failed_run_raises_its_own_failure_before_any_golden(tmp_path):
     crashed = Result(metrics={}, ok=False)
     for record in (False, True):
         with pytest.raises(CheckFailure, match="^case c: rank 1 failed first in phase train"):
-            goldens.check_or_record(crashed, Case(), "cpu", tmp_path, record=record)
+            goldens.check_or_record(crashed, tmp_path, record=record)
     assert not any(tmp_path.iterdir())
 
 
@@ -194,3 +203,74 @@ def test_compare_holds_two_runs_to_the_golden_tier_their_spec_declares(tmp_path)
         rows, _, _ = compare_runs(tmp_path / tier / "a", tmp_path / tier / "b")
         verdicts[tier] = next(r.verdict for r in rows if r.metric == key)
     assert verdicts == {"exact": "differs (exact)", "relative": "match"}
+
+
+def test_the_golden_is_keyed_and_held_by_what_the_run_declared(tmp_path):
+    """Device kind, dtype, ranks and tier come from the run's spec.json: a bf16 run on npu is
+    recorded under npu-bf16 and held to bf16's tolerance, whatever case object a test holds."""
+    bf16 = Result(launched=launched("npu", dtype="bf16"))
+    recorded = goldens.check_or_record(bf16, tmp_path, record=True)
+    assert recorded.path == tmp_path / "c" / "npu-bf16-ws2.json"
+    pg_loss = LossRecord.key("pg_loss")
+    nudged = {**METRICS, pg_loss: METRICS[pg_loss] * (1 + 5e-3)}  # inside bf16's 1e-2 only
+    matched = Result(metrics=nudged, launched=launched("npu", dtype="bf16"))
+    assert goldens.check_or_record(matched, tmp_path, False).status == "matched"
+    exact = Result(metrics=nudged, launched=launched("npu", tier="exact", dtype="bf16"))
+    with pytest.raises(CheckFailure, match="^check g: metric actor/pg_loss = .*exact"):
+        goldens.check_or_record(exact, tmp_path, False)
+
+
+def test_a_run_without_a_readable_spec_is_one_line_naming_its_folder(tmp_path):
+    with pytest.raises(CheckFailure) as failed:
+        goldens.check_or_record(Result(launched=None), tmp_path, False)
+    assert str(failed.value).startswith("check g: case c: its run folder has no readable spec")
+    assert "/run/spec.json" in str(failed.value) and "\n" not in str(failed.value)
+
+
+FIXTURE_TEST = """
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
+
+SPEC = RankSpec("c", "/m", "qwen3", "cpu", EngineSpec(world_size=2, dtype="fp32"), PPOSpec())
+
+
+@dataclass
+class Run:
+    case_id: str = "c"
+    ok: bool = True
+    metrics: dict = field(default_factory=lambda: {"actor/grad_norm": 0.5})
+    judged: dict = field(default_factory=dict)
+
+    def failure_text(self):
+        return ""
+
+    def spec(self):
+        return SPEC
+
+
+def test_records_under_the_runs_key(fsdp_turbo_golden):
+    outcome = fsdp_turbo_golden(Run(), SimpleNamespace(id="c"))
+    assert outcome.path.parts[-2:] == ("c", "cpu-fp32-ws2.json"), outcome
+
+
+def test_another_case_is_refused(fsdp_turbo_golden):
+    fsdp_turbo_golden(Run(), SimpleNamespace(id="other"))
+"""
+
+
+def test_the_golden_fixture_keys_by_the_run_and_refuses_another_case(pytester, tmp_path):
+    pytester.makepyfile(FIXTURE_TEST)
+    goldens_root = tmp_path / "goldens"
+    result = pytester.runpytest(
+        f"--fsdp-turbo-goldens={goldens_root}",
+        "--fsdp-turbo-record-golden",
+        "-p",
+        "no:cacheprovider",
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*fsdp_turbo_golden: the result is a run of case c, not of case other*"]
+    )
+    assert (goldens_root / "c" / "cpu-fp32-ws2.json").is_file()

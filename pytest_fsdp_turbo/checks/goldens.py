@@ -1,6 +1,7 @@
-"""Hardware-keyed goldens: metrics recorded per case, device kind, dtype and world size, before and
-after the optimizer step (the update's size, the post-step logprobs of the trainer and of the
-rollout it pushed to), so a wrong step fails g as well as a wrong loss.
+"""Hardware-keyed goldens: metrics recorded per case, device kind, dtype and world size (as the
+run's spec.json declares them), before and after the optimizer step (the update's size, the
+post-step logprobs of the trainer and of the rollout it pushed to), so a wrong step fails g as well
+as a wrong loss.
 
 Tiers: exact (bit-equal floats, same hardware and versions) and relative. NaN never passes. A
 golden that lacks a metric the run measured predates it and fails until re-recorded; under
@@ -16,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_fsdp_turbo.checks import FAILED, PASSED, CheckFailure, check_completed, judge
-from pytest_fsdp_turbo_contract.records import (
-    Reading,
-)
+from pytest_fsdp_turbo_contract.records import Reading
+from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.vocab import GoldenStatus, GoldenTier
 
 # a golden file is plain JSON under the metric keys, so any reader (or an older golden) reads it
@@ -132,30 +133,65 @@ class GoldenOutcome:
         return f"{self.status}{where}"
 
 
+@dataclass(frozen=True)
+class GoldenKey:
+    """What a golden is recorded under, all of it from the run's spec.json: its case, the device
+    kind it ran on, the dtype it declared and its ranks; the tier says how close it must come."""
+
+    case_id: str
+    kind: str
+    dtype: str
+    world_size: int
+    tier: GoldenTier
+
+    @classmethod
+    def of(cls, spec: RankSpec) -> GoldenKey:
+        return cls(
+            spec.case_id,
+            str(spec.device_kind),
+            str(spec.engine.dtype),
+            spec.engine.world_size,
+            spec.golden_tier,
+        )
+
+    def path(self, root: Path) -> Path:
+        return golden_path(self.case_id, self.kind, self.dtype, self.world_size, root)
+
+
+def golden_key(result: RunResult) -> GoldenKey:
+    """The key of a completed run, or one line saying its spec.json is unreadable."""
+    spec = result.spec()
+    if spec is None:
+        raise CheckFailure(
+            f"check g: case {result.case_id}: its run folder has no readable spec.json "
+            f"({result.folder.spec}); the golden is keyed by what the run declared"
+        )
+    return GoldenKey.of(spec)
+
+
 def check_or_record(
-    result, case, kind: str, root: Path, record: bool, strict: bool = False
+    result: RunResult, root: Path, record: bool, strict: bool = False
 ) -> GoldenOutcome:
     """Record the golden (with --fsdp-turbo-record-golden) or check it; says what happened.
     Strict: a case with a golden tier and no golden for this hardware fails. In a test, the
-    `fsdp_turbo_golden` fixture calls this with the session's folder, kind and flags."""
+    `fsdp_turbo_golden` fixture calls this with the session's folder and flags."""
     check_completed(result)  # a run that failed says why, never "metric missing" or a golden of it
-    if case.golden_tier == GoldenTier.NONE:
+    key = golden_key(result)
+    if key.tier == GoldenTier.NONE:
         return GoldenOutcome(GoldenStatus.NOT_COMPARED)
-    dtype, ranks = case.golden_layout(kind)
-    path = golden_path(case.id, kind, dtype, ranks, root)
+    path = key.path(root)
     if record:
         record_golden(path, result.metrics, root)
         return GoldenOutcome(GoldenStatus.RECORDED, path)
     if not path.is_file() and strict:
         raise CheckFailure(
-            f"check g: case {case.id}: no golden for {kind} {dtype} on "
-            f"{ranks} ranks at {path} (--fsdp-turbo-strict); record it on this "
+            f"check g: case {key.case_id}: no golden for {key.kind} {key.dtype} on "
+            f"{key.world_size} ranks at {path} (--fsdp-turbo-strict); record it on this "
             f"hardware: {RECORD_COMMAND}"
         )
     if not path.is_file():
         return GoldenOutcome(GoldenStatus.MISSING, path)
-    tolerance = relative_tolerance(dtype)
-    problems = compare_golden(path, result.metrics, case.golden_tier, tolerance)
+    problems = compare_golden(path, result.metrics, key.tier, relative_tolerance(key.dtype))
     if problems:
         judge(result, "g", FAILED, problems[0])
         raise CheckFailure("\n".join(problems))

@@ -16,7 +16,7 @@ from pytest_fsdp_turbo.cases import CASE_ID, CASE_ID_MAX, TINY_PREFIX
 from pytest_fsdp_turbo.devices import KINDS
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.trainer_spec import PLACEHOLDERS
-from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, GoldenTier
+from pytest_fsdp_turbo_contract.vocab import DeviceKind, GoldenTier
 
 TABLE = "trainer_case"
 ENTRY = "verl.trainer.main_ppo"
@@ -51,11 +51,6 @@ class TrainerCase:
     @property
     def rolls_out_with_vllm(self) -> bool:
         return self.override("actor_rollout_ref.rollout.name") in (None, "vllm")
-
-    def golden_layout(self, kind: str) -> tuple[Dtype, int]:
-        """The goldens' key: what verl's FSDP engine computes in on that hardware by default, and
-        the ranks."""
-        return (Dtype.FP32 if kind == DeviceKind.CPU else Dtype.BF16), self.world_size
 
     def override(self, key: str) -> str | None:
         """The value the case's overrides give `key` (the last one wins, as in Hydra)."""
