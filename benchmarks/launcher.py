@@ -59,6 +59,7 @@ def main() -> None:
                         port,
                         world_size=case.engine.world_size,
                         timeouts=Timeouts(case.collective_timeout, case.timeout),
+                        user_env=os.environ,
                     ).child_env()
                     done = subprocess.run(
                         [

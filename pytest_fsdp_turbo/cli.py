@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -108,6 +109,7 @@ def doctor(args: argparse.Namespace) -> int:
         29500,
         world_size=world,
         port_ranges=hccl_port_ranges(0) if accel.kind == DeviceKind.NPU else None,
+        user_env=os.environ,
     )
     print(f"env for a {world}-rank group ({accel.backend}):")
     for name, value in sorted(mask_secrets(group.env).items()):
@@ -121,7 +123,7 @@ def doctor(args: argparse.Namespace) -> int:
             f"env per node, for the node at {args.node_ip} "
             f"({f'interface {where}' if where else 'no interface here holds it'}):"
         )
-        for name, value in sorted(node_env(accel.kind, args.node_ip).items()):
+        for name, value in sorted(node_env(accel.kind, args.node_ip, os.environ).items()):
             print(f"  {name}={value}")
     try:
         found = resolve_checkout(settings.checkout, clone=args.clone)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
-from pytest_fsdp_turbo.settings import collective_timeout_override
+from pytest_fsdp_turbo.settings import collective_timeout_override, xdist_workers
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.vocab import DeviceKind, Env
 
@@ -61,12 +61,6 @@ class CollectiveEnv:
         merged = dict(os.environ if base is None else base)
         merged.update(self.env)
         return merged
-
-
-# set by pytest-xdist in each worker: ranks of concurrent cases share the cores, and an OpenMP rank
-# with more threads than its share spins against the others' (measured: a 0.25 s train phase took
-# 11-22 s under `-n 2` when a one-rank case got both cores' worth of threads)
-XDIST_WORKERS_VAR = "PYTEST_XDIST_WORKER_COUNT"
 
 
 def parse_port_range(value: str, name: str) -> tuple[int, int]:
@@ -120,17 +114,16 @@ def build_collective_env(
     timeouts: Timeouts | None = None,
     master_addr: str = "127.0.0.1",
     port_ranges: tuple[tuple[int, int], tuple[int, int]] | None = None,
-    user_env: Mapping[str, str] | None = None,
+    user_env: Mapping[str, str],
     cpu_count: int | None = None,
 ) -> CollectiveEnv:
-    """Rendezvous and visible devices come from the lease; profile variables the user set win."""
-    user_env = os.environ if user_env is None else user_env
+    """Rendezvous and visible devices come from the lease; profile variables the user set win
+    (`user_env`: the environment the ranks start from; this module never reads os.environ)."""
     timeouts = timeouts or Timeouts()
     collective_s = collective_timeout_s(timeouts, collective_timeout_override(user_env))
     timeouts = Timeouts(collective_s, timeouts.case_s)
     if cpu_count is None:  # the box is shared with the other xdist workers' ranks
-        workers = int(user_env.get(XDIST_WORKERS_VAR, "1") or 1)
-        cpu_count = max(1, (os.cpu_count() or 1) // max(1, workers))
+        cpu_count = max(1, (os.cpu_count() or 1) // xdist_workers(user_env))
     profile = _profile(kind, world_size, timeouts, port_ranges, cpu_count)
     from_user = []
     for name in list(profile):
@@ -195,11 +188,10 @@ def interface_of(ip: str) -> str | None:
     return None
 
 
-def node_env(kind: str, ip: str, user_env: Mapping[str, str] | None = None) -> dict[str, str]:
+def node_env(kind: str, ip: str, user_env: Mapping[str, str]) -> dict[str, str]:
     """The per-node part of the collective environment for a rank whose node has address `ip`:
     the same for every rank of that node, built on the node itself (Ray's rank actors) and shown
     by `pytest-fsdp-turbo doctor --node-ip`. A variable the user set on that node wins."""
-    user_env = os.environ if user_env is None else user_env
     interface = interface_of(ip)
     values = {"HCCL_IF_IP": ip}
     if interface is not None:

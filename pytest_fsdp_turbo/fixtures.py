@@ -147,7 +147,12 @@ def collective_env(
         slot, ranges = fsdp_turbo_lease_book.port_ranges()
     try:
         env = build_collective_env(
-            accelerator.kind, lease.ids, free_port, world_size=world_size, port_ranges=ranges
+            accelerator.kind,
+            lease.ids,
+            free_port,
+            world_size=world_size,
+            port_ranges=ranges,
+            user_env=os.environ,
         )
     except ConfigError as exc:
         fail_line(str(exc))

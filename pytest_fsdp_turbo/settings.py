@@ -20,8 +20,12 @@ from pytest_fsdp_turbo_contract.engines import GIVEN, INI, EngineCatalog, engine
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.faults import FaultSpec, parse_fault
 from pytest_fsdp_turbo_contract.vocab import Env, Launcher
+from pytest_fsdp_turbo_contract.warm_protocol import IMPORT_TIME_ENV
 
 LAUNCHERS = tuple(Launcher)
+OMP_THREADS = "OMP_NUM_THREADS"
+GLOO_INTERFACES = "GLOO_SOCKET_IFNAME"
+VERL_EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
 DEFAULT_RAY_CONNECT_TIMEOUT_S = 30.0
 
 
@@ -39,18 +43,25 @@ class HarnessEnv:
     engine_modules: str  # engine catalog entries, comma-separated (README "Engines")
     cache_home: Path  # tiny models, inspections, cloned checkouts live below it
     warm_socket: str  # an ancestor session's warm parent, advertised to its descendants
+    pythonpath: str  # the session's PYTHONPATH: the ranks get it after the case's paths
+    verl_external_modules: tuple[str, ...]  # the user's VERL_USE_EXTERNAL_MODULES, for trainers
+    import_env: dict[str, str]  # what a warm parent imports under: the user's values, else ours
 
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> HarnessEnv:
         env = os.environ if env is None else env
         state = env.get(Env.STATE_DIR)
         default_state = Path(tempfile.gettempdir()) / f"pytest-fsdp-turbo-{os.getuid()}"
+        external = env.get(VERL_EXTERNAL_MODULES, "")
         return cls(
             state_dir=Path(state) if state else default_state,
             no_fork=env.get(Env.NO_FORK, "") not in ("", "0"),
             engine_modules=env.get(Env.ENGINE_MODULES, ""),
             cache_home=Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache"),
             warm_socket=env.get(Env.WARM_SOCKET, ""),
+            pythonpath=env.get("PYTHONPATH", ""),
+            verl_external_modules=tuple(m for m in external.split(",") if m),
+            import_env={k: env.get(k, v) for k, v in IMPORT_TIME_ENV.items()},
         )
 
 
@@ -60,22 +71,51 @@ def collective_timeout_override(env: Mapping[str, str]) -> float | None:
     return None if value is None else seconds(value, Env.COLLECTIVE_TIMEOUT_S)
 
 
+# set by pytest-xdist in each worker: ranks of concurrent cases share the cores, and an OpenMP rank
+# with more threads than its share spins against the others' (measured: a 0.25 s train phase took
+# 11-22 s under `-n 2` when a one-rank case got both cores' worth of threads)
+XDIST_WORKERS_VAR = "PYTEST_XDIST_WORKER_COUNT"
+
+
+def xdist_workers(env: Mapping[str, str]) -> int:
+    """How many pytest-xdist workers share this box's cores (1 without xdist)."""
+    return max(1, int(env.get(XDIST_WORKERS_VAR, "1") or 1))
+
+
 @dataclass(frozen=True)
 class RunEnv:
     """What a run's environment (the session's, with ppo_run's extra_env over it) asks of its
-    ranks; it reaches them in their spec."""
+    ranks: the spec carries what the ranks read, the rest is checked before any rank starts."""
 
     vllm_memory_share: float
     fault: FaultSpec | None
     collective_timeout_s: float | None  # the variable's, held below the case timeout later
+    omp_threads: str | None  # the user's OMP_NUM_THREADS, checked (None: the collective profile's)
+    gloo_interfaces: tuple[str, ...]  # GLOO_SOCKET_IFNAME's; a local launch checks this host's
+    gloo_origin: str  # where GLOO_SOCKET_IFNAME came from, for the line that refuses it
 
     @classmethod
-    def read(cls, env: Mapping[str, str], world_size: int) -> RunEnv:
+    def read(cls, session: Mapping[str, str], extra: Mapping[str, str], world_size: int) -> RunEnv:
+        env = {**session, **extra}
+
+        def origin(name: str) -> str:
+            return f"{'ppo_run extra_env' if name in extra else 'environment'} {name}"
+
         share = env.get(Env.VLLM_MEMORY, str(VLLM_MEMORY_DEFAULT))
+        threads = env.get(OMP_THREADS)
+        if threads is not None and not all(p.isdigit() and int(p) > 0 for p in threads.split(",")):
+            # OpenMP's form: a count, or a comma list for nested levels; a rank dies on another
+            raise ConfigError(
+                f"{origin(OMP_THREADS)}: expected a positive integer (threads per rank); got "
+                f"{threads!r}"
+            )
         return cls(
             vllm_memory_share=number_in(share, Env.VLLM_MEMORY, 0.0, 1.0, low_open=True),
             fault=parse_fault(env.get(Env.FAULT, ""), world_size, env.get(Env.FAULT_STALL_S, "")),
             collective_timeout_s=collective_timeout_override(env),
+            omp_threads=threads,
+            gloo_interfaces=tuple(n for n in env.get(GLOO_INTERFACES, "").split(",") if n),
+            gloo_origin=origin(GLOO_INTERFACES),
         )
 
 

@@ -39,6 +39,9 @@ class TrainerSpec:
     ray_temp_dir: str = ""  # Ray's session folder for this run (its logs are copied into actors/)
     timeout_s: float = 900.0  # the case's, for the run's spec.json (progress, readers)
     golden_tier: GoldenTier = GoldenTier.RELATIVE  # the case's, for the run's spec.json (compare)
+    # what verl imports in every process: the user's VERL_USE_EXTERNAL_MODULES (a platform
+    # plug-in, say), then the case's; the entry puts the harness's observer before them
+    external_modules: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,6 +53,7 @@ class TrainerSpec:
                 **data,
                 "device_kind": DeviceKind(data["device_kind"]),
                 "overrides": tuple(data["overrides"]),
+                "external_modules": tuple(data.get("external_modules", ())),
                 "golden_tier": GoldenTier(data.get("golden_tier", GoldenTier.RELATIVE)),
             }
         )

@@ -233,3 +233,42 @@ def test_the_step_reads_its_environment_in_rank_env_alone():
     launched = {"RANK": "3", "LOCAL_RANK": "1", "PYTEST_FSDP_TURBO_LAUNCHED_AT": "12.5"}
     assert RankEnv.read(launched) == RankEnv(rank=3, local_rank=1, launched_at=12.5)
     assert RankEnv.read({"RANK": "2"}) == RankEnv(rank=2, local_rank=2, launched_at=None)
+
+
+# A read of a named variable: os.environ's or an environment mapping's (a write is not a read)
+NAMED_READ = re.compile(
+    r"os\.environ\.get|os\.getenv|in os\.environ(?![.\w])|os\.environ\[[^\]]+\](?!\s*=[^=])"
+    r"|\benv\.get\(|\benv\[[^\]]+\](?!\s*=[^=])"
+)
+# Where the plugin reads variables: the settings (with the options' table), and detection, which
+# reads the vendors' own visibility variables and PATH to see what hardware this process has.
+PLUGIN_READERS = {"settings.py", "options.py", "devices.py"}
+# Where the rank side does, besides rank_env.py: a warm fork applies the environment a rank starts
+# with (its PYTHONPATH and thread count, as a fresh interpreter would); our FSDP-Turbo engine holds
+# WORLD_SIZE, which the library reads, to the process group; the trainer's observer and the CPU
+# platform run inside verl's own processes, which verl and Ray start.
+ENGINE_READERS = {
+    "rank_env.py",
+    "warm/fork.py",
+    "engines/turbo.py",
+    "trainer/observer.py",
+    "verl_cpu_platform.py",
+}
+
+
+def named_readers(package: Path) -> set[str]:
+    return {
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if NAMED_READ.search(path.read_text())
+    }
+
+
+def test_every_variable_is_read_where_docs_environment_says():
+    """The plugin reads its variables in settings.py (Settings, HarnessEnv, RunEnv) and detection
+    alone; other modules get what they need from those, or an environment handed to them."""
+    assert named_readers(REPO / "pytest_fsdp_turbo") == PLUGIN_READERS
+    assert named_readers(REPO / "pytest_fsdp_turbo_engine") == ENGINE_READERS
+    assert NAMED_READ.search('os.environ["X"] = "1"') is None
+    assert NAMED_READ.search('x = os.environ["X"]') and NAMED_READ.search('env.get("X")')
+    assert NAMED_READ.search("{k: v for k, v in os.environ.items()}") is None  # handed on whole

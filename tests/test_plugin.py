@@ -420,7 +420,7 @@ def test_a_bad_stall_fault_duration_names_its_variable():
         ConfigError,
         match=r"^PYTEST_FSDP_TURBO_FAULT_STALL_S: expected a number in \[0, 86400\]; got 'abc'",
     ):
-        RunEnv.read(env, 2)
+        RunEnv.read(env, {}, 2)
 
 
 def test_the_summary_row_names_the_test_its_overrides_and_the_first_cause(pytester, monkeypatch):
@@ -563,3 +563,34 @@ def test_ini_keys_are_settings_validated_once_with_the_options(tmp_path):
     assert given.cases == Path("other.toml")  # the option wins over the ini
     with pytest.raises(ConfigError, match=r"^ini fsdp_turbo_stall_share: expected a number in"):
         resolve({}, env={}, ini={**ini, "fsdp_turbo_stall_share": "0"}, rootdir=tmp_path)
+
+
+def test_the_session_variables_a_run_hands_on_are_read_once_by_harness_env():
+    """PYTHONPATH, verl's external modules and what a warm parent imports under are read by
+    HarnessEnv, from the environment it is given; the rest of the plugin asks it."""
+    from pytest_fsdp_turbo.settings import HarnessEnv
+
+    env = {
+        "PYTHONPATH": "/a:/b",
+        "VERL_USE_EXTERNAL_MODULES": "mine,,plugin",
+        "OMP_NUM_THREADS": "3",
+    }
+    harness = HarnessEnv.read(env)
+    assert harness.pythonpath == "/a:/b"
+    assert harness.verl_external_modules == ("mine", "plugin")
+    assert harness.import_env["OMP_NUM_THREADS"] == "3"  # the user's, where set
+    assert harness.import_env["HF_HUB_OFFLINE"] == "1"  # the harness's default, else
+    bare = HarnessEnv.read({})
+    assert (bare.pythonpath, bare.verl_external_modules) == ("", ())
+
+
+def test_a_runs_thread_count_and_interfaces_say_where_they_came_from():
+    from pytest_fsdp_turbo.settings import RunEnv
+    from pytest_fsdp_turbo_contract.errors import ConfigError
+
+    run = RunEnv.read({"GLOO_SOCKET_IFNAME": "eth0,lo"}, {"OMP_NUM_THREADS": "4,2"}, 2)
+    assert run.omp_threads == "4,2" and run.gloo_interfaces == ("eth0", "lo")
+    assert run.gloo_origin == "environment GLOO_SOCKET_IFNAME"
+    assert RunEnv.read({}, {}, 2).omp_threads is None  # the collective profile's share
+    with pytest.raises(ConfigError, match=r"^environment OMP_NUM_THREADS: expected a positive"):
+        RunEnv.read({"OMP_NUM_THREADS": "0"}, {}, 2)

@@ -24,7 +24,7 @@ from pytest_fsdp_turbo.launching.progress import Display, Progress
 from pytest_fsdp_turbo.launching.supervisor import launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
-from pytest_fsdp_turbo.settings import RunEnv
+from pytest_fsdp_turbo.settings import HarnessEnv, RunEnv
 from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.engines import EngineCatalog
@@ -96,7 +96,7 @@ def rank_spec(request: RunRequest) -> RankSpec:
 def run_env(request: RunRequest) -> RunEnv:
     """What the run's environment asks of its ranks (the session's, ppo_run's extra_env over it):
     the vLLM memory share and a fault the harness's own tests inject."""
-    return RunEnv.read({**os.environ, **request.extra_env}, request.case.engine.world_size)
+    return RunEnv.read(os.environ, request.extra_env, request.case.engine.world_size)
 
 
 def _port_clash(result: RunResult) -> bool:
@@ -125,37 +125,23 @@ def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[st
     paths = [*request.pythonpath]
     if request.checkout is not None:
         paths.append(request.checkout.pythonpath)
-    if os.environ.get("PYTHONPATH"):
-        paths.append(os.environ["PYTHONPATH"])
+    if session := HarnessEnv.read().pythonpath:
+        paths.append(session)
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update(request.extra_env)
-    threads = env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-    if not _thread_counts(threads):  # every rank would die setting it up
-        where = "ppo_run extra_env" if "OMP_NUM_THREADS" in request.extra_env else "environment"
-        raise ConfigError(
-            f"{where} OMP_NUM_THREADS: expected a positive integer (threads per rank); got "
-            f"{threads!r}"
-        )
     return env
 
 
-def _thread_counts(text: str) -> bool:
-    """OpenMP's form: a positive count, or a comma list of them for nested levels ("4,2")."""
-    return all(part.isdigit() and int(part) > 0 for part in text.split(","))
-
-
-def _refuse_missing_interfaces(env: dict[str, str], given: dict[str, str]) -> None:
+def _refuse_missing_interfaces(run: RunEnv) -> None:
     """GLOO_SOCKET_IFNAME naming an interface this host lacks: gloo's own error names neither the
     variable nor the interfaces there are; said here, before any rank starts."""
     import psutil
 
-    wanted = [name for name in env.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
     present = sorted(psutil.net_if_addrs())
-    if missing := [name for name in wanted if name not in present]:
-        where = "ppo_run extra_env" if "GLOO_SOCKET_IFNAME" in given else "environment"
+    if missing := [name for name in run.gloo_interfaces if name not in present]:
         raise ConfigError(
-            f"{where} GLOO_SOCKET_IFNAME: expected network interfaces of this host "
+            f"{run.gloo_origin}: expected network interfaces of this host "
             f"({', '.join(present)}); {', '.join(missing)} is not one"
         )
 
@@ -324,7 +310,7 @@ def _launch_once(request: RunRequest, ids, ranges, port: int, parent, progress) 
     from pytest_fsdp_turbo.launching.warm import WarmParentSilent
 
     env = {**os.environ, **_env_overrides(request, ids, port, ranges)}
-    _refuse_missing_interfaces(env, request.extra_env)  # this host's: the ranks run here
+    _refuse_missing_interfaces(run_env(request))  # this host's: the ranks run here
     RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
 
     def launch(warm_parent) -> RunResult:

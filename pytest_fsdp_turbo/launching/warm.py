@@ -29,7 +29,6 @@ from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent
 from pytest_fsdp_turbo_contract.vocab import Env
 from pytest_fsdp_turbo_contract.warm_protocol import (
-    IMPORT_TIME_ENV,
     Exited,
     Fork,
     Forked,
@@ -54,7 +53,7 @@ CONNECT_TIMEOUT_S = 5.0
 
 def import_env() -> dict[str, str]:
     """The values the parent imports under: the user's where set, the harness's defaults else."""
-    return {k: os.environ.get(k, v) for k, v in IMPORT_TIME_ENV.items()}
+    return HarnessEnv.read().import_env
 
 
 def fork_unavailable_reason() -> str | None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
 from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo.trainer.cases import TrainerCase
 from pytest_fsdp_turbo.trainer.readings import write_rank_metrics
 from pytest_fsdp_turbo.trainer.verl_config import declared, read_resolved
@@ -121,6 +122,7 @@ class TrainerRunner:
                 world_size=case.world_size,
                 port_ranges=ranges,
                 timeouts=Timeouts(min(600.0, case.timeout / 2), case.timeout),
+                user_env=os.environ,
             )
             worker_env = {
                 **case.env,
@@ -137,6 +139,7 @@ class TrainerRunner:
                 ray_temp_dir=tempfile.mkdtemp(prefix="pftr-"),  # short: Ray's sockets live there
                 timeout_s=case.timeout,
                 golden_tier=case.golden_tier,
+                external_modules=(*HarnessEnv.read().verl_external_modules, *case.external_modules),
             )
             return self._launch(case, spec, out, worker_env)
         finally:
@@ -153,11 +156,7 @@ class TrainerRunner:
         env.update(case.env)
         env.update(worker_env)
         env[RUN_DIR_VARIABLE] = str(out)
-        # the user's own external modules (a platform plug-in, say), then the case's; the entry
-        # puts the harness's observer before them
-        mine = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
-        env["VERL_USE_EXTERNAL_MODULES"] = ",".join([*mine, *case.external_modules])
-        paths = [*self.pythonpath, os.environ.get("PYTHONPATH", "")]
+        paths = [*self.pythonpath, HarnessEnv.read().pythonpath]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
         start = time.monotonic()

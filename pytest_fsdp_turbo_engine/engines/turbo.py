@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -50,7 +51,7 @@ def import_fsdp_turbo(checkout: str = "") -> SimpleNamespace:
         checkout = checkout or "(no FSDPTurbo checkout resolved)"
         raise ImportError(
             f"backend fsdp_turbo needs the fsdp_turbo library: {exc}; tried checkout {checkout} "
-            f"and PYTHONPATH={os.environ.get('PYTHONPATH', '')!r}"
+            f"and the import path {sys.path}"
         ) from exc
     return SimpleNamespace(
         FSDPTurbo=FSDPTurbo,

@@ -61,8 +61,8 @@ def main() -> None:
     folder = TrainerFolder(Path(sys.argv[1]).resolve())
     spec = TrainerSpec.read(folder.spec)
     os.environ[RUN_DIR_VARIABLE] = str(folder.path)
-    modules = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
-    os.environ["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys([OBSERVER_MODULE, *modules]))
+    modules = dict.fromkeys([OBSERVER_MODULE, *spec.external_modules])
+    os.environ["VERL_USE_EXTERNAL_MODULES"] = ",".join(modules)
     if spec.device_kind == DeviceKind.CPU:
         from pytest_fsdp_turbo_engine.trainer import cpu
 

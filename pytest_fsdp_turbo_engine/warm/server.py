@@ -16,7 +16,6 @@ from typing import Any
 
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent
 from pytest_fsdp_turbo_contract.warm_protocol import (
-    IMPORT_TIME_ENV,
     Exited,
     Fork,
     Forked,
@@ -27,6 +26,7 @@ from pytest_fsdp_turbo_contract.warm_protocol import (
     encode,
     interpreter,
 )
+from pytest_fsdp_turbo_engine.rank_env import import_time_env
 from pytest_fsdp_turbo_engine.warm.fork import PRELOAD_KINDS, PRELOADS, run_child
 from pytest_fsdp_turbo_engine.warm.warm_up import fork_unsafe_reason
 
@@ -169,7 +169,7 @@ class Server:
         conn.setblocking(True)
         self.clients[conn.fileno()] = conn
         self.buffers[conn.fileno()] = MessageBuffer()
-        import_env = {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
+        import_env = import_time_env()
         hello = replace(
             self.ready, pid=os.getpid(), interpreter=interpreter(), import_env=import_env
         )
