@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_fsdp_turbo.options import KIND_BY_MARKER, MARKER_BY_KIND  # noqa: F401
+from pytest_fsdp_turbo.settings import DetectionEnv
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.vocab import BACKEND_BY_KIND, DeviceKind
 
@@ -103,8 +104,8 @@ def parse_visible_devices(
     return tuple(ids)
 
 
-def _run_tool(tool: str, args: list[str], env: Mapping[str, str]) -> tuple[str | None, str]:
-    exe = shutil.which(tool, path=env.get("PATH", os.defpath))
+def _run_tool(tool: str, args: list[str], seen: DetectionEnv) -> tuple[str | None, str]:
+    exe = shutil.which(tool, path=seen.path)
     if exe is None:
         return None, f"{tool} not on PATH"
     try:  # its own session: a tool cut off at the timeout goes with whatever it started
@@ -133,18 +134,19 @@ def _run_tool(tool: str, args: list[str], env: Mapping[str, str]) -> tuple[str |
 
 
 def _narrow(
-    ids: list[int], names: list[str], env: Mapping[str, str], var: str, uuids=None
+    ids: list[int], names: list[str], seen: DetectionEnv, var: str, uuids=None
 ) -> tuple[tuple[int, ...], tuple[str, ...], str]:
-    if var not in env:
+    if var not in seen.visible:
         return tuple(ids), tuple(names), ""
-    visible = parse_visible_devices(env[var], var, uuids)
+    visible = parse_visible_devices(seen.visible[var], var, uuids)
     by_id = dict(zip(ids, names)) if names else {}
     kept = [i for i in visible if i in ids]
     return tuple(kept), tuple(by_id[i] for i in kept if i in by_id), f", narrowed by {var}"
 
 
 def detect_cuda(env: Mapping[str, str], root: Path) -> Accelerator | None:
-    out, how = _run_tool("nvidia-smi", ["-L"], env)
+    seen = DetectionEnv.read(env)
+    out, how = _run_tool("nvidia-smi", ["-L"], seen)
     ids: list[int] = []
     names: list[str] = []
     uuids: dict[str, int] = {}
@@ -162,21 +164,22 @@ def detect_cuda(env: Mapping[str, str], root: Path) -> Accelerator | None:
             how = "/proc/driver/nvidia/gpus"
     if not ids:
         return None
-    kept, kept_names, narrowed = _narrow(ids, names, env, "CUDA_VISIBLE_DEVICES", uuids)
+    kept, kept_names, narrowed = _narrow(ids, names, seen, "CUDA_VISIBLE_DEVICES", uuids)
     return Accelerator("cuda", kept, kept_names, how + narrowed)
 
 
-def _cann_home(env: Mapping[str, str], root: Path) -> Path | None:
-    for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
-        if env.get(var) and Path(env[var]).is_dir():
-            return Path(env[var])
+def _cann_home(seen: DetectionEnv, root: Path) -> Path | None:
+    for home in seen.cann_homes:
+        if Path(home).is_dir():
+            return Path(home)
     default = root / _CANN_DEFAULT
     return default if default.is_dir() else None
 
 
 def detect_npu(env: Mapping[str, str], root: Path) -> Accelerator | None:
+    seen = DetectionEnv.read(env)
     names_by_id: dict[int, str] = {}
-    out, smi_how = _run_tool("npu-smi", ["info"], env)
+    out, smi_how = _run_tool("npu-smi", ["info"], seen)
     if out is not None:
         for line in out.splitlines():
             match = _NPU_SMI_ROW.match(line)
@@ -195,8 +198,8 @@ def detect_npu(env: Mapping[str, str], root: Path) -> Accelerator | None:
     else:
         return None
     names = [names_by_id.get(i, names_by_id.get(0, "")) for i in ids] if names_by_id else []
-    kept, kept_names, narrowed = _narrow(ids, names, env, "ASCEND_RT_VISIBLE_DEVICES")
-    cann = _cann_home(env, root)
+    kept, kept_names, narrowed = _narrow(ids, names, seen, "ASCEND_RT_VISIBLE_DEVICES")
+    cann = _cann_home(seen, root)
     notes = (f"CANN at {cann}",) if cann else ("CANN install not found",)
     return Accelerator("npu", kept, kept_names, how + narrowed, notes)
 

@@ -65,6 +65,27 @@ class HarnessEnv:
         )
 
 
+@dataclass(frozen=True)
+class DetectionEnv:
+    """The vendors' variables that decide what hardware this process sees, for detection."""
+
+    path: str  # where nvidia-smi and npu-smi are looked for
+    visible: dict[str, str]  # CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES, where set
+    cann_homes: tuple[str, ...]  # ASCEND_HOME_PATH, then ASCEND_TOOLKIT_HOME, where set
+
+    @classmethod
+    def read(cls, env: Mapping[str, str] | None = None) -> DetectionEnv:
+        env = os.environ if env is None else env
+        visible = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
+        return cls(
+            path=env.get("PATH", os.defpath),
+            visible={name: env[name] for name in visible if name in env},
+            cann_homes=tuple(
+                env[name] for name in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME") if env.get(name)
+            ),
+        )
+
+
 def collective_timeout_override(env: Mapping[str, str]) -> float | None:
     """The collective timeout a user's variable asks for (None: the case's own), in seconds."""
     value = env.get(Env.COLLECTIVE_TIMEOUT_S)

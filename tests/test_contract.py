@@ -240,9 +240,9 @@ NAMED_READ = re.compile(
     r"os\.environ\.get|os\.getenv|in os\.environ(?![.\w])|os\.environ\[[^\]]+\](?!\s*=[^=])"
     r"|\benv\.get\(|\benv\[[^\]]+\](?!\s*=[^=])"
 )
-# Where the plugin reads variables: the settings (with the options' table), and detection, which
-# reads the vendors' own visibility variables and PATH to see what hardware this process has.
-PLUGIN_READERS = {"settings.py", "options.py", "devices.py"}
+# Where the plugin reads variables: the settings, with the options' table (detection's variables
+# too: DetectionEnv).
+PLUGIN_READERS = {"settings.py", "options.py"}
 # Where the rank side does, besides rank_env.py: a warm fork applies the environment a rank starts
 # with (its PYTHONPATH and thread count, as a fresh interpreter would); our FSDP-Turbo engine holds
 # WORLD_SIZE, which the library reads, to the process group; the trainer's observer and the CPU
@@ -265,8 +265,8 @@ def named_readers(package: Path) -> set[str]:
 
 
 def test_every_variable_is_read_where_docs_environment_says():
-    """The plugin reads its variables in settings.py (Settings, HarnessEnv, RunEnv) and detection
-    alone; other modules get what they need from those, or an environment handed to them."""
+    """The plugin reads its variables in settings.py alone (Settings, HarnessEnv, RunEnv,
+    DetectionEnv); other modules get what they need from those, or an environment handed on."""
     assert named_readers(REPO / "pytest_fsdp_turbo") == PLUGIN_READERS
     assert named_readers(REPO / "pytest_fsdp_turbo_engine") == ENGINE_READERS
     assert NAMED_READ.search('os.environ["X"] = "1"') is None

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from pytest_fsdp_turbo.devices import default_cpu_slots, detect, parse_device_override
+from pytest_fsdp_turbo.settings import DetectionEnv
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from tests.helpers import davinci_nodes, env_with_path, fake_tool, npu_smi_table, nvidia_smi_listing
 
@@ -124,7 +125,9 @@ def test_a_hung_vendor_tool_is_cut_off_with_everything_it_started(tmp_path, monk
     tool.parent.mkdir()
     tool.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > '{marker}'\nsleep 300\n")
     tool.chmod(0o755)
-    out, said = devices._run_tool("npu-smi", ["info"], env_with_path(tmp_path / "bin"))
+    out, said = devices._run_tool(
+        "npu-smi", ["info"], DetectionEnv.read(env_with_path(tmp_path / "bin"))
+    )
     assert out is None and said == "npu-smi did not answer within 1s"
     helper = int(marker.read_text())
     deadline = time.monotonic() + 5
