@@ -420,7 +420,7 @@ def in_mode(result: RunResult, mode: str) -> RunResult:
 
 def golden_failure(result: RunResult, root: Path) -> str | None:
     """g, as test_ppo_one_step runs it under --fsdp-turbo-strict: the golden of what the run's
-    spec declares (its case, on cpu)."""
+    spec declares (its case, its device kind, its dtype and ranks)."""
     try:
         goldens.check_or_record(result, root, record=False, strict=True)
     except checks.CheckFailure as failure:

@@ -13,7 +13,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
-from pytest_fsdp_turbo.settings import collective_timeout_override, xdist_workers
+from pytest_fsdp_turbo.settings import (
+    GLOO_INTERFACES,
+    collective_timeout_override,
+    xdist_workers,
+)
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.vocab import DeviceKind, Env
 
@@ -56,6 +60,10 @@ class CollectiveEnv:
     master_port: int = 0
     world_size: int = 1
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # handed to the ranks in the spec
+
+    def gloo_interfaces(self) -> list[str]:
+        """The interfaces gloo is told to use (the user's, or the profile's lo on CPU)."""
+        return [name for name in self.env.get(GLOO_INTERFACES, "").split(",") if name]
 
     def child_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         merged = dict(os.environ if base is None else base)
@@ -118,7 +126,7 @@ def build_collective_env(
     cpu_count: int | None = None,
 ) -> CollectiveEnv:
     """Rendezvous and visible devices come from the lease; profile variables the user set win
-    (`user_env`: the environment the ranks start from; this module never reads os.environ)."""
+    (`user_env`: the environment the ranks start from, as the caller has it)."""
     timeouts = timeouts or Timeouts()
     collective_s = collective_timeout_s(timeouts, collective_timeout_override(user_env))
     timeouts = Timeouts(collective_s, timeouts.case_s)

@@ -298,7 +298,8 @@ def fsdp_turbo_golden(pytestconfig: pytest.Config) -> Callable[..., GoldenOutcom
     settings = settings_of(pytestconfig)
 
     def check(result, case=None) -> GoldenOutcome:
-        named = getattr(getattr(case, "case", case), "id", None)
+        # a parameter (CaseParam, TrainerParam) holds its case; a case, or its id, names itself
+        named = case if isinstance(case, str) else getattr(getattr(case, "case", case), "id", None)
         if named is not None and named != result.case_id:
             raise CheckFailure(
                 f"fsdp_turbo_golden: the result is a run of case {result.case_id}, not of case "

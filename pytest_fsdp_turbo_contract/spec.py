@@ -158,6 +158,9 @@ class RankSpec:
     collective_timeout_s: float = 120.0
     timeout_s: float = 300.0  # the whole run's (the progress line counts against it)
     golden_tier: GoldenTier = GoldenTier.RELATIVE  # how compare holds two runs' metrics
+    # the dtype a golden is keyed by and held to, where it is not engine.dtype: a verl trainer
+    # run's compute dtype (its engine.dtype is the parameters', which its checks hold gradients to)
+    golden_dtype: Dtype | None = None
     fault: FaultSpec | None = None  # the harness's own reliability tests inject one
 
     def to_json(self) -> dict[str, Any]:
@@ -179,6 +182,7 @@ class RankSpec:
                 ),
                 "ppo": PPOSpec(**{**ppo, "rollout": Rollout(ppo["rollout"])}),
                 "golden_tier": GoldenTier(data.get("golden_tier", GoldenTier.RELATIVE)),
+                "golden_dtype": Dtype(data["golden_dtype"]) if data.get("golden_dtype") else None,
                 "engine_modules": tuple(data.get("engine_modules", ())),
                 "fault": FaultSpec(**data["fault"]) if data.get("fault") else None,
             }

@@ -235,22 +235,35 @@ def test_the_step_reads_its_environment_in_rank_env_alone():
     assert RankEnv.read({"RANK": "2"}) == RankEnv(rank=2, local_rank=2, launched_at=None)
 
 
-# A read of a named variable: os.environ's or an environment mapping's (a write is not a read)
+# A read of a named variable: os.environ's, an environment mapping's (`env`, `user_env`, ...),
+# another process's, or an expansion; a write is not a read, nor an environment handed on whole
 NAMED_READ = re.compile(
-    r"os\.environ\.get|os\.getenv|in os\.environ(?![.\w])|os\.environ\[[^\]]+\](?!\s*=[^=])"
-    r"|\benv\.get\(|\benv\[[^\]]+\](?!\s*=[^=])"
+    r"getenv|expandvars|environ\(\)\.get|\benviron\.get|\bin os\.environ(?![.\w])"
+    r"|\benviron\[[^\]]+\](?!\s*=[^=])|\b\w*env\.get\(|\b\w*env\[[^\]]+\](?!\s*=[^=])"
+    r"|\bin \w*env\b(?![.\w(])"
 )
-# Where the plugin reads variables: the settings, with the options' table (detection's variables
-# too: DetectionEnv).
-PLUGIN_READERS = {"settings.py", "options.py"}
+# Where the plugin reads variables: the settings, with the options' table (detection's too:
+# DetectionEnv); the collective profile, which yields to any of its variables the run's
+# environment sets; the supervisor, reaping what a case started by the token in its environment;
+# and a trainer case's overrides, whose $HOME and ${VAR} are expanded as the script's shell did.
+PLUGIN_READERS = {
+    "settings.py",
+    "options.py",
+    "environ.py",
+    "launching/supervisor.py",
+    "trainer/run.py",
+    "trainer/verl_config.py",
+}
 # Where the rank side does, besides rank_env.py: a warm fork applies the environment a rank starts
 # with (its PYTHONPATH and thread count, as a fresh interpreter would); our FSDP-Turbo engine holds
-# WORLD_SIZE, which the library reads, to the process group; the trainer's observer and the CPU
-# platform run inside verl's own processes, which verl and Ray start.
+# WORLD_SIZE, which the library reads, to the process group; the trainer's entry, its observer and
+# the CPU platform run inside verl's own processes, which verl and Ray start (the entry expands
+# the overrides as the script's shell did).
 ENGINE_READERS = {
     "rank_env.py",
     "warm/fork.py",
     "engines/turbo.py",
+    "trainer/main.py",
     "trainer/observer.py",
     "verl_cpu_platform.py",
 }
@@ -269,6 +282,9 @@ def test_every_variable_is_read_where_docs_environment_says():
     DetectionEnv); other modules get what they need from those, or an environment handed on."""
     assert named_readers(REPO / "pytest_fsdp_turbo") == PLUGIN_READERS
     assert named_readers(REPO / "pytest_fsdp_turbo_engine") == ENGINE_READERS
+    assert named_readers(REPO / "pytest_fsdp_turbo_contract") == set()
     assert NAMED_READ.search('os.environ["X"] = "1"') is None
     assert NAMED_READ.search('x = os.environ["X"]') and NAMED_READ.search('env.get("X")')
     assert NAMED_READ.search("{k: v for k, v in os.environ.items()}") is None  # handed on whole
+    for read in ("if name in user_env:", "proc.environ().get(X)", "expandvars(o)", "getenv(X)"):
+        assert NAMED_READ.search(read), read

@@ -88,9 +88,7 @@ def test_secrets_masked():
 
 def test_builder_never_touches_os_environ():
     before = dict(os.environ)
-    build_collective_env(
-        "npu", (0,), 5, world_size=1, port_ranges=RANGES, user_env=dict(os.environ)
-    )
+    build_collective_env("npu", (0,), 5, world_size=1, port_ranges=RANGES, user_env=os.environ)
     assert dict(os.environ) == before
 
 

@@ -229,8 +229,7 @@ def test_a_run_without_a_readable_spec_is_one_line_naming_its_folder(tmp_path):
 
 FIXTURE_TEST = """
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-
+from pytest_fsdp_turbo.cases import Case, CaseParam
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
 
 SPEC = RankSpec("c", "/m", "qwen3", "cpu", EngineSpec(world_size=2, dtype="fp32"), PPOSpec())
@@ -251,12 +250,19 @@ class Run:
 
 
 def test_records_under_the_runs_key(fsdp_turbo_golden):
-    outcome = fsdp_turbo_golden(Run(), SimpleNamespace(id="c"))
+    param = CaseParam(Case("c", "tiny-qwen3"), "cpu")  # as the fsdp_turbo_case parameter
+    outcome = fsdp_turbo_golden(Run(), param)
     assert outcome.path.parts[-2:] == ("c", "cpu-fp32-ws2.json"), outcome
+    for same in (param.case, "c", None):
+        assert fsdp_turbo_golden(Run(), same).status == "recorded"
 
 
 def test_another_case_is_refused(fsdp_turbo_golden):
-    fsdp_turbo_golden(Run(), SimpleNamespace(id="other"))
+    fsdp_turbo_golden(Run(), CaseParam(Case("other", "tiny-qwen3"), "cpu"))
+
+
+def test_another_case_id_is_refused(fsdp_turbo_golden):
+    fsdp_turbo_golden(Run(), "other")
 """
 
 
@@ -269,8 +275,8 @@ def test_the_golden_fixture_keys_by_the_run_and_refuses_another_case(pytester, t
         "-p",
         "no:cacheprovider",
     )
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=1, failed=2)
     result.stdout.fnmatch_lines(
-        ["*fsdp_turbo_golden: the result is a run of case c, not of case other*"]
+        ["*fsdp_turbo_golden: the result is a run of case c, not of case other*"] * 2
     )
     assert (goldens_root / "c" / "cpu-fp32-ws2.json").is_file()

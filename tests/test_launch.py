@@ -186,3 +186,49 @@ def test_reaping_never_touches_a_session_whose_leader_took_a_dead_ranks_pid():
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_ranks_pythonpath_is_the_cases_then_the_checkouts_then_the_sessions(
+    monkeypatch, tmp_path
+):
+    """What a rank imports first: ppo_run's pythonpath, the FSDPTurbo checkout, then the session's
+    PYTHONPATH (HarnessEnv); ppo_run's extra_env, when it names PYTHONPATH, wins outright."""
+    from types import SimpleNamespace
+
+    from pytest_fsdp_turbo.cases import Case
+    from pytest_fsdp_turbo.devices import Accelerator
+    from pytest_fsdp_turbo.launching.request import RunRequest, _env_overrides
+
+    monkeypatch.setenv("PYTHONPATH", "/session")
+    request = RunRequest(
+        Case("c", "tiny-qwen3"),
+        tmp_path,
+        tmp_path,
+        Accelerator("cpu", (0, 1)),
+        checkout=SimpleNamespace(pythonpath="/checkout"),
+        pythonpath=["/mine"],
+    )
+    env = _env_overrides(request, (0, 1), 29500, None)
+    assert env["PYTHONPATH"] == os.pathsep.join(["/mine", "/checkout", "/session"])
+    request.extra_env = {"PYTHONPATH": "/only"}
+    assert _env_overrides(request, (0, 1), 29500, None)["PYTHONPATH"] == "/only"
+
+
+def test_the_profiles_own_loopback_is_checked_too_on_a_host_without_it(monkeypatch):
+    """On CPU the collective profile tells gloo to use lo; a host without it is told before any
+    rank starts, naming the profile as where the interface came from."""
+    import psutil
+
+    from pytest_fsdp_turbo.environ import build_collective_env
+    from pytest_fsdp_turbo.launching.request import _refuse_missing_interfaces
+    from pytest_fsdp_turbo.settings import RunEnv
+    from pytest_fsdp_turbo_contract.errors import ConfigError
+
+    group = build_collective_env("cpu", (0, 1), 29500, world_size=2, user_env={})
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: {"eth0": []})
+    with pytest.raises(ConfigError) as refused:
+        _refuse_missing_interfaces(group, RunEnv.read({}, {}, 2))
+    assert str(refused.value) == (
+        "collective profile GLOO_SOCKET_IFNAME: expected network interfaces of this host (eth0); "
+        "lo is not one"
+    )

@@ -134,6 +134,22 @@ def test_the_sync_policy_is_verls_flag_as_resolved():
     assert (turbo.sp_size, turbo.micro_batches) == (2, 2)
 
 
+def test_a_trainer_declares_the_dtype_verl_computes_in_beside_its_parameters_dtype():
+    """verl's FSDP engines compute in bf16 unless a mixed precision says otherwise (its
+    transformer_impl), and FSDP-Turbo in its plan's param_dtype; the parameters stay model_dtype."""
+    plain = declared(verl_config(False), 2)
+    assert (plain.model_dtype, plain.compute_dtype) == ("fp32", "bf16")
+    config = verl_config(False)
+    fsdp = config["actor_rollout_ref"]["actor"]["fsdp_config"]
+    fsdp["mixed_precision"] = {"param_dtype": "fp32"}
+    assert declared(config, 2).compute_dtype == "fp32"
+    turbo = verl_config(False, "fsdp_turbo")
+    plan = turbo["actor_rollout_ref"]["actor"]["fsdp_config"]["turbo_config"]["distributed"]
+    plan["fsdp_plan"] = {"param_dtype": "fp32"}
+    assert declared(turbo, 4).compute_dtype == "fp32"
+    assert declared(verl_config(False, "fsdp_turbo"), 4).compute_dtype == "bf16"
+
+
 needs_verl = pytest.mark.skipif(
     importlib.util.find_spec("verl") is None or importlib.util.find_spec("hydra") is None,
     reason="composing verl's trainer config needs verl (pip install 'pytest-fsdp-turbo[verl]')",
@@ -214,6 +230,11 @@ def test_a_healthy_trainer_run_passes_a_e_h_and_says_what_it_cannot_have(tmp_pat
     assert result.metrics["comm/reduce_scatter_calls"] == 10
     # spec.json holds what a reader of the run needs of its case, as every case's does
     assert (result.spec().case_id, result.spec().timeout_s) == ("t", 600.0)
+    # its checks hold gradients to the parameters' dtype; its golden, to the compute dtype's
+    assert (result.spec().engine.dtype, result.spec().golden_dtype) == ("fp32", "bf16")
+    from pytest_fsdp_turbo.checks.goldens import golden_key
+
+    assert golden_key(result).path(tmp_path).name == "cpu-bf16-ws2.json"
 
 
 def test_check_e_on_an_unreadable_verl_config_fails_in_one_line(tmp_path):
@@ -305,3 +326,17 @@ def test_trainer_runs_on_one_host_take_turns(tmp_path):
     for thread in threads:
         thread.join()
     assert overlap == [False, False]
+
+
+def test_verl_imports_the_observer_first_then_the_users_modules_then_the_cases(tmp_path):
+    """The user's VERL_USE_EXTERNAL_MODULES (a platform plug-in) and the case's travel in the
+    trainer's spec.json; the entry puts the harness's observer before them, each module once."""
+    from pytest_fsdp_turbo_contract.trainer_spec import OBSERVER_MODULE
+    from pytest_fsdp_turbo_engine.trainer.main import external_modules
+
+    path = tmp_path / "spec.json"
+    modules = ("my.platform", "my.engine", "my.platform")
+    TrainerSpec("t", DeviceKind.CPU, 2, "/m", (), external_modules=modules).write(path)
+    spec = TrainerSpec.read(path)
+    assert spec.external_modules == modules
+    assert external_modules(spec) == f"{OBSERVER_MODULE},my.platform,my.engine"

@@ -149,7 +149,7 @@ class GoldenKey:
         return cls(
             spec.case_id,
             str(spec.device_kind),
-            str(spec.engine.dtype),
+            str(spec.golden_dtype or spec.engine.dtype),
             spec.engine.world_size,
             spec.golden_tier,
         )

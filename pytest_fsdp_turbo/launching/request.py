@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from pytest_fsdp_turbo.cases import TINY_PREFIX, Case
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import (
+    CollectiveEnv,
     Timeouts,
     build_collective_env,
     collective_timeout_s,
@@ -95,7 +96,8 @@ def rank_spec(request: RunRequest) -> RankSpec:
 
 def run_env(request: RunRequest) -> RunEnv:
     """What the run's environment asks of its ranks (the session's, ppo_run's extra_env over it):
-    the vLLM memory share and a fault the harness's own tests inject."""
+    the vLLM memory share, a fault the harness's own tests inject, the collective timeout, and
+    the thread count and gloo interfaces it checks before any rank starts."""
     return RunEnv.read(os.environ, request.extra_env, request.case.engine.world_size)
 
 
@@ -109,8 +111,11 @@ def _port_clash(result: RunResult) -> bool:
     return False
 
 
-def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[str, str]:
-    """What the ranks' environment adds to the environment they start from."""
+def _env_overrides(
+    request: RunRequest, lease_ids, port: int, ranges, on_this_host: bool = True
+) -> dict[str, str]:
+    """What the ranks' environment adds to the environment they start from; `on_this_host`:
+    the ranks run here, so the interfaces gloo is told to use must be this host's."""
     case, accel = request.case, request.accelerator
     group = build_collective_env(
         accel.kind,
@@ -121,6 +126,8 @@ def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[st
         timeouts=Timeouts(case.collective_timeout, case.timeout),
         user_env={**os.environ, **request.extra_env},  # the run's, as run_env reads it
     )
+    if on_this_host:
+        _refuse_missing_interfaces(group, run_env(request))
     env = dict(group.env)
     paths = [*request.pythonpath]
     if request.checkout is not None:
@@ -133,15 +140,17 @@ def _env_overrides(request: RunRequest, lease_ids, port: int, ranges) -> dict[st
     return env
 
 
-def _refuse_missing_interfaces(run: RunEnv) -> None:
-    """GLOO_SOCKET_IFNAME naming an interface this host lacks: gloo's own error names neither the
-    variable nor the interfaces there are; said here, before any rank starts."""
+def _refuse_missing_interfaces(group: CollectiveEnv, run: RunEnv) -> None:
+    """GLOO_SOCKET_IFNAME naming an interface this host lacks (the user's, or the profile's lo):
+    gloo's own error names neither the variable nor the interfaces there are; said here, before
+    any rank starts."""
     import psutil
 
     present = sorted(psutil.net_if_addrs())
-    if missing := [name for name in run.gloo_interfaces if name not in present]:
+    if missing := [name for name in group.gloo_interfaces() if name not in present]:
+        origin = run.gloo_origin if run.gloo_interfaces else "collective profile GLOO_SOCKET_IFNAME"
         raise ConfigError(
-            f"{run.gloo_origin}: expected network interfaces of this host "
+            f"{origin}: expected network interfaces of this host "
             f"({', '.join(present)}); {', '.join(missing)} is not one"
         )
 
@@ -209,9 +218,8 @@ def run_case_on_ray(request: RunRequest, driver: RayDriver) -> RunResult:
     """Ray places the ranks and assigns their devices; rank 0's node gives the rendezvous."""
     case, kind = request.case, request.accelerator.kind
     out, spec = _prepare(request, local=False)
-    overrides = _env_overrides(
-        request, (), 0, hccl_port_ranges(0) if kind == DeviceKind.NPU else None
-    )
+    ranges = hccl_port_ranges(0) if kind == DeviceKind.NPU else None
+    overrides = _env_overrides(request, (), 0, ranges, on_this_host=False)  # Ray places them
     for name in ("MASTER_ADDR", "MASTER_PORT"):  # rank 0's node decides these
         overrides.pop(name)
     RunFolder(out).env.write_text(json.dumps(mask_secrets(overrides), indent=1, sort_keys=True))
@@ -310,7 +318,6 @@ def _launch_once(request: RunRequest, ids, ranges, port: int, parent, progress) 
     from pytest_fsdp_turbo.launching.warm import WarmParentSilent
 
     env = {**os.environ, **_env_overrides(request, ids, port, ranges)}
-    _refuse_missing_interfaces(run_env(request))  # this host's: the ranks run here
     RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
 
     def launch(warm_parent) -> RunResult:

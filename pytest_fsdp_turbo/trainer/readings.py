@@ -69,6 +69,10 @@ def combined_norm(readings: dict[int, dict], world_size: int) -> float | None:
     return math.sqrt(sum(sums) / replicas)
 
 
+def _dtype(verl_name: str) -> Dtype:
+    return Dtype.FP32 if verl_name in ("fp32", "float32") else Dtype.BF16
+
+
 def run_spec(declared: TrainerDeclared, spec: TrainerSpec, shard: int) -> RankSpec:
     """spec.json of a trainer run: what verl's resolved config declares, in the harness's terms."""
     return RankSpec(
@@ -81,7 +85,7 @@ def run_spec(declared: TrainerDeclared, spec: TrainerSpec, shard: int) -> RankSp
             fsdp_size=shard,
             backend=f"verl:{declared.strategy}",
             sp_size=declared.sp_size,
-            dtype=Dtype.FP32 if declared.model_dtype in ("fp32", "float32") else Dtype.BF16,
+            dtype=_dtype(declared.model_dtype),
             gradient_sync=declared.gradient_sync,
             grad_clip=declared.grad_clip,
         ),
@@ -92,6 +96,7 @@ def run_spec(declared: TrainerDeclared, spec: TrainerSpec, shard: int) -> RankSp
         ),
         timeout_s=spec.timeout_s,
         golden_tier=spec.golden_tier,
+        golden_dtype=_dtype(declared.compute_dtype),
     )
 
 

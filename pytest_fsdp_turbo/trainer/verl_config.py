@@ -33,7 +33,8 @@ class TrainerDeclared:
     rollout: str
     rollout_replicas: int
     grad_clip: float
-    model_dtype: str
+    model_dtype: str  # the parameters' (and their gradients'), as verl loads the actor
+    compute_dtype: str  # what its forward and backward run in: the FSDP mixed precision's
 
     def lines(self) -> list[str]:
         """For `config` and `doctor`: the resolved sync policy first."""
@@ -43,7 +44,8 @@ class TrainerDeclared:
             "micro-batches per rank and optimizer step: "
             + ("dynamic" if self.micro_batches is None else str(self.micro_batches)),
             f"rollout: {self.rollout}, {self.rollout_replicas} replica(s)",
-            f"grad clip: {self.grad_clip:g}, model dtype: {self.model_dtype}",
+            f"grad clip: {self.grad_clip:g}, model dtype: {self.model_dtype}, "
+            f"compute dtype: {self.compute_dtype}",
         ]
 
 
@@ -63,8 +65,11 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
     if strategy == "fsdp_turbo":  # the library's Ulysses group, from verl's turbo_config
         turbo = f"{ACTOR}.fsdp_config.turbo_config.distributed.ulysses_parallel_size"
         sp = int(_get(config, turbo, 1) or 1)
+        precision = f"{ACTOR}.fsdp_config.turbo_config.distributed.fsdp_plan.param_dtype"
     else:
         sp = int(_get(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1)
+        # verl's FSDP engines compute in bf16 where no mixed precision is set (transformer_impl)
+        precision = f"{ACTOR}.fsdp_config.mixed_precision.param_dtype"
     n = int(_get(config, "actor_rollout_ref.rollout.n", 1) or 1)
     dp = max(1, world_size // sp)
     micro = _get(config, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
@@ -90,6 +95,7 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
             _get(config, f"{ACTOR}.optim.clip_grad", _get(config, f"{ACTOR}.grad_clip", 1.0))
         ),
         model_dtype=str(_get(config, f"{ACTOR}.fsdp_config.model_dtype", "?")),
+        compute_dtype=str(_get(config, precision) or "bf16"),
     )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from types import SimpleNamespace
 
 import torch
@@ -51,7 +50,7 @@ def import_fsdp_turbo(checkout: str = "") -> SimpleNamespace:
         checkout = checkout or "(no FSDPTurbo checkout resolved)"
         raise ImportError(
             f"backend fsdp_turbo needs the fsdp_turbo library: {exc}; tried checkout {checkout} "
-            f"and the import path {sys.path}"
+            f"and PYTHONPATH={os.environ.get('PYTHONPATH', '')!r}"
         ) from exc
     return SimpleNamespace(
         FSDPTurbo=FSDPTurbo,

@@ -57,12 +57,17 @@ def argv(spec: TrainerSpec, folder: TrainerFolder) -> list[str]:
     return args
 
 
+def external_modules(spec: TrainerSpec) -> str:
+    """What verl imports in every process: the harness's observer first, then the spec's (the
+    user's, then the case's), each once."""
+    return ",".join(dict.fromkeys([OBSERVER_MODULE, *spec.external_modules]))
+
+
 def main() -> None:
     folder = TrainerFolder(Path(sys.argv[1]).resolve())
     spec = TrainerSpec.read(folder.spec)
     os.environ[RUN_DIR_VARIABLE] = str(folder.path)
-    modules = dict.fromkeys([OBSERVER_MODULE, *spec.external_modules])
-    os.environ["VERL_USE_EXTERNAL_MODULES"] = ",".join(modules)
+    os.environ["VERL_USE_EXTERNAL_MODULES"] = external_modules(spec)
     if spec.device_kind == DeviceKind.CPU:
         from pytest_fsdp_turbo_engine.trainer import cpu
 
