@@ -144,8 +144,7 @@ def _narrow(
     return tuple(kept), tuple(by_id[i] for i in kept if i in by_id), f", narrowed by {var}"
 
 
-def detect_cuda(env: Mapping[str, str], root: Path) -> Accelerator | None:
-    seen = DetectionEnv.read(env)
+def detect_cuda(seen: DetectionEnv, root: Path) -> Accelerator | None:
     out, how = _run_tool("nvidia-smi", ["-L"], seen)
     ids: list[int] = []
     names: list[str] = []
@@ -176,8 +175,7 @@ def _cann_home(seen: DetectionEnv, root: Path) -> Path | None:
     return default if default.is_dir() else None
 
 
-def detect_npu(env: Mapping[str, str], root: Path) -> Accelerator | None:
-    seen = DetectionEnv.read(env)
+def detect_npu(seen: DetectionEnv, root: Path) -> Accelerator | None:
     names_by_id: dict[int, str] = {}
     out, smi_how = _run_tool("npu-smi", ["info"], seen)
     if out is not None:
@@ -218,7 +216,7 @@ def detect(
     cpu_slots: int | None = None,
 ) -> Accelerator:
     """CUDA first, then Ascend, then CPU rank slots; an override picks the kind (and count)."""
-    env = os.environ if env is None else env
+    seen = DetectionEnv.read(env)  # once, for both detectors
     root = Path(root)
     detectors = {"cuda": detect_cuda, "npu": detect_npu}
     if override:
@@ -227,7 +225,7 @@ def detect(
             return _cpu(count or cpu_slots, f"{override_origin}={override}")
         if count is not None:
             return Accelerator(kind, tuple(range(count)), (), f"{override_origin}={override}")
-        found = detectors[kind](env, root)
+        found = detectors[kind](seen, root)
         if found is None:
             looked = (
                 "nvidia-smi -L, /proc/driver/nvidia"
@@ -237,7 +235,7 @@ def detect(
             return Accelerator(kind, (), (), f"{override_origin}={override}; none found ({looked})")
         return found
     for detector in (detect_cuda, detect_npu):
-        found = detector(env, root)
+        found = detector(seen, root)
         if found is not None and found.count:
             return found
     return _cpu(cpu_slots, "no nvidia-smi GPUs, no Ascend /dev/davinci* or npu-smi devices")

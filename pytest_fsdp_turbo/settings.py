@@ -112,8 +112,9 @@ class RunEnv:
     fault: FaultSpec | None
     collective_timeout_s: float | None  # the variable's, held below the case timeout later
     omp_threads: str | None  # the user's OMP_NUM_THREADS, checked (None: the collective profile's)
-    gloo_interfaces: tuple[str, ...]  # GLOO_SOCKET_IFNAME's; a local launch checks this host's
-    gloo_origin: str  # where GLOO_SOCKET_IFNAME came from, for the line that refuses it
+    # where the user's GLOO_SOCKET_IFNAME came from, for the line that refuses an interface this
+    # host lacks (None: unset, the collective profile's); the interfaces are the profile's to parse
+    gloo_origin: str | None
 
     @classmethod
     def read(cls, session: Mapping[str, str], extra: Mapping[str, str], world_size: int) -> RunEnv:
@@ -135,8 +136,7 @@ class RunEnv:
             fault=parse_fault(env.get(Env.FAULT, ""), world_size, env.get(Env.FAULT_STALL_S, "")),
             collective_timeout_s=collective_timeout_override(env),
             omp_threads=threads,
-            gloo_interfaces=tuple(n for n in env.get(GLOO_INTERFACES, "").split(",") if n),
-            gloo_origin=origin(GLOO_INTERFACES),
+            gloo_origin=origin(GLOO_INTERFACES) if env.get(GLOO_INTERFACES) else None,
         )
 
 

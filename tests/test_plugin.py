@@ -589,8 +589,12 @@ def test_a_runs_thread_count_and_interfaces_say_where_they_came_from():
     from pytest_fsdp_turbo_contract.errors import ConfigError
 
     run = RunEnv.read({"GLOO_SOCKET_IFNAME": "eth0,lo"}, {"OMP_NUM_THREADS": "4,2"}, 2)
-    assert run.omp_threads == "4,2" and run.gloo_interfaces == ("eth0", "lo")
+    assert run.omp_threads == "4,2"
     assert run.gloo_origin == "environment GLOO_SOCKET_IFNAME"
+    assert RunEnv.read({}, {"GLOO_SOCKET_IFNAME": "lo"}, 2).gloo_origin == (
+        "ppo_run extra_env GLOO_SOCKET_IFNAME"
+    )
+    assert RunEnv.read({}, {}, 2).gloo_origin is None  # the collective profile's
     assert RunEnv.read({}, {}, 2).omp_threads is None  # the collective profile's share
     with pytest.raises(ConfigError, match=r"^environment OMP_NUM_THREADS: expected a positive"):
         RunEnv.read({"OMP_NUM_THREADS": "0"}, {}, 2)

@@ -148,7 +148,7 @@ def _refuse_missing_interfaces(group: CollectiveEnv, run: RunEnv) -> None:
 
     present = sorted(psutil.net_if_addrs())
     if missing := [name for name in group.gloo_interfaces() if name not in present]:
-        origin = run.gloo_origin if run.gloo_interfaces else "collective profile GLOO_SOCKET_IFNAME"
+        origin = run.gloo_origin or "collective profile GLOO_SOCKET_IFNAME"
         raise ConfigError(
             f"{origin}: expected network interfaces of this host "
             f"({', '.join(present)}); {', '.join(missing)} is not one"
