@@ -33,8 +33,8 @@ def _one_warm_parent_for_every_worker(config) -> None:
     not wait for them (it runs no case)."""
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return
-    from pytest_fsdp_turbo.launching.session_processes import own, session_processes
-    from pytest_fsdp_turbo.launching.warm import SOCKET_VAR, WarmParent, fork_unavailable_reason
+    from pytest_fsdp_turbo.processes.session_processes import own, session_processes
+    from pytest_fsdp_turbo.processes.warm import SOCKET_VAR, WarmParent, fork_unavailable_reason
     from pytest_fsdp_turbo.leases import LeaseBook
 
     if fork_unavailable_reason() is not None:
@@ -101,7 +101,7 @@ def _warm_parent_up_front(request):
     stays light (no 5 s start)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    from pytest_fsdp_turbo.launching.warm import warm_parent
+    from pytest_fsdp_turbo.processes.warm import warm_parent
 
     warm_parent(request.getfixturevalue("fsdp_turbo_lease_book").state_dir)
 

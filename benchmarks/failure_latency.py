@@ -14,7 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from pytest_fsdp_turbo.launching.supervisor import launch_local
+from pytest_fsdp_turbo.processes.supervisor import launch_local
 
 CRASH = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit('rank one fell over')\ntime.sleep(300)\n"
 HANG = textwrap.dedent(

@@ -20,7 +20,7 @@ from pytest_fsdp_turbo.devices import detect
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env
 from pytest_fsdp_turbo.launching.case_runner import standalone_runner, standalone_settings
 from pytest_fsdp_turbo.launching.request import RunRequest, rank_spec
-from pytest_fsdp_turbo.launching.supervisor import WORKER_MODULE
+from pytest_fsdp_turbo.processes.supervisor import WORKER_MODULE
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import PerfRecord
 

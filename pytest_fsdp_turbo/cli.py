@@ -288,7 +288,7 @@ def config(args: argparse.Namespace) -> int:
 def _trainer_config(case) -> int:
     """A trainer case: what verl's own config resolves to with the case's overrides (the sync
     policy first), and the overrides main_ppo is handed."""
-    from pytest_fsdp_turbo.trainer.verl_config import resolve_case
+    from pytest_fsdp_turbo.trainer_folder.verl_config import resolve_case
 
     try:
         resolved = resolve_case(case)
@@ -307,7 +307,7 @@ def _trainer_config(case) -> int:
 def _describe_trainer_cases(settings) -> None:
     """Each trainer case's sync policy as verl's own config resolves it."""
     from pytest_fsdp_turbo.launching.case_runner import standalone_cases
-    from pytest_fsdp_turbo.trainer.verl_config import resolve_case
+    from pytest_fsdp_turbo.trainer_folder.verl_config import resolve_case
 
     try:
         book = standalone_cases(settings)
@@ -323,7 +323,7 @@ def _describe_trainer_cases(settings) -> None:
 
 def compare(args: argparse.Namespace) -> int:
 
-    from pytest_fsdp_turbo.checks.compare import compare_runs, render, write_png, write_timeline_png
+    from pytest_fsdp_turbo.compare import compare_runs, render, write_png, write_timeline_png
 
     rows, label_a, label_b = compare_runs(Path(args.a), Path(args.b))
     for line in render(rows, label_a, label_b):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_fsdp_turbo.options import KIND_BY_MARKER, MARKER_BY_KIND  # noqa: F401
-from pytest_fsdp_turbo.settings import DetectionEnv
+from pytest_fsdp_turbo.settings import DetectionEnv, parse_device_override
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.vocab import BACKEND_BY_KIND, DeviceKind
 
@@ -63,24 +63,6 @@ def default_cpu_slots() -> int:
     """CPU ranks are processes, not devices: room for two 4-rank cases side by side even on a
     2-core machine, so a `pytest -n 2` worker never idles waiting for the other one's slots."""
     return max(8, os.cpu_count() or 1)
-
-
-MAX_DEVICE_COUNT = 4096  # devices (or CPU rank slots) one machine can offer
-
-
-def parse_device_override(value: str, origin: str) -> tuple[str, int | None]:
-    """`cuda`, `npu:8`, `cpu:4` -> (kind, count or None)."""
-    kind, _, count_text = value.strip().partition(":")
-    if kind not in KINDS:
-        raise ConfigError(f"{origin}: expected one of cpu|cuda|npu[:N]; got {value!r}")
-    if not count_text:
-        return kind, None
-    if not count_text.isdigit() or not 1 <= int(count_text) <= MAX_DEVICE_COUNT:
-        raise ConfigError(
-            f"{origin}: expected a device count from 1 to {MAX_DEVICE_COUNT} after ':'; got "
-            f"{value!r}"
-        )
-    return kind, int(count_text)
 
 
 def parse_visible_devices(

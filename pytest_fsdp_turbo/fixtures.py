@@ -298,7 +298,7 @@ def fsdp_turbo_golden(pytestconfig: pytest.Config) -> Callable[..., GoldenOutcom
     settings = settings_of(pytestconfig)
 
     def check(result, case=None) -> GoldenOutcome:
-        # a parameter (CaseParam, TrainerParam) holds its case; a case, or its id, names itself
+        # a parameter (CaseParam, CaseParam) holds its case; a case, or its id, names itself
         named = case if isinstance(case, str) else getattr(getattr(case, "case", case), "id", None)
         if named is not None and named != result.case_id:
             raise CheckFailure(
@@ -323,7 +323,7 @@ def no_leaked_processes() -> Iterator[None]:
     started) are never counted, even when this test started them."""
     import psutil
 
-    from pytest_fsdp_turbo.launching.session_processes import belongs_to_session
+    from pytest_fsdp_turbo.processes.session_processes import belongs_to_session
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}

@@ -21,8 +21,8 @@ from pytest_fsdp_turbo.cases import (
     tiny_spec_path,
     tiny_specs,
 )
-from pytest_fsdp_turbo.launching.warm import run_module
 from pytest_fsdp_turbo.private_dirs import private_dir
+from pytest_fsdp_turbo.processes.warm import run_module
 from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo_contract.errors import SPEC_ERROR_EXIT, ConfigError
 

@@ -109,7 +109,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if not _is_xdist_controller(config):
         return
-    from pytest_fsdp_turbo.launching.progress import ArtifactWatcher, Display
+    from pytest_fsdp_turbo.processes.progress import ArtifactWatcher, Display
     from pytest_fsdp_turbo.session import artifacts_root
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
@@ -158,7 +158,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def _launcher_line(launcher: str) -> str:
     if launcher != "local":
         return f"fsdp-turbo: launcher {launcher}"
-    from pytest_fsdp_turbo.launching.warm import fork_unavailable_reason
+    from pytest_fsdp_turbo.processes.warm import fork_unavailable_reason
 
     why = fork_unavailable_reason()
     if why:
@@ -332,22 +332,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def _case_marks(param) -> list[pytest.MarkDecorator]:
     """What selects a case's test: e2e, its device kind, its devices, what it needs."""
-    from pytest_fsdp_turbo.cases import CaseParam  # loaded with the case file, not at start-up
+    from pytest_fsdp_turbo.cases import Case  # loaded with the case file, not at start-up
 
-    case = param.case
+    case, known = param.case, param.known_failure
     common = [
         pytest.mark.e2e,
         getattr(pytest.mark, MARKER_BY_KIND[param.kind]),
         pytest.mark.devices(param.ranks),
+        *([pytest.mark.xfail(strict=True, reason=known["reason"])] if known else []),
     ]
-    if isinstance(param, CaseParam):
-        known = param.known_failure
+    if isinstance(case, Case):
         return [
             *common,
             *([pytest.mark.vllm] if case.ppo.rollout == "vllm" else []),
             *([pytest.mark.fsdp_turbo] if case.is_turbo else []),
             *([pytest.mark.verl] if case.is_verl else []),
-            *([pytest.mark.xfail(strict=True, reason=known["reason"])] if known else []),
         ]
     return [  # verl's own trainer
         *common,

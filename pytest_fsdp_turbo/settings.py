@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pytest_fsdp_turbo.checkout_request import CheckoutRequest, validate_ref, validate_repo
 from pytest_fsdp_turbo.options import DEFAULT_REPO, INI_DEFAULTS, OPTIONS, option_dest
-from pytest_fsdp_turbo.turbo.checkout_request import CheckoutRequest, validate_ref, validate_repo
 from pytest_fsdp_turbo_contract.bounds import DAY_S, number_in, seconds
 from pytest_fsdp_turbo_contract.engines import GIVEN, INI, EngineCatalog, engine_catalog
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.faults import FaultSpec, parse_fault
-from pytest_fsdp_turbo_contract.vocab import Env, Launcher
+from pytest_fsdp_turbo_contract.vocab import DeviceKind, Env, Launcher
 from pytest_fsdp_turbo_contract.warm_protocol import IMPORT_TIME_ENV
 
 LAUNCHERS = tuple(Launcher)
@@ -201,8 +201,6 @@ def resolve(
         raw[dest] = value
     device = raw["fsdp_turbo_device"]
     if device:
-        from pytest_fsdp_turbo.devices import parse_device_override  # only when overriding
-
         parse_device_override(device, origin["fsdp_turbo_device"])
     launcher = launcher_named(raw["fsdp_turbo_launcher"] or "local", origin["fsdp_turbo_launcher"])
     connect = raw["fsdp_turbo_ray_connect_timeout"]
@@ -242,3 +240,21 @@ def launcher_named(name: str, origin: str) -> Launcher:
     if name not in LAUNCHERS:
         raise ConfigError(f"{origin}: expected one of {', '.join(LAUNCHERS)}; got {name!r}")
     return Launcher(name)
+
+
+MAX_DEVICE_COUNT = 4096  # devices (or CPU rank slots) one machine can offer
+
+
+def parse_device_override(value: str, origin: str) -> tuple[str, int | None]:
+    """`cuda`, `npu:8`, `cpu:4` -> (kind, count or None)."""
+    kind, _, count_text = value.strip().partition(":")
+    if kind not in tuple(DeviceKind):
+        raise ConfigError(f"{origin}: expected one of cpu|cuda|npu[:N]; got {value!r}")
+    if not count_text:
+        return kind, None
+    if not count_text.isdigit() or not 1 <= int(count_text) <= MAX_DEVICE_COUNT:
+        raise ConfigError(
+            f"{origin}: expected a device count from 1 to {MAX_DEVICE_COUNT} after ':'; got "
+            f"{value!r}"
+        )
+    return kind, int(count_text)

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from pytest_fsdp_turbo_contract.faults import FaultSpec
-from pytest_fsdp_turbo_contract.vocab import DeviceKind, Dtype, GoldenTier, Rollout, SyncPolicy
+from pytest_fsdp_turbo_contract.vocab import (
+    CaseKindName,
+    DeviceKind,
+    Dtype,
+    GoldenTier,
+    Rollout,
+    SyncPolicy,
+)
 
 RUN = "run"  # a field a run fills in (rank_spec), never a case key
 BOUNDS = "bounds"  # a case key's number: Bounds
@@ -162,6 +169,9 @@ class RankSpec:
     # run's compute dtype (its engine.dtype is the parameters', which its checks hold gradients to)
     golden_dtype: Dtype | None = None
     fault: FaultSpec | None = None  # the harness's own reliability tests inject one
+    # the case kind that launched the run and whose checks judge it (CaseKindName, or a
+    # downstream kind's own name)
+    kind: str = CaseKindName.PPO_STEP
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -20,6 +20,14 @@ class DeviceKind(StrEnum):
 BACKEND_BY_KIND = {DeviceKind.CPU: "gloo", DeviceKind.CUDA: "nccl", DeviceKind.NPU: "hccl"}
 
 
+class CaseKindName(StrEnum):
+    """Which kind of case a run is (spec.json's `kind`): what launched it and which checks judge
+    it. A downstream kind may name itself anything else."""
+
+    PPO_STEP = "ppo_step"  # the harness's own PPO step through an engine
+    VERL_TRAINER = "verl_trainer"  # verl's own trainer, main_ppo
+
+
 class SyncPolicy(StrEnum):
     DEFERRED = "deferred"  # reduce-scatter only on the last micro-batch
     EVERY_MICRO_BATCH = "every_micro_batch"

@@ -1,4 +1,4 @@
-"""The warm parent's protocol, shared by the launcher (pytest_fsdp_turbo.launching.warm) and the
+"""The warm parent's protocol, shared by the launcher (pytest_fsdp_turbo.processes.warm) and the
 parent itself (pytest_fsdp_turbo_engine.warm_parent): typed messages, one JSON line each, encoded
 and decoded here only; and what both sides must agree on before a fork is safe (the interpreter,
 the environment read once at import).

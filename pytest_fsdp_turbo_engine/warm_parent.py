@@ -1,7 +1,7 @@
 """The warm parent: imports torch, torch.distributed, transformers and the engine once, then forks
 fresh rank processes on request, so a case costs its compute rather than its imports.
 
-  python -m pytest_fsdp_turbo_engine.warm_parent      (started by pytest_fsdp_turbo.launching.warm)
+  python -m pytest_fsdp_turbo_engine.warm_parent      (started by pytest_fsdp_turbo.processes.warm)
 
 It never runs a case itself, creates no device context and starts no threads, so every forked rank
 begins from the same clean state: no process group, no model, no RNG draws, no module a previous

@@ -250,9 +250,9 @@ PLUGIN_READERS = {
     "settings.py",
     "options.py",
     "environ.py",
-    "launching/supervisor.py",
+    "processes/supervisor.py",
     "trainer/run.py",
-    "trainer/verl_config.py",
+    "trainer_folder/verl_config.py",
 }
 # Where the rank side does, besides rank_env.py: a warm fork applies the environment a rank starts
 # with (its PYTHONPATH and thread count, as a fresh interpreter would); our FSDP-Turbo engine holds

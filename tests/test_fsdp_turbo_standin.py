@@ -76,7 +76,7 @@ def test_verl_fsdp_turbo_engine_on_the_standin_keeps_deferred_sync(ppo_run):
 def test_standin_follows_the_librarys_matching_patching_and_loading_rules():
     """Each rule as the library's source has it (FACTS-fsdp_turbo.md, "Matching rules"): the
     stand-in refuses what the library refuses and accepts what it accepts."""
-    from pytest_fsdp_turbo.launching.warm import run_module
+    from pytest_fsdp_turbo.processes.warm import run_module
 
     probe = Path(__file__).parent / "standin_fsdp_turbo"
     done = run_module("contract_probe", [], timeout_s=120, env={"PYTHONPATH": str(probe)})
@@ -106,7 +106,7 @@ def test_standin_ulysses_shards_the_sequence_and_matches_the_whole_sequence(tmp_
     over two ranks, outputs, input gradients and summed parameter gradients equal the
     whole-sequence layer at fp32 precision; unpatched, each rank's chunk runs sequence-local and
     all three differ (the bug a patch that misses the layer would hide on a real run)."""
-    from pytest_fsdp_turbo.launching.warm import run_module
+    from pytest_fsdp_turbo.processes.warm import run_module
 
     path = os.pathsep.join([str(STANDIN), str(STANDIN / "function_patches")])
     env = {**ALLOW_CPU, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "WORLD_SIZE": "2"}
@@ -133,7 +133,7 @@ def test_standin_attention_follows_the_published_middle_layout(tmp_path):
     output its chunk of plain attention over the whole sequence. The newest layout's full_attention
     (source unpublished; verl aims it at transformers' eager function) must give the same whole-
     sequence attention whether its function returns [B, H, S, D] or eager's [B, S, H, D]."""
-    from pytest_fsdp_turbo.launching.warm import run_module
+    from pytest_fsdp_turbo.processes.warm import run_module
 
     env = {**ALLOW_CPU, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(STANDIN)}
     done = run_module("attention_layout_probe", [str(tmp_path / "store")], timeout_s=120, env=env)
@@ -172,7 +172,7 @@ def test_standin_applies_or_refuses_every_setting_as_the_library_does(tmp_path):
     (forward) and previous (backward) units in module order; per-module options are fully_shard's
     keyword arguments; the dtype names, patterns and implementations the library refuses are
     refused with its words; what the stand-in cannot apply on CPU is refused by name."""
-    from pytest_fsdp_turbo.launching.warm import run_module
+    from pytest_fsdp_turbo.processes.warm import run_module
 
     env = {**ALLOW_CPU, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(STANDIN)}
     done = run_module("settings_probe", [str(tmp_path / "store")], timeout_s=120, env=env)

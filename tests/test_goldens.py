@@ -189,7 +189,7 @@ def test_compare_holds_two_runs_to_the_golden_tier_their_spec_declares(tmp_path)
     differs at a change the relative tier lets through."""
     import json
 
-    from pytest_fsdp_turbo.checks.compare import compare_runs
+    from pytest_fsdp_turbo.compare import compare_runs
 
     key = OptimizerRecord.key("grad_norm")
     verdicts = {}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fsdp_turbo.launching.supervisor import launch_local
+from pytest_fsdp_turbo.processes.supervisor import launch_local
 
 HANG = textwrap.dedent(
     """
@@ -126,7 +126,7 @@ def test_a_pytest_inside_a_torchrun_job_keeps_the_agents_variables_from_its_rank
     """Started under torchrun, the session inherits TORCHELASTIC_USE_AGENT_STORE (and the agent's
     group variables): handed on, every rank would wait on an agent store nobody serves until the
     collective timeout. Every launcher builds a rank's environment here, without them."""
-    from pytest_fsdp_turbo.launching.supervisor import rank_env
+    from pytest_fsdp_turbo.processes.supervisor import rank_env
 
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer-job")
@@ -174,7 +174,7 @@ def test_reaping_never_touches_a_session_whose_leader_took_a_dead_ranks_pid():
 
     import psutil
 
-    from pytest_fsdp_turbo.launching.supervisor import case_processes
+    from pytest_fsdp_turbo.processes.supervisor import case_processes
 
     other = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True

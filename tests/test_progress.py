@@ -4,7 +4,7 @@ import json
 import time
 from pathlib import Path
 
-from pytest_fsdp_turbo.launching.progress import Progress, group_ranks
+from pytest_fsdp_turbo.processes.progress import Progress, group_ranks
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 
 REPO = Path(__file__).resolve().parent.parent

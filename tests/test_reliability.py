@@ -116,7 +116,7 @@ def _command_line(process: psutil.Process) -> str:
 def test_killed_xdist_worker_leaves_no_ranks_and_its_leases_are_reclaimed(tmp_path, warm):
     """own: the worker starts its warm parent, which dies with it; shared: the worker forks from
     this (outer) process's warm parent, which outlives it, and the worker's ranks still die."""
-    from pytest_fsdp_turbo.launching.warm import warm_parent
+    from pytest_fsdp_turbo.processes.warm import warm_parent
     from pytest_fsdp_turbo_contract.vocab import Env
 
     state = tmp_path / "state"
@@ -450,7 +450,7 @@ def test_a_full_disk_at_the_timeline_keeps_the_ranks_own_failure(ppo_run, monkey
     verdict, and the lost timeline is a note naming the folder."""
     import errno
 
-    from pytest_fsdp_turbo.launching import progress
+    from pytest_fsdp_turbo.processes import progress
 
     def disk_full(*_args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

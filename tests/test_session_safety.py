@@ -62,7 +62,7 @@ def test_d_killed_warm_parent(ppo_run):
     )
     assert not killed.ok and "the warm parent (pid" in killed.failure_text()
     checks.check_completed(ppo_run("tiny-qwen3-single-rank", launcher="local"))  # a new parent
-    from pytest_fsdp_turbo.launching.session_processes import owned
+    from pytest_fsdp_turbo.processes.session_processes import owned
 
     parents = [p for p in owned().values() if p.what == "warm parent"]
     assert len(parents) == 1 and psutil.pid_exists(parents[0].pid), parents  # the dead one let go
@@ -205,7 +205,7 @@ def test_the_session_owned_registry_keeps_only_what_the_owner_says() -> None:
     """The warm parent is the session's; its forked ranks are not (no keeps rule)."""
     import psutil
 
-    from pytest_fsdp_turbo.launching.session_processes import belongs_to_session, disown, own
+    from pytest_fsdp_turbo.processes.session_processes import belongs_to_session, disown, own
 
     me = psutil.Process()
     child = psutil.Popen(["sleep", "30"])
@@ -222,7 +222,7 @@ def test_the_session_owned_registry_keeps_only_what_the_owner_says() -> None:
 
 
 def test_one_owner_closes_the_ray_driver_then_the_warm_parent_and_a_fork_closes_neither() -> None:
-    from pytest_fsdp_turbo.launching.session_processes import SessionProcesses
+    from pytest_fsdp_turbo.processes.session_processes import SessionProcesses
 
     closed: list[str] = []
 

@@ -14,9 +14,9 @@ import pytest
 
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.cases import load_book
-from pytest_fsdp_turbo.trainer.cases import TrainerCase, overrides_of_script
+from pytest_fsdp_turbo.cases.trainer_case import TrainerCase, overrides_of_script
 from pytest_fsdp_turbo.trainer.run import first_cause, read_run
-from pytest_fsdp_turbo.trainer.verl_config import SYNC_FLAG, declared
+from pytest_fsdp_turbo.trainer_folder.verl_config import SYNC_FLAG, declared
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
@@ -42,7 +42,7 @@ def book(tmp_path: Path, text: str):
     [
         ('color = "red"', "color", "a known field"),
         ("world_size = 4", "world_size", "trainer.n_gpus_per_node x trainer.nnodes"),
-        ('devices = ["tpu"]', "devices", "each one of"),
+        ('devices = ["tpu"]', "devices", "one of cpu, cuda, npu"),
         ("timeout = -1", "timeout", "a number of seconds > 0"),
         ('extends = "nope"', "extends", "the id of a trainer case above this one"),
     ],

@@ -86,7 +86,7 @@ def test_a_case_after_a_failed_polluting_case_is_unaffected(ppo_run):
 def test_an_inner_session_forks_from_the_outer_sessions_warm_parent(pytester, tmp_path):
     """Imports are paid once per process tree: a pytest started inside this one (here, or a
     `pytest-fsdp-turbo run`) forks its ranks from this process's warm parent, in its own folder."""
-    from pytest_fsdp_turbo.launching.warm import warm_parent
+    from pytest_fsdp_turbo.processes.warm import warm_parent
 
     outer, why = warm_parent(tmp_path / "state")
     assert outer is not None, why
@@ -95,7 +95,7 @@ def test_an_inner_session_forks_from_the_outer_sessions_warm_parent(pytester, tm
         "import os\n"
         "from pathlib import Path\n"
         "from pytest_fsdp_turbo import checks\n"
-        "from pytest_fsdp_turbo.launching.warm import warm_parent\n"
+        "from pytest_fsdp_turbo.processes.warm import warm_parent\n"
         "def test_inner(ppo_run):\n"
         f"    checks.check_all(ppo_run({CASE!r}, launcher='local'))\n"
         "    parent, _ = warm_parent(Path('unused'))\n"
@@ -107,7 +107,7 @@ def test_an_inner_session_forks_from_the_outer_sessions_warm_parent(pytester, tm
 
 
 def test_a_stale_or_unfit_advertised_parent_is_not_used(tmp_path, monkeypatch):
-    from pytest_fsdp_turbo.launching import warm
+    from pytest_fsdp_turbo.processes import warm
 
     monkeypatch.setenv(warm.SOCKET_VAR, str(tmp_path / "gone.sock"))
     assert warm._shared_parent() is None  # nothing listens: this process starts its own
@@ -125,7 +125,7 @@ def test_a_stale_or_unfit_advertised_parent_is_not_used(tmp_path, monkeypatch):
 def test_verl_ranks_fork_from_a_zygote_that_imported_verl_once(ppo_run):
     """verl resolves its platform while importing, so the parent cannot import it for every kind;
     a zygote per (verl, kind) does, and the ranks of every later verl case skip the import."""
-    from pytest_fsdp_turbo.launching.session_processes import session_processes
+    from pytest_fsdp_turbo.processes.session_processes import session_processes
 
     first = ppo_run("tiny-qwen3-verl-fsdp2-deferred")
     checks.check_all(first)
@@ -174,7 +174,7 @@ def test_every_warm_message_round_trips_through_its_one_encoding():
 def test_helpers_run_as_forks_of_the_warm_parent_with_their_output_and_exit_code(tmp_path):
     """Tiny-model builds and inspections (`python -m` helpers that import torch) fork from the
     warm parent this process tree already has; without one they get a fresh interpreter."""
-    from pytest_fsdp_turbo.launching import warm
+    from pytest_fsdp_turbo.processes import warm
 
     outer, why = warm.warm_parent(tmp_path / "state")
     assert outer is not None, why
@@ -184,7 +184,7 @@ def test_helpers_run_as_forks_of_the_warm_parent_with_their_output_and_exit_code
     assert (forked.returncode, forked.stderr.strip()) == (3, "to stderr"), forked
     report = json.loads(forked.stdout)
     assert report == {"argv": argv, "parent": outer.pid, "torch_loaded": True}
-    code = f"from pytest_fsdp_turbo.launching import warm; print(warm.run_module('helper_probe', {argv!r}, timeout_s=60, env={env!r}).stdout)"
+    code = f"from pytest_fsdp_turbo.processes import warm; print(warm.run_module('helper_probe', {argv!r}, timeout_s=60, env={env!r}).stdout)"
     inner = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(inner.stdout)["parent"] == outer.pid  # a descendant uses the same parent
     sibling = Path(sys.executable).with_name("python3")  # console scripts' shebang says python3
@@ -202,8 +202,8 @@ def test_helpers_run_as_forks_of_the_warm_parent_with_their_output_and_exit_code
 def test_every_xdist_worker_forks_from_the_controllers_one_warm_parent(fsdp_turbo_lease_book):
     """conftest.py: the controller starts one parent before the workers; a parent it started
     from a helper thread died with that thread, and every worker quietly started its own."""
-    from pytest_fsdp_turbo.launching.session_processes import session_processes
-    from pytest_fsdp_turbo.launching.warm import SharedWarmParent, warm_parent
+    from pytest_fsdp_turbo.processes.session_processes import session_processes
+    from pytest_fsdp_turbo.processes.warm import SharedWarmParent, warm_parent
 
     parent, why = warm_parent(fsdp_turbo_lease_book.state_dir)
     assert parent is session_processes().warm and isinstance(parent, SharedWarmParent), why
@@ -214,7 +214,7 @@ def test_a_fork_that_fails_setting_itself_up_ends_alone_and_the_parent_serves_on
     """A forked rank that fails before its own error handling (here a thread count that is not a
     number) exits 1 with the cause in its output; it never unwinds into the parent's server code,
     so the parent lives on, keeps its socket and serves the next fork."""
-    from pytest_fsdp_turbo.launching import warm
+    from pytest_fsdp_turbo.processes import warm
 
     outer, why = warm.warm_parent(tmp_path / "state")
     assert outer is not None, why
@@ -245,14 +245,14 @@ def test_a_stopped_warm_parent_costs_seconds_and_the_case_runs_on_spawned_ranks(
     """A warm parent that no longer answers (stopped with SIGSTOP here) is given up after the
     fork timeout: the case's ranks are spawned as fresh interpreters and it runs, saying why;
     the silent parent is never asked again."""
-    from pytest_fsdp_turbo.launching import warm
+    from pytest_fsdp_turbo.processes import warm
 
     monkeypatch.delenv(warm.SOCKET_VAR, raising=False)  # its own parent, not this session's
     pytester.makeini(f"[pytest]\nfsdp_turbo_cases = {REPO_CASES}\n")
     pytester.makepyfile(
         "import os, signal\n"
         "from pathlib import Path\n"
-        "from pytest_fsdp_turbo.launching import warm\n"
+        "from pytest_fsdp_turbo.processes import warm\n"
         "def test_stopped(ppo_run, fsdp_turbo_lease_book):\n"
         "    parent, why = warm.warm_parent(fsdp_turbo_lease_book.state_dir)\n"
         "    assert parent is not None and parent.fork_safe, why\n"

@@ -30,6 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pytest_fsdp_turbo.checks.check_sets import (
+    CHECK_SETS,
+    CheckSet,
+    check_set_of,
+    register_check_set,
+)
 from pytest_fsdp_turbo.checks.gradients import (
     check_grad_norm,
     check_gradient_parity,
@@ -87,6 +93,7 @@ from pytest_fsdp_turbo.checks.tolerances import (
     TWIN_SKETCH_TOL,
     WEIGHT_SYNC_TOL,
 )
+from pytest_fsdp_turbo.checks.trainer import TRAINER_CANNOT, TRAINER_CHECKS
 from pytest_fsdp_turbo.checks.verdicts import (
     FAILED,
     NOT_APPLICABLE,
@@ -95,14 +102,20 @@ from pytest_fsdp_turbo.checks.verdicts import (
     NotApplicable,
     Outcome,
     Verdict,
-    _lettered,
     check_completed,
     judge,
     judges,
 )
 from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.vocab import CaseKindName
 
 __all__ = [
+    "CHECK_SETS",
+    "TRAINER_CANNOT",
+    "TRAINER_CHECKS",
+    "CheckSet",
+    "check_set_of",
+    "register_check_set",
     "CheckFailure",
     "FAILED",
     "NOT_APPLICABLE",
@@ -188,24 +201,19 @@ def _parity(result: RunResult) -> None:
         raise NotApplicable("no reference, no twin declared")
 
 
-def evaluate(result: RunResult, budget_mb: float | None = None) -> Verdict:
-    """Every check that applies, without raising: what passed, what failed, what could not apply."""
-    from pytest_fsdp_turbo.checks import trainer
+register_check_set(CheckSet(CaseKindName.PPO_STEP, CHECKS))
 
-    if trainer.is_trainer_run(result):  # verl's own trainer: its checks, and what it cannot have
-        return trainer.evaluate(result)
+
+def evaluate(result: RunResult, budget_mb: float | None = None) -> Verdict:
+    """Every check of the run's kind, without raising: what passed, what failed, what could not
+    apply (and why)."""
     if budget_mb is None and (spec := result.spec()) is not None:
         budget_mb = spec.memory_budget_mb
-    outcomes = []
-    for letter, check in CHECKS:
-        try:
-            check(result, budget_mb)
-            outcomes.append(Outcome(letter, PASSED))
-        except NotApplicable as why:
-            outcomes.append(Outcome(letter, NOT_APPLICABLE, str(why)))
-        except CheckFailure as failure:
-            outcomes.append(Outcome(letter, FAILED, _lettered(letter, failure)))
-    return Verdict(tuple(outcomes))
+    try:
+        check_set = check_set_of(result)
+    except CheckFailure as unknown:
+        return Verdict((Outcome("kind", FAILED, str(unknown)),))
+    return check_set.evaluate(result, budget_mb)
 
 
 def check_all(result: RunResult, budget_mb: float | None = None) -> Verdict:

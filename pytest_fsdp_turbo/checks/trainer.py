@@ -16,33 +16,24 @@ missing measurement: a check that applies and finds its reading missing fails, n
 
 from __future__ import annotations
 
-from pytest_fsdp_turbo.checks import (
-    FAILED,
-    NORM_AGREEMENT_REL,
-    NOT_APPLICABLE,
-    PASSED,
-    CheckFailure,
-    Outcome,
-    Verdict,
-    check_grad_norm,
-    check_reduce_scatters,
-    check_retained_gradients,
-    declared,
-    judges,
-)
-from pytest_fsdp_turbo.checks.readings import GRAD_NORM, _rel
-from pytest_fsdp_turbo.checks.verdicts import _lettered
-from pytest_fsdp_turbo.trainer.readings import (
+from pytest_fsdp_turbo.checks.check_sets import CheckSet, register_check_set
+from pytest_fsdp_turbo.checks.gradients import check_grad_norm
+from pytest_fsdp_turbo.checks.readings import GRAD_NORM, _rel, declared
+from pytest_fsdp_turbo.checks.sync import check_reduce_scatters, check_retained_gradients
+from pytest_fsdp_turbo.checks.tolerances import NORM_AGREEMENT_REL
+from pytest_fsdp_turbo.checks.verdicts import CheckFailure, judges
+from pytest_fsdp_turbo.trainer_folder.readings import (
     VERL_GRAD_NORM,
     rank_readings,
     verl_step_metrics,
 )
-from pytest_fsdp_turbo.trainer.verl_config import declared as verl_declared
-from pytest_fsdp_turbo.trainer.verl_config import read_resolved
+from pytest_fsdp_turbo.trainer_folder.verl_config import declared as verl_declared
+from pytest_fsdp_turbo.trainer_folder.verl_config import read_resolved
 from pytest_fsdp_turbo_contract.artifacts import read_json
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+from pytest_fsdp_turbo_contract.vocab import CaseKindName
 
 # What a trainer run cannot have, and why (docs/verl.md says more). Short: the summary table shows them.
 TRAINER_CANNOT = {
@@ -55,10 +46,6 @@ TRAINER_CANNOT = {
     "k": "clip read only through the norm (a)",
     "l": "loss gradient inside verl's engine",
 }
-
-
-def is_trainer_run(result: RunResult) -> bool:
-    return TrainerFolder(result.artifacts_dir).spec.is_file()
 
 
 @judges("a")
@@ -146,20 +133,13 @@ def check_rollout_weights(result: RunResult) -> None:
             )
 
 
-TRAINER_CHECKS = (
-    ("a", check_trainer_grad_norm),
-    ("e", check_rollout_weights),
-    ("h", check_trainer_sync),
+TRAINER_CHECKS = CheckSet(
+    CaseKindName.VERL_TRAINER,
+    (
+        ("a", lambda r, _: check_trainer_grad_norm(r)),
+        ("e", lambda r, _: check_rollout_weights(r)),
+        ("h", lambda r, _: check_trainer_sync(r)),
+    ),
+    TRAINER_CANNOT,
 )
-
-
-def evaluate(result: RunResult) -> Verdict:
-    outcomes = []
-    for letter, check in TRAINER_CHECKS:
-        try:
-            check(result)
-            outcomes.append(Outcome(letter, PASSED))
-        except CheckFailure as failure:
-            outcomes.append(Outcome(letter, FAILED, _lettered(letter, failure)))
-    outcomes += [Outcome(letter, NOT_APPLICABLE, why) for letter, why in TRAINER_CANNOT.items()]
-    return Verdict(tuple(sorted(outcomes, key=lambda o: o.check)))
+register_check_set(TRAINER_CHECKS)

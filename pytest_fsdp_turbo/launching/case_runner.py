@@ -22,10 +22,10 @@ from pytest_fsdp_turbo.cases import (
     with_overrides,
 )
 from pytest_fsdp_turbo.devices import Accelerator
-from pytest_fsdp_turbo.launching.progress import Display
 from pytest_fsdp_turbo.launching.request import RunRequest, launcher_for, run_with_twin
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
+from pytest_fsdp_turbo.processes.progress import Display
 from pytest_fsdp_turbo.session import resolve_artifacts
 from pytest_fsdp_turbo.settings import Settings, launcher_named, resolve
 from pytest_fsdp_turbo.turbo.checkout import Checkout
@@ -55,6 +55,8 @@ class CaseRunner:
             case = case.case
         elif isinstance(case, str):
             case = self.cases().get(case)
+        if not isinstance(case, Case):
+            raise ConfigError(f"ppo_run: {case.id!r} is a trainer case; verl_trainer_run runs it")
         if not overrides:
             return case
         return with_overrides(case, overrides, engines, self.settings.tiny_models)

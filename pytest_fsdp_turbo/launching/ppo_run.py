@@ -76,7 +76,7 @@ def terminal_progress(config: pytest.Config):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return None
-    from pytest_fsdp_turbo.launching.progress import Display
+    from pytest_fsdp_turbo.processes.progress import Display
 
     settings = settings_of(config)
     share, quiet = settings.stall_share, settings.quiet_s

@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_fsdp_turbo.launching.session_processes import disown, own, session_processes
-from pytest_fsdp_turbo.launching.supervisor import WATCH_EVERY_S, collect_result, kill_pid_tree
+from pytest_fsdp_turbo.processes.session_processes import disown, own, session_processes
+from pytest_fsdp_turbo.processes.supervisor import WATCH_EVERY_S, collect_result, kill_pid_tree
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent

@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
 from pytest_fsdp_turbo.environ import node_env
 from pytest_fsdp_turbo.launching.shipping import Packed, moved, moved_search_path, pack, unpack
-from pytest_fsdp_turbo.launching.supervisor import (
+from pytest_fsdp_turbo.processes.supervisor import (
     CASE_TOKEN_VAR,
     LocalRank,
     rank_env,

@@ -21,10 +21,10 @@ from pytest_fsdp_turbo.environ import (
     collective_timeout_s,
     mask_secrets,
 )
-from pytest_fsdp_turbo.launching.progress import Display, Progress
-from pytest_fsdp_turbo.launching.supervisor import launch_local
 from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
+from pytest_fsdp_turbo.processes.progress import Display, Progress
+from pytest_fsdp_turbo.processes.supervisor import launch_local
 from pytest_fsdp_turbo.settings import HarnessEnv, RunEnv
 from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
@@ -290,7 +290,7 @@ def _warm_parent(book: LeaseBook, warm: bool):
     could not start."""
     if not warm:
         return None, []
-    from pytest_fsdp_turbo.launching.warm import warm_parent
+    from pytest_fsdp_turbo.processes.warm import warm_parent
 
     parent, why = warm_parent(book.state_dir)
     return parent, [] if parent is not None else [f"ranks spawned as fresh interpreters: {why}"]
@@ -315,7 +315,7 @@ def _leased(request: RunRequest, book: LeaseBook, timeout_s: float):
 def _launch_once(request: RunRequest, ids, ranges, port: int, parent, progress) -> RunResult:
     """One launch of the case's ranks on `port`, its environment kept in env.json."""
     case, out = request.case, request.artifacts_dir
-    from pytest_fsdp_turbo.launching.warm import WarmParentSilent
+    from pytest_fsdp_turbo.processes.warm import WarmParentSilent
 
     env = {**os.environ, **_env_overrides(request, ids, port, ranges)}
     RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))

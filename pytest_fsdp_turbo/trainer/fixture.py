@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_fsdp_turbo.cases import CaseParam, TrainerCase
 from pytest_fsdp_turbo.outcomes import fail_line, skip_or_fail
 from pytest_fsdp_turbo.report import artifact_name, note_run
-from pytest_fsdp_turbo.trainer.cases import TrainerCase, TrainerParam
 from pytest_fsdp_turbo.trainer.run import TrainerRunner
 from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
 from pytest_fsdp_turbo_contract.results import RunResult
@@ -20,14 +20,17 @@ class TrainerRun:
         self.request, self.runner, self.book, self.strict = request, runner, book, strict
         self.calls = 0
 
-    def __call__(self, case: TrainerParam | TrainerCase | str) -> RunResult:
-        if isinstance(case, TrainerParam):
-            case = case.case
+    def __call__(self, case: CaseParam | TrainerCase | str) -> RunResult:
+        given = case.case if isinstance(case, CaseParam) else case
         self.calls += 1
         name = artifact_name(self.request.node.nodeid)
         name += f"-{self.calls}" if self.calls > 1 else ""
         try:
-            resolved = self.book().get_trainer(case) if isinstance(case, str) else case
+            resolved = self.book().get_trainer(given) if isinstance(given, str) else given
+            if not isinstance(resolved, TrainerCase):
+                raise ConfigError(
+                    f"verl_trainer_run: {resolved.id!r} is an engine case; ppo_run runs it"
+                )
             result = self.runner.run(resolved, name)
         except Unavailable as why:
             skip_or_fail(self.strict, str(why))

@@ -19,13 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pytest_fsdp_turbo.cases.trainer_case import TrainerCase
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.settings import HarnessEnv
-from pytest_fsdp_turbo.trainer.cases import TrainerCase
-from pytest_fsdp_turbo.trainer.readings import write_rank_metrics
-from pytest_fsdp_turbo.trainer.verl_config import declared, read_resolved
+from pytest_fsdp_turbo.trainer_folder.readings import write_rank_metrics
+from pytest_fsdp_turbo.trainer_folder.verl_config import declared, read_resolved
 from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
 from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
 from pytest_fsdp_turbo_contract.results import RankResult, RunResult

@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_fsdp_turbo.private_dirs import private_dir
-from pytest_fsdp_turbo.turbo.checkout_request import (
+from pytest_fsdp_turbo.checkout_request import (
     _SCP_LIKE,
     CheckoutRequest,
     validate_ref,
     validate_repo,
 )
+from pytest_fsdp_turbo.private_dirs import private_dir
 from pytest_fsdp_turbo_contract.errors import CheckoutUnavailable, ConfigError
 
 PACKAGE = "fsdp_turbo"

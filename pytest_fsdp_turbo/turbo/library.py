@@ -103,7 +103,7 @@ def inspect(model_dir: Path | None, checkout: Path | None) -> Inspection:
 
 
 def _inspect_now(model_dir: Path | None, checkout: Path | None) -> dict:
-    from pytest_fsdp_turbo.launching.warm import run_module
+    from pytest_fsdp_turbo.processes.warm import run_module
 
     argv = []
     if model_dir is not None:

@@ -34,7 +34,7 @@ class SessionProcesses:
     """This process's long-lived helpers and every pid the leak guard leaves alone."""
 
     pids: dict[int, SessionProcess] = field(default_factory=dict)
-    warm: Any = None  # the warm parent's conversation (launching.warm), once there is one
+    warm: Any = None  # the warm parent's conversation (processes.warm), once there is one
     warm_refusal: str | None = None  # why ranks are spawned instead, once known
     warm_log_dir: Path | None = None  # where a replacement warm parent keeps its log
     ray: Any = None  # the Ray driver (launching.ray_driver), once started

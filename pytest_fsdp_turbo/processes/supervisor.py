@@ -262,7 +262,7 @@ def collect_result(
     outcome: tuple,
 ) -> RunResult:
     timed_out, first_failure, ends = outcome
-    from pytest_fsdp_turbo.launching.progress import write_timeline
+    from pytest_fsdp_turbo.processes.progress import write_timeline
 
     notes = []
     try:

@@ -10,7 +10,7 @@ import json
 import math
 from typing import Any
 
-from pytest_fsdp_turbo.trainer.verl_config import TrainerDeclared
+from pytest_fsdp_turbo.trainer_folder.verl_config import TrainerDeclared
 from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
 from pytest_fsdp_turbo_contract.records import (
     LossRecord,
@@ -24,7 +24,7 @@ from pytest_fsdp_turbo_contract.records import (
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
-from pytest_fsdp_turbo_contract.vocab import Dtype, Rollout
+from pytest_fsdp_turbo_contract.vocab import CaseKindName, Dtype, Rollout
 
 # verl's step metric -> (record type, field)
 FROM_VERL = {
@@ -97,6 +97,7 @@ def run_spec(declared: TrainerDeclared, spec: TrainerSpec, shard: int) -> RankSp
         timeout_s=spec.timeout_s,
         golden_tier=spec.golden_tier,
         golden_dtype=_dtype(declared.compute_dtype),
+        kind=CaseKindName.VERL_TRAINER,
     )
 
 
