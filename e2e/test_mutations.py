@@ -538,14 +538,14 @@ def test_check_catches_broken_engine(ppo_run, pytestconfig, mutant):
 
 
 def assert_green_without(result: RunResult, letter: str) -> None:
-    """check_all with one check deleted, as an edit to checks.CHECKS would delete it."""
-    kept = tuple(entry for entry in checks.CHECKS if entry[0] != letter)
-    original = checks.CHECKS
-    checks.CHECKS = kept
+    """check_all with one check deleted from the run's kind's check set, as an edit to it would."""
+    original = checks.check_set_of(result)
+    kept = tuple(entry for entry in original.checks if entry[0] != letter)
+    checks.register_check_set(dataclasses.replace(original, checks=kept))
     try:
         checks.check_all(result)
     finally:
-        checks.CHECKS = original
+        checks.register_check_set(original)
 
 
 def assert_policies_disagree(ppo_run, broken_deferred: RunResult) -> None:

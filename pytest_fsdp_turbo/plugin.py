@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,16 +29,22 @@ from pytest_fsdp_turbo.options import (
     MARKER_BY_KIND,
     OPTIONS,
     PENDING_ROWS,
-    SUMMARY_PROPERTY,
     env_given,
     ini_given,
     ini_values,
 )
 from pytest_fsdp_turbo.outcomes import fail_line
+from pytest_fsdp_turbo.parametrize import (
+    CASE_FIXTURE,
+    TRAINER_CASE_FIXTURE,
+    BrokenCaseFile,
+    case_param,
+    parametrize,
+    trainer_param,
+)
 from pytest_fsdp_turbo.session import (
     SETTINGS_KEY,
     accelerator_of,
-    cases_of,
     settings_of,
     strict_of,
 )
@@ -229,7 +233,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:  # no setup will run to say it: say it now
-        broken = (_case_param(item) for item in session.items)
+        broken = (case_param(item) for item in session.items)
         message = next((p.message for p in broken if isinstance(p, BrokenCaseFile)), None)
         if message:
             raise pytest.UsageError(message)
@@ -257,14 +261,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         raise pytest.UsageError(message)
 
 
-def _case_param(item: pytest.Item):
-    return getattr(getattr(item, "callspec", None), "params", {}).get(CASE_FIXTURE)
-
-
-def _trainer_param(item: pytest.Item):
-    return getattr(getattr(item, "callspec", None), "params", {}).get(TRAINER_CASE_FIXTURE)
-
-
 def _missing_for_selection(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
     """What the selected cases need that this environment lacks (packages, model folders), found
     at collection, before any case starts; the FSDPTurbo checkout is provisioned when a case
@@ -275,7 +271,7 @@ def _missing_for_selection(config: pytest.Config, items: list[pytest.Item]) -> l
     settings = settings_of(config)
     lines = []
     for item in items:
-        param = _case_param(item)
+        param = case_param(item)
         if param is None or isinstance(param, BrokenCaseFile) or _HARDWARE_SKIP in item.stash:
             continue
         needs = case_needs(param.case, param.kind)
@@ -287,7 +283,7 @@ def _missing_for_selection(config: pytest.Config, items: list[pytest.Item]) -> l
             except ModelUnavailable as exc:
                 lines.append(f"{param.id}: {exc}")
     for item in items:
-        trainer = _trainer_param(item)
+        trainer = trainer_param(item)
         if trainer is None or _HARDWARE_SKIP in item.stash:
             continue
         from pytest_fsdp_turbo.trainer.run import missing_needs
@@ -303,7 +299,7 @@ def _missing_for_selection(config: pytest.Config, items: list[pytest.Item]) -> l
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for param in (_case_param(item), _trainer_param(item)):
+    for param in (case_param(item), trainer_param(item)):
         if isinstance(param, BrokenCaseFile):
             fail_line(param.message)
     message = item.config.stash.get(_STRICT_BLOCK, None)
@@ -311,102 +307,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         fail_line(message)
 
 
-CASE_FIXTURE = "fsdp_turbo_case"
-TRAINER_CASE_FIXTURE = "fsdp_turbo_trainer_case"
-
-
-@dataclass(frozen=True)
-class BrokenCaseFile:
-    """The parameter a test that takes a case gets when the case file is invalid."""
-
-    message: str
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test that asks for `fsdp_turbo_case` runs once per case x device kind of the case file;
     one that asks for `fsdp_turbo_trainer_case`, once per trainer case x device kind."""
     for fixture in (CASE_FIXTURE, TRAINER_CASE_FIXTURE):
         if fixture in metafunc.fixturenames:
-            _parametrize(metafunc, fixture)
-
-
-def _case_marks(param) -> list[pytest.MarkDecorator]:
-    """What selects a case's test: e2e, its device kind, its devices, what it needs."""
-    from pytest_fsdp_turbo.cases import Case  # loaded with the case file, not at start-up
-
-    case, known = param.case, param.known_failure
-    common = [
-        pytest.mark.e2e,
-        getattr(pytest.mark, MARKER_BY_KIND[param.kind]),
-        pytest.mark.devices(param.ranks),
-        *([pytest.mark.xfail(strict=True, reason=known["reason"])] if known else []),
-    ]
-    if isinstance(case, Case):
-        return [
-            *common,
-            *([pytest.mark.vllm] if case.ppo.rollout == "vllm" else []),
-            *([pytest.mark.fsdp_turbo] if case.is_turbo else []),
-            *([pytest.mark.verl] if case.is_verl else []),
-        ]
-    return [  # verl's own trainer
-        *common,
-        pytest.mark.verl,
-        pytest.mark.verl_trainer,
-        *([pytest.mark.vllm] if case.rolls_out_with_vllm else []),
-    ]
-
-
-def _parametrize(metafunc: pytest.Metafunc, fixture: str) -> None:
-    try:
-        book = cases_of(metafunc.config)
-    except ConfigError as exc:
-        # the tests that take a case each fail with the one line at setup; every other test of
-        # the module and the session still runs, and any e2e selection keeps the error in view
-        broken = BrokenCaseFile(str(exc))
-        marks = [pytest.mark.e2e, *(getattr(pytest.mark, m) for m in KIND_BY_MARKER)]
-        metafunc.parametrize(fixture, [pytest.param(broken, id="case-file-error", marks=marks)])
-        return
-    params = book.params() if fixture == CASE_FIXTURE else book.trainer_params()
-    metafunc.parametrize(fixture, [pytest.param(p, id=p.id, marks=_case_marks(p)) for p in params])
-
-
-OUTCOME_RANK = {"passed": 0, "skipped": 1, "xfailed": 1, "failed": 2, "error": 3}
-
-
-def _first_cause(report) -> str:
-    """The first `check x:` line of a failed test's report (or its last line), cut short."""
-    import re
-
-    text = getattr(report, "longreprtext", "") or ""
-    found = re.search(r"check [a-z]: [^\n]*", text)
-    line = found.group(0) if found else (text.strip().splitlines() or [""])[-1]
-    return line[:60]
+            parametrize(metafunc, fixture)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """One row per run of each test (a test may run several cases), with the test's worst outcome
-    over setup, call and teardown: a run that passed and then errored in teardown is one "error"."""
-    runs: dict[tuple[str, int], dict] = {}
-    worst: dict[str, str] = {}
-    why: dict[str, str] = {}  # a failed test's first check message, in a few words
-    for outcome in OUTCOME_RANK:
-        for report in terminalreporter.stats.get(outcome, []):
-            nodeid = getattr(report, "nodeid", "")
-            if OUTCOME_RANK[outcome] > OUTCOME_RANK.get(worst.get(nodeid, "passed"), 0):
-                worst[nodeid] = outcome
-                why[nodeid] = _first_cause(report) if outcome in ("failed", "error") else ""
-            summaries = [
-                v for n, v in getattr(report, "user_properties", ()) if n == SUMMARY_PROPERTY
-            ]
-            for index, value in enumerate(summaries):
-                runs.setdefault((nodeid, index), json.loads(value))
-    if runs:
-        rows = [
-            (row, worst.get(nodeid, "passed"), why.get(nodeid, ""))
-            for (nodeid, _), row in runs.items()
-        ]
-        from pytest_fsdp_turbo.report import render_table
+    from pytest_fsdp_turbo.report import render_table, run_rows  # at the end: start stays light
 
+    rows = run_rows(terminalreporter.stats)
+    if rows:
         terminalreporter.write_sep("=", "fsdp-turbo e2e runs")
         for line in render_table(rows):
             terminalreporter.write_line(line)
@@ -420,7 +333,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 def _hold_to_its_known_failure(item: pytest.Item, call: pytest.CallInfo, report) -> None:
     """A case's known failure (case field known_failure) is expected only as itself: a test that
     failed otherwise is a failure, its own first line after the one it was expected to fail with."""
-    known = getattr(_case_param(item), "known_failure", None)  # none on a broken case file's
+    known = getattr(case_param(item), "known_failure", None)  # none on a broken case file's
     if not known or not hasattr(report, "wasxfail") or call.excinfo is None:
         return
     said = str(call.excinfo.value)

@@ -275,3 +275,36 @@ def read_case_artifacts(folder: Path) -> dict:
         metrics = read_json(path)  # a file cut short reads as missing, never a traceback
         ranks.append(metrics if isinstance(metrics, dict) else {})
     return {"spec": read_json(run.spec) or {}, "ranks": ranks}
+
+
+OUTCOME_RANK = {"passed": 0, "skipped": 1, "xfailed": 1, "failed": 2, "error": 3}
+
+
+def first_cause(report) -> str:
+    """The first `check x:` line of a failed test's report (or its last line), cut short."""
+    text = getattr(report, "longreprtext", "") or ""
+    found = re.search(r"check [a-z]: [^\n]*", text)
+    line = found.group(0) if found else (text.strip().splitlines() or [""])[-1]
+    return line[:60]
+
+
+def run_rows(stats: dict[str, list]) -> list[tuple[dict, str, str]]:
+    """One row per run of each test (a test may run several cases), with the test's worst outcome
+    over setup, call and teardown: a run that passed and then errored in teardown is one "error"."""
+    runs: dict[tuple[str, int], dict] = {}
+    worst: dict[str, str] = {}
+    why: dict[str, str] = {}  # a failed test's first check message, in a few words
+    for outcome in OUTCOME_RANK:
+        for report in stats.get(outcome, []):
+            nodeid = getattr(report, "nodeid", "")
+            if OUTCOME_RANK[outcome] > OUTCOME_RANK.get(worst.get(nodeid, "passed"), 0):
+                worst[nodeid] = outcome
+                why[nodeid] = first_cause(report) if outcome in ("failed", "error") else ""
+            summaries = [
+                v for n, v in getattr(report, "user_properties", ()) if n == SUMMARY_PROPERTY
+            ]
+            for index, value in enumerate(summaries):
+                runs.setdefault((nodeid, index), json.loads(value))
+    return [
+        (row, worst.get(nodeid, "passed"), why.get(nodeid, "")) for (nodeid, _), row in runs.items()
+    ]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_fsdp_turbo.checkout_request import CheckoutRequest, validate_ref, validate_repo
-from pytest_fsdp_turbo.options import DEFAULT_REPO, INI_DEFAULTS, OPTIONS, option_dest
+from pytest_fsdp_turbo.options import DEFAULT_REPO, INI_DEFAULTS, OPTIONS, RETIRED_ENV, option_dest
 from pytest_fsdp_turbo_contract.bounds import DAY_S, number_in, seconds
 from pytest_fsdp_turbo_contract.engines import GIVEN, INI, EngineCatalog, engine_catalog
 from pytest_fsdp_turbo_contract.errors import ConfigError
@@ -40,7 +40,6 @@ class HarnessEnv:
 
     state_dir: Path  # leases, warm parent and Ray driver logs
     no_fork: bool  # spawn every rank, never fork one from a warm parent
-    engine_modules: str  # engine catalog entries, comma-separated (README "Engines")
     cache_home: Path  # tiny models, inspections, cloned checkouts live below it
     warm_socket: str  # an ancestor session's warm parent, advertised to its descendants
     pythonpath: str  # the session's PYTHONPATH: the ranks get it after the case's paths
@@ -56,7 +55,6 @@ class HarnessEnv:
         return cls(
             state_dir=Path(state) if state else default_state,
             no_fork=env.get(Env.NO_FORK, "") not in ("", "0"),
-            engine_modules=env.get(Env.ENGINE_MODULES, ""),
             cache_home=Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache"),
             warm_socket=env.get(Env.WARM_SOCKET, ""),
             pythonpath=env.get("PYTHONPATH", ""),
@@ -161,15 +159,14 @@ class Settings:
     env_guard: bool = True  # ini fsdp_turbo_env_guard
 
     def engines(self, given: Iterable[str] = ()) -> EngineCatalog:
-        """The engine catalog a run announces: built-ins, entry points, the ini's entries,
-        `given` (ppo_run's engine_modules) and PYTEST_FSDP_TURBO_ENGINE_MODULES."""
-        variable = HarnessEnv.read().engine_modules
-        return engine_catalog([(INI, self.engine_modules), (GIVEN, given)], variable)
+        """The engine catalog a run announces: built-ins, entry points, the ini's entries and
+        `given` (ppo_run's engine_modules)."""
+        return engine_catalog([(INI, self.engine_modules), (GIVEN, given)])
 
 
 def default_engines() -> EngineCatalog:
-    """The catalog without the ini's or ppo_run's entries: built-ins, entry points, variable."""
-    return engine_catalog((), HarnessEnv.read().engine_modules)
+    """The catalog without the ini's or ppo_run's entries: built-ins and entry points."""
+    return engine_catalog()
 
 
 def resolve(
@@ -181,6 +178,9 @@ def resolve(
     """values: option dest -> value (None when not given); env, then the ini, fill the gaps.
     ini: key -> value as pytest's getini gives it (missing keys take their defaults)."""
     env = os.environ if env is None else env
+    for name, instead in RETIRED_ENV.items():
+        if env.get(name, ""):
+            raise ConfigError(f"{name} is no longer read; {instead}")
     ini = {**INI_DEFAULTS, **(ini or {})}
     raw: dict[str, Any] = {}
     origin: dict[str, str] = {}

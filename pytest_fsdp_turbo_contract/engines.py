@@ -1,8 +1,7 @@
 """The engine catalog: which module serves which backend, known without importing any engine.
 
 The pytest side builds it once (built-ins, the `pytest_fsdp_turbo.engines` entry points, the ini
-`fsdp_turbo_engine_modules`, ppo_run's `engine_modules` and PYTEST_FSDP_TURBO_ENGINE_MODULES), validates
-case backends against it and hands it to the ranks in their spec; the ranks import exactly what it
+`fsdp_turbo_engine_modules` and ppo_run's `engine_modules`), validates case backends against it and hands it to the ranks in their spec; the ranks import exactly what it
 names for the backend they run. An entry is `MODULE` or `BACKEND = MODULE [CAPABILITIES]`: a
 declared backend is known before any rank starts (a typo in a case is one line at collection), and so
 is what its engine can do (`Capability`: sp, turbo_config, packing, always_packs, own_loop, and the
@@ -20,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pytest_fsdp_turbo_contract.errors import ConfigError
-from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX, Capability, DeviceKind, Env
+from pytest_fsdp_turbo_contract.vocab import VERL_PREFIX, Capability, DeviceKind
 
 ENTRY_POINT_GROUP = "pytest_fsdp_turbo.engines"
 BACKEND_NAME = re.compile(r"[A-Za-z0-9_]+")
@@ -35,9 +34,9 @@ BUILT_IN = "built in"
 INI = "ini fsdp_turbo_engine_modules"
 GIVEN = "ppo_run engine_modules"
 ANNOUNCED_WHERE = (
-    f"engines are announced by the {ENTRY_POINT_GROUP} entry points, the ini "
-    f"fsdp_turbo_engine_modules or {Env.ENGINE_MODULES}; an entry point exists once the "
-    "repository declaring it is installed (pip install -e .)"
+    f"engines are announced by the {ENTRY_POINT_GROUP} entry points or the ini "
+    "fsdp_turbo_engine_modules; an entry point exists once the repository declaring it is "
+    "installed (pip install -e .)"
 )
 
 
@@ -168,25 +167,9 @@ class EngineCatalog:
         return cls((*BUILT_INS, *(EngineEntry.parse(t, "spec engine_modules") for t in texts)))
 
 
-def _entries_of(text: str) -> list[str]:
-    """Comma-separated entries, a comma inside an entry's [capabilities] not splitting it."""
-    entries, depth, current = [], 0, ""
-    for char in text:
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            entries.append(current)
-            current = ""
-        else:
-            current += char
-    return [*entries, current]
-
-
-def engine_catalog(
-    announced: Iterable[tuple[str, Iterable[str]]] = (), variable: str = ""
-) -> EngineCatalog:
+def engine_catalog(announced: Iterable[tuple[str, Iterable[str]]] = ()) -> EngineCatalog:
     """Built-ins, installed entry points (their name is the backend), then `announced`
-    ((origin, entries) pairs: the ini's, ppo_run's), then `variable`'s comma-separated entries
-    (PYTEST_FSDP_TURBO_ENGINE_MODULES, which the plugin's settings read)."""
+    ((origin, entries) pairs: the ini's, ppo_run's)."""
     from importlib import metadata
 
     entries = list(BUILT_INS)
@@ -194,8 +177,7 @@ def engine_catalog(
         where = f"entry point {point.name}"  # its module (an `:attr` is not ours to read), extras
         declared = f" [{', '.join(point.extras)}]" if point.extras else ""
         entries.append(EngineEntry.parse(f"{point.name} = {point.module}{declared}", where))
-    listed = [t for t in _entries_of(variable) if t.strip()]
-    for origin, texts in (*announced, (Env.ENGINE_MODULES, listed)):
+    for origin, texts in announced:
         entries += [EngineEntry.parse(t, origin) for t in texts if t.strip()]
     unique: dict[tuple[str, str | None], EngineEntry] = {}
     for entry in entries:  # announced twice: its first announcement, with both declarations

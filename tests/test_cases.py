@@ -302,7 +302,7 @@ def test_overrides_obey_the_case_rules_with_the_same_one_line_errors():
 def test_a_single_twin_differs_from_its_case_in_every_dimension_under_test():
     """Engine, world size, sharding, micro-batch split, SP and rollout: a bug tied to any of
     them cannot repeat in the replay that judges it."""
-    from pytest_fsdp_turbo.launching.request import twin_case
+    from pytest_fsdp_turbo.launching.twin import twin_case
 
     by_id = {c.id: c for c in load_cases(REPO / "e2e" / "cases.toml")}
     for case in (

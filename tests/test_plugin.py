@@ -161,6 +161,12 @@ def test_strict_from_env_and_passes_when_something_runs(pytester, no_gpu_path, m
             {"PYTEST_FSDP_TURBO_STRICT": "maybe"},
             "ERROR: PYTEST_FSDP_TURBO_STRICT: expected 1 or 0*",
         ),
+        (  # retired: refused, never silently ignored
+            [],
+            {"PYTEST_FSDP_TURBO_ENGINE_MODULES": "mine = my_engines"},
+            "ERROR: PYTEST_FSDP_TURBO_ENGINE_MODULES is no longer read; announce engines in the "
+            "ini fsdp_turbo_engine_modules (one entry a line)*",
+        ),
     ],
 )
 def test_bad_options_are_one_clear_line(pytester, monkeypatch, args, env, expected):

@@ -156,8 +156,10 @@ def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path
     import sys
 
     from pytest_fsdp_turbo.cases import load_cases
-    from pytest_fsdp_turbo_contract.engines import INI, engine_catalog
+    from pytest_fsdp_turbo.options import RETIRED_ENV
+    from pytest_fsdp_turbo_contract.engines import GIVEN, INI, engine_catalog
     from pytest_fsdp_turbo_contract.errors import ConfigError
+    from pytest_fsdp_turbo_contract.vocab import Env
 
     (tmp_path / "ini_engines_mod.py").write_text(
         "import torch  # never imported by the pytest process\n"
@@ -171,9 +173,9 @@ def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path
     declared = engine_catalog([(INI, ["ini_engine = ini_engines_mod"])])
     (case,) = load_cases(cases, engines=declared)
     assert case.engine.backend == "ini_engine" and "ini_engines_mod" not in sys.modules
-    variable = "ini_engine=ini_engines_mod"  # PYTEST_FSDP_TURBO_ENGINE_MODULES
-    assert load_cases(cases, engines=engine_catalog((), variable))[0].engine.backend == "ini_engine"
-    twice = engine_catalog([(INI, ["ini_engine = ini_engines_mod"])], variable)
+    given = (GIVEN, ["ini_engine=ini_engines_mod"])  # ppo_run's engine_modules
+    assert load_cases(cases, engines=engine_catalog([given]))[0].engine.backend == "ini_engine"
+    twice = engine_catalog([(INI, ["ini_engine = ini_engines_mod"]), given])
     (entry,) = [e for e in twice.entries if e.module == "ini_engines_mod"]  # announced once
     assert entry.where == INI  # by its first announcement
     bare = engine_catalog([(INI, ["ini_engines_mod"])])
@@ -183,7 +185,8 @@ def test_an_engine_declared_in_the_ini_is_a_backend_case_files_may_name(tmp_path
     message = str(unknown.value)
     assert "field 'backend': expected one of fsdp, fsdp_turbo" in message
     assert "got 'ini_engine'" in message and "\n" not in message
-    assert "the ini fsdp_turbo_engine_modules or PYTEST_FSDP_TURBO_ENGINE_MODULES" in message
+    assert "pytest_fsdp_turbo.engines entry points or the ini fsdp_turbo_engine_modules;" in message
+    assert Env.ENGINE_MODULES not in message and Env.ENGINE_MODULES in RETIRED_ENV  # refused
     with pytest.raises(ConfigError) as malformed:
         engine_catalog([(INI, ["my engines = x"])])
     assert str(malformed.value) == (
@@ -317,8 +320,7 @@ def test_what_a_case_asks_of_its_engine_is_read_from_the_catalog_entry(tmp_path)
         EngineEntry.parse("mine = mine.engine [warp_drive]", "ini")
     with pytest.raises(ConfigError, match=r"expected MODULE or BACKEND = MODULE"):
         EngineEntry.parse("mine.engine [sp]", "ini")  # a bare module declares no backend
-    variable = "mine = mine.engine [sp, packing],other.mod"  # the variable's value
-    listed = engine_catalog((), variable)
+    listed = engine_catalog([(INI, ["mine = mine.engine [sp, packing]", "other.mod"])])
     assert listed.capabilities("mine").capabilities == ("packing", "sp") and listed.is_open
     widened = engine_catalog([(INI, ["fsdp_turbo = extra.engine [npu]"])])
     assert widened.capabilities("fsdp_turbo").devices == {"cpu", "cuda", "npu"}  # built-in: all

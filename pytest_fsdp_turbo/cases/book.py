@@ -106,7 +106,7 @@ class CaseBook:
         raise ConfigError(f"{self.path}: no trainer case {case_id!r}; known: {known}")
 
     def all_ids(self) -> list[str]:
-        return [c.id for c in (*self.cases, *self.trainer_cases)]
+        return [c.id for c in self.cases] + [c.id for c in self.trainer_cases]
 
     def params(self) -> list[CaseParam]:
         return [CaseParam(case, kind) for case in self.cases for kind in case.devices]

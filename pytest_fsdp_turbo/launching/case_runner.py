@@ -22,7 +22,8 @@ from pytest_fsdp_turbo.cases import (
     with_overrides,
 )
 from pytest_fsdp_turbo.devices import Accelerator
-from pytest_fsdp_turbo.launching.request import RunRequest, launcher_for, run_with_twin
+from pytest_fsdp_turbo.launching.request import RunRequest, launcher_for
+from pytest_fsdp_turbo.launching.twin import run_with_twin
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
 from pytest_fsdp_turbo.processes.progress import Display

@@ -113,14 +113,19 @@ def _create_time(pid: int) -> float:
         return time.time()  # gone already: nothing of it to match later
 
 
-def reap_case(token: str, sessions: Mapping[int, float]) -> list[int]:
-    """Kill what a case left behind; the pids killed (nothing, for a case that cleaned up)."""
-    left = case_processes(token, sessions)
-    for proc in left:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(left, timeout=5)
-    return [proc.pid for proc in left]
+def reap_case(token: str, sessions: Mapping[int, float], grace_s: float = 0.0) -> list[int]:
+    """Kill what a case left behind; the pids killed (nothing, for a case that cleaned up). With
+    `grace_s`, each is asked to end first (a trainer's Ray daemons and vLLM servers clean up their
+    files on SIGTERM) and killed when it has not after that long."""
+    found = left = case_processes(token, sessions)
+    for signal_name in ("terminate", "kill") if grace_s > 0 else ("kill",):
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                getattr(proc, signal_name)()
+        _, left = psutil.wait_procs(left, timeout=grace_s if signal_name == "terminate" else 5)
+        if not left:
+            break
+    return [proc.pid for proc in found]
 
 
 def kill_trees(children: Sequence[subprocess.Popen]) -> None:

@@ -11,10 +11,10 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ from pytest_fsdp_turbo.cases.trainer_case import TrainerCase
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
 from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.processes.supervisor import CASE_TOKEN_VAR, LocalRank, reap_case, supervise
 from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo.trainer_folder.readings import write_rank_metrics
 from pytest_fsdp_turbo.trainer_folder.verl_config import declared, read_resolved
@@ -43,7 +44,7 @@ NEEDS = {
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 KILL_GRACE_S = 10.0
 PROGRESS_POLL_S = 2.0
-PROGRESS_S = 15.0  # at most one progress line this often
+PROGRESS_S = 30.0  # at least one progress line this often, and one on every change
 
 
 def missing_needs() -> list[str]:
@@ -150,49 +151,46 @@ class TrainerRunner:
     def _launch(
         self, case: TrainerCase, spec: TrainerSpec, out: Path, worker_env: dict
     ) -> RunResult:
+        """verl's trainer as one supervised process tree: started, followed, stopped at the
+        case's timeout (its stacks dumped into trainer.log), and reaped whole (the entry, Ray's
+        daemons, every actor, vLLM's engine cores: each carries the case's token)."""
         folder = TrainerFolder(out)
         spec.write(folder.spec)
+        token = f"{os.getpid()}-{uuid.uuid4().hex}"
         env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
         env.update(case.env)
         env.update(worker_env)
         env[RUN_DIR_VARIABLE] = str(out)
+        env[CASE_TOKEN_VAR] = token
         paths = [*self.pythonpath, HarnessEnv.read().pythonpath]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
         start = time.monotonic()
-        timed_out = False
-        with open(folder.log, "wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", ENTRY_MODULE, str(out)],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            code, timed_out = self._wait(case, process, folder, start)
-        end_run(out, process)
+        trainer = LocalRank(0, [sys.executable, "-m", ENTRY_MODULE, str(out)], env, folder.log)
+        try:
+            timed_out, _, _ = supervise([trainer], case.timeout, watch=self._watch(case, folder))
+        finally:
+            reap_case(token, {trainer.pid: trainer.started}, grace_s=KILL_GRACE_S)
         duration = time.monotonic() - start
         keep_actor_logs(Path(spec.ray_temp_dir), folder)
-        return read_run(case, spec, out, code, duration, timed_out)
+        return read_run(case, spec, out, trainer.poll(), duration, timed_out)
 
-    def _wait(
-        self, case: TrainerCase, process: subprocess.Popen, folder: TrainerFolder, start: float
-    ) -> tuple[int | None, bool]:
-        """The trainer's exit code (None: it ran past the case's timeout), saying what the observer
-        has seen so far whenever that changes, at most every PROGRESS_S."""
-        shown, said_at = "", 0.0
-        while True:
-            try:
-                return process.wait(timeout=PROGRESS_POLL_S), False
-            except subprocess.TimeoutExpired:
-                elapsed = time.monotonic() - start
-                if elapsed > case.timeout:
-                    return None, True
-                seen = progress_line(folder, case.world_size)
-                if self.say and seen != shown and elapsed - said_at >= PROGRESS_S:
-                    self.say(f"trainer case {case.id}: {elapsed:.0f}s: {seen}")
-                    shown, said_at = seen, elapsed
+    def _watch(self, case: TrainerCase, folder: TrainerFolder) -> Callable[[float], None]:
+        """What the observer has seen so far, said when it changes and at least every
+        PROGRESS_S, so a log that is no terminal is never silent for long."""
+        shown, said_at, read_at = "", 0.0, 0.0
+
+        def watch(elapsed: float) -> None:
+            nonlocal shown, said_at, read_at
+            if elapsed - read_at < PROGRESS_POLL_S:
+                return
+            read_at = elapsed
+            seen = progress_line(folder, case.world_size)
+            if self.say and (seen != shown or elapsed - said_at >= PROGRESS_S):
+                self.say(f"trainer case {case.id}: {elapsed:.0f}s: {seen}")
+                shown, said_at = seen, elapsed
+
+        return watch
 
 
 def progress_line(folder: TrainerFolder, world_size: int) -> str:
@@ -205,34 +203,6 @@ def progress_line(folder: TrainerFolder, world_size: int) -> str:
         f"{stepped}/{world_size} ranks past the optimizer step; "
         f"{len(pushes)} rollout replica(s), weight pushes {pushes}"
     )
-
-
-def end_run(out: Path, process: subprocess.Popen) -> None:
-    """Every process of the run (the entry, Ray's daemons, every actor, vLLM's engine cores: each
-    carries the run folder in its environment) is ended, gently first."""
-    import psutil
-
-    def ours() -> list[psutil.Process]:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.environ().get(RUN_DIR_VARIABLE) == str(out):
-                    found.append(proc)
-            except (psutil.Error, OSError):
-                continue
-        return found
-
-    for signal_name in ("terminate", "kill"):
-        procs = ours()
-        if process.poll() is None:
-            procs.append(psutil.Process(process.pid))
-        if not procs:
-            break
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                getattr(proc, signal_name)()
-        psutil.wait_procs(procs, timeout=KILL_GRACE_S)
-    process.poll()
 
 
 def keep_actor_logs(ray_tmp: Path, folder: TrainerFolder) -> None:

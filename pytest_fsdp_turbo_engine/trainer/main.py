@@ -6,8 +6,10 @@ cpu.py. The case's placeholders ({model}, {data}, {reward}) are filled here."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import runpy
+import signal
 import sys
 from pathlib import Path
 
@@ -64,6 +66,7 @@ def external_modules(spec: TrainerSpec) -> str:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the supervisor's stack dump
     folder = TrainerFolder(Path(sys.argv[1]).resolve())
     spec = TrainerSpec.read(folder.spec)
     os.environ[RUN_DIR_VARIABLE] = str(folder.path)
