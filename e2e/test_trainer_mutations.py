@@ -21,7 +21,7 @@ MODULE = "e2e.broken_trainer_engines"
 
 
 def _broken(verl_trainer_run, request, case_id: str, bug: str):
-    from pytest_fsdp_turbo.session import cases_of
+    from pytest_fsdp_turbo.kinds.registry import cases_of
 
     case = cases_of(request.config).get_trainer(case_id)
     broken = dataclasses.replace(

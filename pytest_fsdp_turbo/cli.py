@@ -154,14 +154,14 @@ def doctor(args: argparse.Namespace) -> int:
 def _known_bad_cases(settings) -> None:
     """Cases this stack is known to crash on, said before any runs (not fatal: a case may declare
     it as its known_failure)."""
+    from pytest_fsdp_turbo.kinds.registry import standalone_book
     from pytest_fsdp_turbo.known_bad import idle_unit_crashes
-    from pytest_fsdp_turbo.launching.case_runner import standalone_cases
 
     torch = _version("torch")
     if torch == "not installed":
         return
     try:
-        cases = standalone_cases(settings).cases
+        cases = standalone_book(settings).cases
     except (ConfigError, OSError):
         return  # the case file's own problem is said where it is read
     for line in idle_unit_crashes(cases, torch):
@@ -234,7 +234,7 @@ def config(args: argparse.Namespace) -> int:
     checkout, validated against its schema: one line per problem on stderr, exit 1."""
     import json
 
-    from pytest_fsdp_turbo.launching.case_runner import standalone_cases
+    from pytest_fsdp_turbo.kinds.registry import standalone_book
     from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
     from pytest_fsdp_turbo.turbo.library import TurboConfigProblems, inspect, turbo_config_for
     from pytest_fsdp_turbo_contract.turbo_config import resolved_targets
@@ -246,7 +246,7 @@ def config(args: argparse.Namespace) -> int:
             "fsdp_turbo_models": args.fsdp_turbo_models,
         }
     )
-    book = standalone_cases(settings)
+    book = standalone_book(settings)
     if any(c.id == args.case_id for c in book.trainer_cases):
         return _trainer_config(book.get_trainer(args.case_id))
     case = book.get(args.case_id)
@@ -306,11 +306,11 @@ def _trainer_config(case) -> int:
 
 def _describe_trainer_cases(settings) -> None:
     """Each trainer case's sync policy as verl's own config resolves it."""
-    from pytest_fsdp_turbo.launching.case_runner import standalone_cases
+    from pytest_fsdp_turbo.kinds.registry import standalone_book
     from pytest_fsdp_turbo.trainer_folder.verl_config import resolve_case
 
     try:
-        book = standalone_cases(settings)
+        book = standalone_book(settings)
     except ConfigError:
         return  # the case line above says what is wrong with the file
     for case in book.trainer_cases:

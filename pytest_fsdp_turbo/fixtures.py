@@ -14,7 +14,6 @@ from pytest_fsdp_turbo.outcomes import fail_line
 from pytest_fsdp_turbo.session import (
     accelerator_of,
     artifacts_root,
-    cases_of,
     goldens_dir,
     settings_of,
 )
@@ -31,6 +30,7 @@ if TYPE_CHECKING:  # the heavier modules load on first use, so installing the pl
     from pytest_fsdp_turbo.leases import DeviceLease, LeaseBook
     from pytest_fsdp_turbo.trainer.fixture import TrainerRun
     from pytest_fsdp_turbo.turbo.checkout import Checkout
+    from pytest_fsdp_turbo_contract.results import RunResult
 
 
 ENV_GUARD_INI = "fsdp_turbo_env_guard"
@@ -236,6 +236,7 @@ def ppo_run(
     vLLM, verl, FSDPTurbo checkout or its torch range) skips, and fails under --fsdp-turbo-strict,
     naming what was looked for.
     """
+    from pytest_fsdp_turbo.kinds.registry import cases_of  # the case machinery, on first use
     from pytest_fsdp_turbo.launching.case_runner import CaseRunner
     from pytest_fsdp_turbo.launching.ppo_run import PPORun, terminal_progress
 
@@ -264,6 +265,7 @@ def verl_trainer_run(
     -> the run of verl's own `main_ppo` for one step, observed by the harness. It does not assert:
     `pytest_fsdp_turbo.checks.check_all(result)` judges it. Skips (fails under strict) where verl,
     vLLM or the model cannot be had, naming what was looked for."""
+    from pytest_fsdp_turbo.kinds.registry import cases_of  # the case machinery, on first use
     from pytest_fsdp_turbo.trainer.fixture import TrainerRun, progress_lines
     from pytest_fsdp_turbo.trainer.run import TrainerRunner
 
@@ -279,6 +281,28 @@ def verl_trainer_run(
         say=progress_lines(config),
     )
     return TrainerRun(request, runner, lambda: cases_of(config), settings.strict)
+
+
+@pytest.fixture
+def fsdp_turbo_run(request: pytest.FixtureRequest) -> Callable[..., RunResult]:
+    """Factory: a case of any kind (its test parameter, the case, or its id) plus its kind's
+    options -> the run's result, through the case's kind (`ppo_run` for the harness's own step,
+    `verl_trainer_run` for verl's trainer, or a downstream kind's own run). It does not assert:
+    `pytest_fsdp_turbo.checks.check_all(result)` judges it by the checks of its kind."""
+    from pytest_fsdp_turbo.cases import CaseParam
+    from pytest_fsdp_turbo.kinds.registry import cases_of, kind_of
+
+    def run(case, **options) -> RunResult:
+        if isinstance(case, CaseParam):
+            case = case.case
+        elif isinstance(case, str):
+            try:
+                case = cases_of(request.config).find(case)
+            except ConfigError as exc:
+                fail_line(str(exc))
+        return kind_of(case).run(request, case, **options)
+
+    return run
 
 
 @pytest.fixture

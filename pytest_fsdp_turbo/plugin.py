@@ -17,6 +17,7 @@ from pytest_fsdp_turbo.fixtures import (  # noqa: F401
     fsdp_turbo_env_guard,
     fsdp_turbo_golden,
     fsdp_turbo_lease_book,
+    fsdp_turbo_run,
     no_leaked_processes,
     ppo_run,
     ray_cluster,
@@ -34,14 +35,7 @@ from pytest_fsdp_turbo.options import (
     ini_values,
 )
 from pytest_fsdp_turbo.outcomes import fail_line
-from pytest_fsdp_turbo.parametrize import (
-    CASE_FIXTURE,
-    TRAINER_CASE_FIXTURE,
-    BrokenCaseFile,
-    case_param,
-    parametrize,
-    trainer_param,
-)
+from pytest_fsdp_turbo.parametrize import BrokenCaseFile, case_params, parametrize
 from pytest_fsdp_turbo.session import (
     SETTINGS_KEY,
     accelerator_of,
@@ -233,7 +227,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:  # no setup will run to say it: say it now
-        broken = (case_param(item) for item in session.items)
+        broken = (p for item in session.items for p in case_params(item))
         message = next((p.message for p in broken if isinstance(p, BrokenCaseFile)), None)
         if message:
             raise pytest.UsageError(message)
@@ -263,43 +257,25 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def _missing_for_selection(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
     """What the selected cases need that this environment lacks (packages, model folders), found
-    at collection, before any case starts; the FSDPTurbo checkout is provisioned when a case
-    first asks for it (`pytest-fsdp-turbo doctor --clone` checks it ahead)."""
-    from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir
-    from pytest_fsdp_turbo.needs import case_needs, missing_packages
+    at collection by each case's kind, before any case starts; the FSDPTurbo checkout is
+    provisioned when a case first asks for it (`pytest-fsdp-turbo doctor --clone` checks it)."""
+    from pytest_fsdp_turbo.kinds.registry import kind_of  # loaded with the case file
 
     settings = settings_of(config)
     lines = []
     for item in items:
-        param = case_param(item)
-        if param is None or isinstance(param, BrokenCaseFile) or _HARDWARE_SKIP in item.stash:
+        if _HARDWARE_SKIP in item.stash:
             continue
-        needs = case_needs(param.case, param.kind)
-        for need in missing_packages(needs):
-            lines.append(f"{param.id}: {need.reason} needs {need.name}: {need.hint}")
-        for need in (n for n in needs if n.kind == "model"):
-            try:
-                local_model_dir(need.name, settings.models)
-            except ModelUnavailable as exc:
-                lines.append(f"{param.id}: {exc}")
-    for item in items:
-        trainer = trainer_param(item)
-        if trainer is None or _HARDWARE_SKIP in item.stash:
-            continue
-        from pytest_fsdp_turbo.trainer.run import missing_needs
-
-        lines += [f"{trainer.id}: verl's trainer needs {need}" for need in missing_needs()]
-        if not trainer.case.is_tiny:
-            try:
-                local_model_dir(trainer.case.model, settings.models)
-            except ModelUnavailable as exc:
-                lines.append(f"{trainer.id}: {exc}")
+        for param in case_params(item):
+            if not isinstance(param, BrokenCaseFile):
+                missing = kind_of(param.case).missing(param.case, param.kind, settings)
+                lines += [f"{param.id}: {line}" for line in missing]
     return lines
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for param in (case_param(item), trainer_param(item)):
+    for param in case_params(item):
         if isinstance(param, BrokenCaseFile):
             fail_line(param.message)
     message = item.config.stash.get(_STRICT_BLOCK, None)
@@ -308,11 +284,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """A test that asks for `fsdp_turbo_case` runs once per case x device kind of the case file;
-    one that asks for `fsdp_turbo_trainer_case`, once per trainer case x device kind."""
-    for fixture in (CASE_FIXTURE, TRAINER_CASE_FIXTURE):
-        if fixture in metafunc.fixturenames:
-            parametrize(metafunc, fixture)
+    """A test that asks for a case kind's parameter (`fsdp_turbo_case`: the harness's own step;
+    `fsdp_turbo_trainer_case`: verl's trainer) runs once per case x device kind of that kind."""
+    parametrize(metafunc)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -333,7 +307,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 def _hold_to_its_known_failure(item: pytest.Item, call: pytest.CallInfo, report) -> None:
     """A case's known failure (case field known_failure) is expected only as itself: a test that
     failed otherwise is a failure, its own first line after the one it was expected to fail with."""
-    known = getattr(case_param(item), "known_failure", None)  # none on a broken case file's
+    params = case_params(item)
+    known = getattr(params[0], "known_failure", None) if params else None  # none when broken
     if not known or not hasattr(report, "wasxfail") or call.excinfo is None:
         return
     said = str(call.excinfo.value)

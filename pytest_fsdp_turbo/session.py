@@ -8,14 +8,12 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_fsdp_turbo.cases import CaseBook
     from pytest_fsdp_turbo.devices import Accelerator
     from pytest_fsdp_turbo.settings import Settings
 
 DEFAULT_ARTIFACTS = "fsdp-turbo-artifacts"
 SETTINGS_KEY = pytest.StashKey["Settings"]()
 ACCELERATOR_KEY = pytest.StashKey["Accelerator"]()
-CASES_KEY = pytest.StashKey["CaseBook"]()
 
 
 def settings_of(config: pytest.Config) -> Settings:
@@ -60,19 +58,6 @@ def cases_path(config: pytest.Config) -> Path:
     from pytest_fsdp_turbo.cases import DEFAULT_CASES  # the case machinery loads on first use
 
     return settings_of(config).cases or config.rootpath / DEFAULT_CASES
-
-
-def cases_of(config: pytest.Config) -> CaseBook:
-    """The case file, loaded and validated once per session (ConfigError on bad input)."""
-    if CASES_KEY not in config.stash:
-        from pytest_fsdp_turbo.cases import load_book
-
-        path = cases_path(config)
-        settings = settings_of(config)
-        config.stash[CASES_KEY] = load_book(
-            path, engines=settings.engines(), tiny_models=settings.tiny_models
-        )
-    return config.stash[CASES_KEY]
 
 
 def artifacts_root(config: pytest.Config) -> Path:

@@ -128,7 +128,7 @@ def test_repository_matrix_is_valid_and_complete():
         ("npu",),
     )
     assert migration.twin_kind() == "single"
-    ids = [p.id for p in CaseBook(Path("x"), cases).params()]
+    ids = [p.id for p in CaseBook(Path("x"), {"ppo_step": cases}).params()]
     assert "tiny-qwen3_5-fsdp2-deferred-cpu" in ids and "qwen3_5-2b-fsdp_turbo-fsdp4-sp2-npu" in ids
 
 

@@ -212,6 +212,7 @@ START_UP_MODULES = {
     "pytest_fsdp_turbo.session",
     "pytest_fsdp_turbo.fixtures",
     "pytest_fsdp_turbo.plugin",
+    "pytest_fsdp_turbo.parametrize",  # the collection hook's half of plugin.py, as light
 }
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from pytest_fsdp_turbo import checks
-from pytest_fsdp_turbo.cases import load_book
 from pytest_fsdp_turbo.cases.trainer_case import TrainerCase, overrides_of_script
+from pytest_fsdp_turbo.kinds.registry import load_book
 from pytest_fsdp_turbo.trainer.run import first_cause, read_run
 from pytest_fsdp_turbo.trainer_folder.verl_config import SYNC_FLAG, declared
 from pytest_fsdp_turbo_contract.errors import ConfigError

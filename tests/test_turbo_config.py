@@ -44,7 +44,9 @@ MODULE_PATCH = [
 
 @pytest.fixture
 def book():
-    return CaseBook(REPO / "e2e" / "cases.toml", load_cases(REPO / "e2e" / "cases.toml"))
+    return CaseBook(
+        REPO / "e2e" / "cases.toml", {"ppo_step": load_cases(REPO / "e2e" / "cases.toml")}
+    )
 
 
 def test_npu_sp2_case_in_the_newest_layout(book):

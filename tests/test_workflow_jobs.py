@@ -24,7 +24,8 @@ from _pytest.mark.expression import Expression
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from pytest_fsdp_turbo.cases import load_book, load_cases
+from pytest_fsdp_turbo.cases import load_cases
+from pytest_fsdp_turbo.kinds.registry import load_book
 from pytest_fsdp_turbo.needs import case_needs
 from pytest_fsdp_turbo.turbo.library import DOCUMENTED_TORCH
 

@@ -6,9 +6,10 @@ from pytest_fsdp_turbo.cases.book import (
     DEFAULT_CASES,
     CaseBook,
     CaseParam,
+    ReadContext,
     find_case,
-    load_book,
     load_cases,
+    read_book,
 )
 from pytest_fsdp_turbo.cases.engine_case import (
     _FIELDS,
@@ -54,7 +55,8 @@ __all__ = [
     "case_keys",
     "engine_module_source",
     "find_case",
-    "load_book",
+    "ReadContext",
+    "read_book",
     "load_cases",
     "prompt_count",
     "tiny_spec_dirs",

@@ -4,19 +4,27 @@ its device kinds one test parameter. Torch-free."""
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
-from pytest_fsdp_turbo.cases.engine_case import TABLE as CASE_TABLE
-from pytest_fsdp_turbo.cases.engine_case import Case, validate_case
+from pytest_fsdp_turbo.cases.engine_case import Case, read_table
 from pytest_fsdp_turbo.cases.lookup import FIXTURES_DIR, tiny_specs
-from pytest_fsdp_turbo.cases.trainer_case import TABLE as TRAINER_TABLE
-from pytest_fsdp_turbo.cases.trainer_case import TrainerCase, trainer_cases
+from pytest_fsdp_turbo.cases.trainer_case import TrainerCase
 from pytest_fsdp_turbo_contract.engines import EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.vocab import CaseKindName
 
 DEFAULT_CASES = Path("e2e") / "cases.toml"  # under the rootdir, unless an option or ini names one
-TABLES = (CASE_TABLE, TRAINER_TABLE)
+
+
+@dataclass(frozen=True)
+class ReadContext:
+    """What reading any kind's table needs: the tiny model specs known, the engine catalog."""
+
+    specs: list[str]
+    engines: EngineCatalog | None = None
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,7 @@ class CaseParam:
         return self.case.known_failure.get(self.kind)
 
 
-def _read_toml(path: Path) -> dict:
+def read_toml(path: Path) -> dict:
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "does not exist"
         raise ConfigError(f"--fsdp-turbo-cases / fsdp_turbo_cases: case file {path} {what}")
@@ -53,28 +61,6 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: a value nested deeper than a case file needs") from None
 
 
-def _engine_cases(
-    data: dict, path: Path, specs: list[str], engines: EngineCatalog | None
-) -> list[Case]:
-    rows = data.get(CASE_TABLE, [])
-    if not isinstance(rows, list) or not (rows or data.get(TRAINER_TABLE)):
-        raise ConfigError(f"{path}: expected one or more [[case]] or [[trainer_case]] tables")
-    defaults = data.get("defaults", {})
-    if not isinstance(defaults, dict):
-        raise ConfigError(f"{path}: [defaults] must be a table")
-    cases: list[Case] = []
-    for row in rows:
-        if not isinstance(row, dict):
-            raise ConfigError(f"{path}: every [[case]] entry must be a table")
-        case = validate_case({**defaults, **row}, path, specs, engines)
-        if case.id in {c.id for c in cases}:
-            raise ConfigError(
-                f"{path}: case {case.id!r}: field 'id': expected a unique id; got a duplicate"
-            )
-        cases.append(case)
-    return cases
-
-
 def load_cases(
     path: Path,
     fixtures_dir: Path = FIXTURES_DIR,
@@ -83,17 +69,23 @@ def load_cases(
 ) -> list[Case]:
     """The case file's engine cases, every one validated; backends may be any engine the catalog
     announces."""
-    return _engine_cases(_read_toml(path), path, tiny_specs(tiny_models, fixtures_dir), engines)
+    context = ReadContext(tiny_specs(tiny_models, fixtures_dir), engines)
+    return read_table(read_toml(path), path, context)
 
 
 class CaseBook:
-    """The loaded case file, looked up by id: engine cases and verl trainer cases."""
+    """The loaded case file, looked up by id: each kind's cases (kind name -> its cases)."""
 
-    def __init__(
-        self, path: Path, cases: list[Case], trainer_cases: list[TrainerCase] | None = None
-    ):
-        self.path, self.cases = path, cases
-        self.trainer_cases = trainer_cases or []
+    def __init__(self, path: Path, by_kind: dict[str, list]):
+        self.path, self.by_kind = path, by_kind
+
+    @property
+    def cases(self) -> list[Case]:  # the harness's own PPO step's
+        return self.by_kind.get(CaseKindName.PPO_STEP, [])
+
+    @property
+    def trainer_cases(self) -> list[TrainerCase]:  # verl's trainer's
+        return self.by_kind.get(CaseKindName.VERL_TRAINER, [])
 
     def get(self, case_id: str) -> Case:
         return find_case(self.cases, case_id, self.path)
@@ -105,34 +97,56 @@ class CaseBook:
         known = ", ".join(c.id for c in self.trainer_cases) or "none"
         raise ConfigError(f"{self.path}: no trainer case {case_id!r}; known: {known}")
 
-    def all_ids(self) -> list[str]:
-        return [c.id for c in self.cases] + [c.id for c in self.trainer_cases]
+    def find(self, case_id: str) -> Any:
+        """The case of any kind with this id."""
+        for cases in self.by_kind.values():
+            for case in cases:
+                if case.id == case_id:
+                    return case
+        raise ConfigError(
+            f"{self.path}: no case {case_id!r}; known: {', '.join(self.all_ids()) or 'none'}"
+        )
 
-    def params(self) -> list[CaseParam]:
-        return [CaseParam(case, kind) for case in self.cases for kind in case.devices]
+    def all_ids(self) -> list[str]:
+        return [case.id for cases in self.by_kind.values() for case in cases]
+
+    def params(self, kind: str = CaseKindName.PPO_STEP) -> list[CaseParam]:
+        """Each case of `kind` on each of its device kinds."""
+        return [CaseParam(case, dev) for case in self.by_kind.get(kind, []) for dev in case.devices]
 
     def trainer_params(self) -> list[CaseParam]:
-        return [CaseParam(case, kind) for case in self.trainer_cases for kind in case.devices]
+        return self.params(CaseKindName.VERL_TRAINER)
 
 
-def load_book(
-    path: Path,
-    fixtures_dir: Path = FIXTURES_DIR,
-    engines: EngineCatalog | None = None,
-    tiny_models: Path | None = None,
-) -> CaseBook:
-    """The case file's engine cases and trainer cases; an id names one case across both."""
-    data = _read_toml(path)
-    specs = tiny_specs(tiny_models, fixtures_dir)
-    cases = _engine_cases(data, path, specs, engines)
-    trainers = trainer_cases(data, path, specs)
-    clash = {c.id for c in cases} & {c.id for c in trainers}
-    if clash:
+class TableKind(Protocol):
+    """What the book needs of a case kind: its name, its table, and its reader."""
+
+    name: str
+    table: str
+
+    def read(self, data: dict, path: Path, context: ReadContext) -> list[Any]: ...
+
+
+def read_book(path: Path, kinds: Sequence[TableKind], context: ReadContext) -> CaseBook:
+    """The case file, every kind's table read by its kind; an id names one case across all."""
+    data = read_toml(path)
+    tables = [kind.table for kind in kinds]
+    if not any(data.get(table) for table in tables):
         raise ConfigError(
-            f"{path}: trainer case {sorted(clash)[0]!r}: field 'id': expected an id no [[case]] "
-            "uses; got a duplicate"
+            f"{path}: expected one or more " + " or ".join(f"[[{t}]]" for t in tables) + " tables"
         )
-    return CaseBook(path, cases, trainers)
+    by_kind: dict[str, list] = {}
+    seen: dict[str, str] = {}
+    for kind in kinds:
+        by_kind[kind.name] = kind.read(data, path, context)
+        for case in by_kind[kind.name]:
+            if case.id in seen:
+                raise ConfigError(
+                    f"{path}: [[{kind.table}]] {case.id!r}: field 'id': expected an id no "
+                    f"[[{seen[case.id]}]] uses; got a duplicate"
+                )
+            seen[case.id] = kind.table
+    return CaseBook(path, by_kind)
 
 
 def find_case(cases: list[Case], case_id: str, path: Path) -> Case:

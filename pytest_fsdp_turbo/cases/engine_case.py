@@ -8,7 +8,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_fsdp_turbo.cases.lookup import PROMPT_SET, prompt_count, tiny_specs
 from pytest_fsdp_turbo.cases.table import (
@@ -36,6 +36,9 @@ from pytest_fsdp_turbo_contract.vocab import (
     SyncPolicy,
     TwinKind,
 )
+
+if TYPE_CHECKING:
+    from pytest_fsdp_turbo.cases.book import ReadContext
 
 TABLE = "case"
 KINDS = tuple(DeviceKind)
@@ -272,3 +275,24 @@ def with_overrides(
         announced += f"; ppo_run engine_modules: {', '.join(given)}"
     specs = tiny_specs(tiny_models)
     return validate_case(raw, "ppo_run overrides", specs, engines, announced=announced)
+
+
+def read_table(data: dict, path: Path, context: ReadContext) -> list[Case]:
+    """The case file's `[[case]]` tables, each over `[defaults]`, every one validated; ids unique."""
+    rows = data.get(TABLE, [])
+    if not isinstance(rows, list):
+        raise ConfigError(f"{path}: [[{TABLE}]] entries must be tables")
+    defaults = data.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise ConfigError(f"{path}: [defaults] must be a table")
+    cases: list[Case] = []
+    for row in rows:
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}: every [[{TABLE}]] entry must be a table")
+        case = validate_case({**defaults, **row}, path, context.specs, context.engines)
+        if case.id in {c.id for c in cases}:
+            raise ConfigError(
+                f"{path}: case {case.id!r}: field 'id': expected a unique id; got a duplicate"
+            )
+        cases.append(case)
+    return cases

@@ -18,7 +18,7 @@ from pytest_fsdp_turbo.cases import (
     CaseBook,
     CaseParam,
     engine_module_source,
-    load_book,
+    load_cases,
     with_overrides,
 )
 from pytest_fsdp_turbo.devices import Accelerator
@@ -33,6 +33,7 @@ from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.engines import BUILT_IN, EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.vocab import CaseKindName
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.launching.ray_driver import RayDriver
@@ -194,13 +195,10 @@ def case_file(settings: Settings) -> Path:
     return settings.cases or (settings.rootdir or Path.cwd()) / DEFAULT_CASES
 
 
-def standalone_cases(settings: Settings) -> CaseBook:
-    """The case book `pytest-fsdp-turbo` verbs read, found as pytest would find it."""
-    return _load(case_file(settings), settings)
-
-
 def _load(path: Path, settings: Settings) -> CaseBook:
-    return load_book(path, engines=settings.engines(), tiny_models=settings.tiny_models)
+    """The engine cases alone: all a runner of the harness's own step looks up by id."""
+    cases = load_cases(path, engines=settings.engines(), tiny_models=settings.tiny_models)
+    return CaseBook(path, {CaseKindName.PPO_STEP: cases})
 
 
 def standalone_runner(settings: Settings, accelerator: Accelerator) -> CaseRunner:
