@@ -146,6 +146,8 @@ class PPOSpec:
     # rank's spec always holds the answer)
     reference_checks: bool | None = None
     replay: str = run_field()  # twin runs: the main run's artifact folder, whose batch is replayed
+    # rollout replicas that receive the trainer's weights (a verl trainer run's resolved config)
+    rollout_replicas: int | None = run_field(None)
 
 
 @dataclass(frozen=True)
@@ -178,19 +180,24 @@ class RankSpec:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankSpec:
-        engine, ppo = data["engine"], data["ppo"]
+        """A spec holds what its kind declared; a key it leaves out reads as the field's default
+        (a trainer run's spec.json holds only what verl's resolved config declares)."""
+        engine, ppo = dict(data.get("engine", {})), dict(data.get("ppo", {}))
+        for key, enum in (("dtype", Dtype), ("gradient_sync", SyncPolicy)):
+            if key in engine:
+                engine[key] = enum(engine[key])
+        if "rollout" in ppo:
+            ppo["rollout"] = Rollout(ppo["rollout"])
+        if "capabilities" in engine:
+            engine["capabilities"] = tuple(engine["capabilities"])
         return cls(
             **{
                 **data,
+                "model_path": data.get("model_path", ""),
+                "model_type": data.get("model_type", ""),
                 "device_kind": DeviceKind(data["device_kind"]),
-                "engine": EngineSpec(
-                    **{
-                        **engine,
-                        "dtype": Dtype(engine["dtype"]),
-                        "gradient_sync": SyncPolicy(engine["gradient_sync"]),
-                    }
-                ),
-                "ppo": PPOSpec(**{**ppo, "rollout": Rollout(ppo["rollout"])}),
+                "engine": EngineSpec(**engine),
+                "ppo": PPOSpec(**ppo),
                 "golden_tier": GoldenTier(data.get("golden_tier", GoldenTier.RELATIVE)),
                 "golden_dtype": Dtype(data["golden_dtype"]) if data.get("golden_dtype") else None,
                 "engine_modules": tuple(data.get("engine_modules", ())),

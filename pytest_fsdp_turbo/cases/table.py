@@ -154,7 +154,8 @@ class TableReader:
         if unknown:
             known = ", ".join([*self.fields, *self.extra])
             raise where.error(unknown[0], f"a known field ({known})", raw[unknown[0]])
-        check_model(where, raw.get("model"))
+        if "model" in self.fields:
+            check_model(where, raw.get("model"))
         values = {name: self._coerce(where, name, value) for name, value in raw.items()}
         for name in set(values) & set(self.closed_sets):
             if values[name] is not None:

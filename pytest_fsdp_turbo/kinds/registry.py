@@ -31,8 +31,8 @@ def register_kind(kind: CaseKind) -> None:
         for what in ("name", "table", "fixture"):
             if getattr(kind, what) == getattr(other, what):
                 raise ConfigError(
-                    f"case kind {kind.name!r}: its {what} {getattr(kind, what)!r} is case kind "
-                    f"{other.name!r}'s already"
+                    f"case kind {str(kind.name)!r}: its {what} {str(getattr(kind, what))!r} is "
+                    f"case kind {str(other.name)!r}'s already"
                 )
     _KINDS[kind.name] = kind
 

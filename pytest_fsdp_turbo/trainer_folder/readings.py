@@ -21,7 +21,7 @@ from pytest_fsdp_turbo_contract.records import (
     StepMetrics,
     TrainRecord,
 )
-from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
+from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
 from pytest_fsdp_turbo_contract.vocab import CaseKindName, Dtype, Rollout
@@ -73,32 +73,47 @@ def _dtype(verl_name: str) -> Dtype:
     return Dtype.FP32 if verl_name in ("fp32", "float32") else Dtype.BF16
 
 
+def run_spec_json(declared: TrainerDeclared, spec: TrainerSpec, shard: int) -> dict[str, Any]:
+    """spec.json of a trainer run, in the harness's terms: what the case and verl's resolved config
+    declare, and nothing else (a key the config does not hold is left out, never defaulted)."""
+    engine: dict[str, Any] = {
+        "world_size": spec.world_size,
+        "fsdp_size": shard,
+        "backend": f"verl:{declared.strategy}",
+        "sp_size": declared.sp_size,
+        "dtype": _dtype(declared.model_dtype),
+        "gradient_sync": declared.gradient_sync,
+        "grad_clip": declared.grad_clip,
+        "lr": declared.lr,
+        "weight_decay": declared.weight_decay,
+    }
+    if declared.betas is not None:
+        engine["adam_beta1"], engine["adam_beta2"] = declared.betas
+    ppo: dict[str, Any] = {
+        "micro_batches": declared.micro_batches or 0,  # 0: dynamic batch sizes
+        "rollout": Rollout.VLLM if declared.rollout == "vllm" else Rollout.HF,
+        "rollout_replicas": declared.rollout_replicas,
+        "reference_checks": False,
+        "n": declared.n,
+        "num_prompts": declared.num_prompts,
+        "max_new_tokens": declared.max_new_tokens,
+        "clip_ratio": declared.clip_ratio,
+    }
+    return {
+        "kind": CaseKindName.VERL_TRAINER,
+        "case_id": spec.case_id,
+        "model_path": spec.model_path,
+        "device_kind": spec.device_kind,
+        "engine": {k: v for k, v in engine.items() if v is not None},
+        "ppo": {k: v for k, v in ppo.items() if v is not None},
+        "timeout_s": spec.timeout_s,
+        "golden_tier": spec.golden_tier,
+        "golden_dtype": _dtype(declared.compute_dtype),
+    }
+
+
 def run_spec(declared: TrainerDeclared, spec: TrainerSpec, shard: int) -> RankSpec:
-    """spec.json of a trainer run: what verl's resolved config declares, in the harness's terms."""
-    return RankSpec(
-        case_id=spec.case_id,
-        model_path=spec.model_path,
-        model_type="*",
-        device_kind=spec.device_kind,
-        engine=EngineSpec(
-            world_size=spec.world_size,
-            fsdp_size=shard,
-            backend=f"verl:{declared.strategy}",
-            sp_size=declared.sp_size,
-            dtype=_dtype(declared.model_dtype),
-            gradient_sync=declared.gradient_sync,
-            grad_clip=declared.grad_clip,
-        ),
-        ppo=PPOSpec(
-            micro_batches=declared.micro_batches or 0,
-            rollout=Rollout.VLLM if declared.rollout == "vllm" else Rollout.HF,
-            reference_checks=False,
-        ),
-        timeout_s=spec.timeout_s,
-        golden_tier=spec.golden_tier,
-        golden_dtype=_dtype(declared.compute_dtype),
-        kind=CaseKindName.VERL_TRAINER,
-    )
+    return RankSpec.from_json(json.loads(json.dumps(run_spec_json(declared, spec, shard))))
 
 
 def write_rank_metrics(folder: TrainerFolder, declared: TrainerDeclared, spec: TrainerSpec) -> None:
@@ -109,7 +124,7 @@ def write_rank_metrics(folder: TrainerFolder, declared: TrainerDeclared, spec: T
         (r["steps"][0].get("shard_group_size") or 1 for r in readings.values() if r.get("steps")),
         spec.world_size,
     )
-    run_spec(declared, spec, shard).write(run.spec)
+    run.spec.write_text(json.dumps(run_spec_json(declared, spec, shard), indent=1))
     verl = verl_step_metrics(folder)
     measured = combined_norm(readings, spec.world_size)
     for rank, reading in readings.items():

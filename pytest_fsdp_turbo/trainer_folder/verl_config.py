@@ -35,6 +35,14 @@ class TrainerDeclared:
     grad_clip: float
     model_dtype: str  # the parameters' (and their gradients'), as verl loads the actor
     compute_dtype: str  # what its forward and backward run in: the FSDP mixed precision's
+    # the step's settings, where the config holds them (None: it does not)
+    lr: float | None = None
+    weight_decay: float | None = None
+    betas: tuple[float, float] | None = None
+    n: int | None = None  # responses per prompt
+    num_prompts: int | None = None  # data.train_batch_size: prompts per step, all ranks
+    max_new_tokens: int | None = None  # data.max_response_length
+    clip_ratio: float | None = None
 
     def lines(self) -> list[str]:
         """For `config` and `doctor`: the resolved sync policy first."""
@@ -96,7 +104,28 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
         ),
         model_dtype=str(_get(config, f"{ACTOR}.fsdp_config.model_dtype", "?")),
         compute_dtype=str(_get(config, precision) or "bf16"),
+        lr=_number(config, f"{ACTOR}.optim.lr", float),
+        weight_decay=_number(config, f"{ACTOR}.optim.weight_decay", float),
+        betas=_betas(_get(config, f"{ACTOR}.optim.betas")),
+        n=_number(config, "actor_rollout_ref.rollout.n", int),
+        num_prompts=_number(config, "data.train_batch_size", int),
+        max_new_tokens=_number(config, "data.max_response_length", int),
+        clip_ratio=_number(config, f"{ACTOR}.clip_ratio", float),
     )
+
+
+def _number(config: dict, dotted: str, kind: type) -> Any:
+    value = _get(config, dotted)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return kind(value)
+
+
+def _betas(value: Any) -> tuple[float, float] | None:
+    numbers = isinstance(value, list | tuple) and len(value) == 2
+    if numbers and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+        return float(value[0]), float(value[1])
+    return None
 
 
 def read_resolved(path: Path) -> dict:
