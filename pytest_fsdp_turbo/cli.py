@@ -288,7 +288,7 @@ def config(args: argparse.Namespace) -> int:
 def _trainer_config(case) -> int:
     """A trainer case: what verl's own config resolves to with the case's overrides (the sync
     policy first), and the overrides main_ppo is handed."""
-    from pytest_fsdp_turbo.trainer_folder.verl_config import resolve_case
+    from pytest_fsdp_turbo.trainer.verl_config import resolve_case
 
     try:
         resolved = resolve_case(case)
@@ -307,7 +307,7 @@ def _trainer_config(case) -> int:
 def _describe_trainer_cases(settings) -> None:
     """Each trainer case's sync policy as verl's own config resolves it."""
     from pytest_fsdp_turbo.kinds.registry import standalone_book
-    from pytest_fsdp_turbo.trainer_folder.verl_config import resolve_case
+    from pytest_fsdp_turbo.trainer.verl_config import resolve_case
 
     try:
         book = standalone_book(settings)

@@ -16,7 +16,8 @@ from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.cases.trainer_case import TrainerCase, overrides_of_script
 from pytest_fsdp_turbo.kinds.registry import load_book
 from pytest_fsdp_turbo.trainer.run import first_cause, read_run
-from pytest_fsdp_turbo.trainer_folder.verl_config import SYNC_FLAG, declared
+from pytest_fsdp_turbo.trainer.verl_config import SYNC_FLAG, declared
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
@@ -184,6 +185,7 @@ def observed_run(
     replicas: int = 2,
     code: int = 0,
     log: str = "",
+    config: str | None = None,
 ):
     """A run folder as the trainer entry and the observer leave it, then read as the plugin does."""
     out = tmp_path / "run"
@@ -192,7 +194,7 @@ def observed_run(
     spec = TrainerSpec("t", DeviceKind.CPU, 2, "/model", ("a=b",), timeout_s=600.0)
     spec.write(folder.spec)
     folder.resolved_config.parent.mkdir(parents=True)
-    folder.resolved_config.write_text(json.dumps(verl_config(flag)))  # JSON is YAML
+    folder.resolved_config.write_text(config or json.dumps(verl_config(flag)))  # JSON is YAML
     params = {"w": {"float32": "d", "bfloat16": "b"}}
     for rank in (0, 1):
         step = {
@@ -237,11 +239,15 @@ def test_a_healthy_trainer_run_passes_a_e_h_and_says_what_it_cannot_have(tmp_pat
     assert golden_key(result).path(tmp_path).name == "cpu-bf16-ws2.json"
 
 
-def test_check_e_on_an_unreadable_verl_config_fails_in_one_line(tmp_path):
-    result = observed_run(tmp_path)
-    TrainerFolder(result.artifacts_dir).resolved_config.write_text("{unclosed: [")
+def test_an_unreadable_verl_config_is_still_a_trainer_run_and_e_fails_in_one_line(tmp_path):
+    result = observed_run(tmp_path, config="{unclosed: [")
+    assert "verl's resolved config cannot be read" in result.failure
+    # spec.json names the kind and what the case declared, nothing the config would have
+    written = json.loads(RunFolder(result.artifacts_dir).spec.read_text())
+    assert written["kind"] == "verl_trainer" and written["ppo"] == {}
+    assert written["engine"] == {"world_size": 2}
     problem = failed(result)["e"]
-    assert problem.startswith("check e: ") and "verl's resolved config cannot be read" in problem
+    assert problem.startswith("check e: the run's spec.json declares no rollout replicas")
     assert "\n" not in problem
 
 

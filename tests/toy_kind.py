@@ -106,7 +106,9 @@ def check_ranks_agree(result: RunResult, budget_mb: float | None) -> None:
     assert declared is not None
     norms = [rank.step.optimizer.grad_norm for rank in result.ranks]
     if len(norms) != declared.engine.world_size or any(n is None for n in norms):
-        raise CheckFailure(f"check z: {len(norms)} rank(s) reported of {declared.engine.world_size}")
+        raise CheckFailure(
+            f"check z: {len(norms)} rank(s) reported of {declared.engine.world_size}"
+        )
     if any(not math.isfinite(n) or n != norms[0] for n in norms):
         raise CheckFailure(f"check z: the ranks' gradient norms differ: {norms}")
 

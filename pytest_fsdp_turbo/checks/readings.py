@@ -88,7 +88,10 @@ def declares_replicas(result: RunResult) -> bool:
 
 
 def _dtype(result: RunResult) -> str:
-    return str(declared(result).engine.dtype)
+    """The parameters' dtype the run declared; a spec that declares none (a trainer run whose
+    config could not be read) is the device kind's default, as a case's `auto` is."""
+    spec = declared(result)
+    return str(spec.engine.dtype_on(spec.device_kind))
 
 
 def _rank0(result: RunResult) -> StepMetrics:

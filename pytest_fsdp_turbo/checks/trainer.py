@@ -22,14 +22,14 @@ from pytest_fsdp_turbo.checks.readings import GRAD_NORM, _rel, declared
 from pytest_fsdp_turbo.checks.sync import check_reduce_scatters, check_retained_gradients
 from pytest_fsdp_turbo.checks.tolerances import NORM_AGREEMENT_REL
 from pytest_fsdp_turbo.checks.verdicts import CheckFailure, judges
-from pytest_fsdp_turbo.trainer_folder.readings import (
-    VERL_GRAD_NORM,
-    rank_readings,
-    verl_step_metrics,
-)
-from pytest_fsdp_turbo_contract.artifacts import read_json
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+from pytest_fsdp_turbo_contract.trainer_records import (
+    VERL_GRAD_NORM,
+    first_step_metrics,
+    read_ranks,
+    read_replicas,
+)
 from pytest_fsdp_turbo_contract.vocab import CaseKindName
 
 # What a trainer run cannot have, and why (docs/verl.md says more). Short: the summary table shows them.
@@ -49,7 +49,7 @@ TRAINER_CANNOT = {
 def check_trainer_grad_norm(result: RunResult) -> None:
     """a, as every case's, then against verl's own step metric."""
     check_grad_norm(result)
-    verl = verl_step_metrics(TrainerFolder(result.artifacts_dir)).get(VERL_GRAD_NORM)
+    verl = first_step_metrics(TrainerFolder(result.artifacts_dir).step_metrics).get(VERL_GRAD_NORM)
     reported = result.ranks[0].step.optimizer.grad_norm
     if not isinstance(verl, int | float):
         raise CheckFailure(
@@ -84,7 +84,8 @@ def check_trainer_sync(result: RunResult) -> None:
 def check_rollout_weights(result: RunResult) -> None:
     """e: each replica's last push, tensor by tensor, against the trainer after the step."""
     folder = TrainerFolder(result.artifacts_dir)
-    trainer = rank_readings(folder).get(0, {}).get("post_step_parameters") or {}
+    first = read_ranks(folder.ranks()).get(0)
+    trainer = first.post_step_parameters if first is not None else {}
     if not trainer:
         raise CheckFailure(f"check e: rank 0 read no parameters after the step ({folder.rank(0)})")
     expected = declared(result).ppo.rollout_replicas
@@ -93,14 +94,14 @@ def check_rollout_weights(result: RunResult) -> None:
             f"check e: the run's spec.json declares no rollout replicas ({folder.path}): verl "
             f"saved no resolved config ({folder.resolved_config}), or it names none"
         )
-    replicas = [(path, read_json(path)) for path in folder.replicas()]
+    replicas = read_replicas(folder.replicas())
     if len(replicas) != expected:
         raise CheckFailure(
             f"check e: {len(replicas)} rollout replica(s) received weights, verl's resolved "
             f"config declares {expected} ({folder.observe})"
         )
-    for number, (path, data) in enumerate(replicas):
-        pushes = (data or {}).get("pushes") or []
+    for number, (path, replica) in enumerate(replicas):
+        pushes = replica.pushes if replica is not None else []
         name = f"rollout replica {number} ({path.name})"
         if not pushes:
             raise CheckFailure(f"check e: {name} received no weight push")

@@ -25,12 +25,13 @@ from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secre
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.processes.supervisor import CASE_TOKEN_VAR, LocalRank, reap_case, supervise
 from pytest_fsdp_turbo.settings import HarnessEnv
-from pytest_fsdp_turbo.trainer_folder.readings import write_rank_metrics
-from pytest_fsdp_turbo.trainer_folder.verl_config import declared, read_resolved
-from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
+from pytest_fsdp_turbo.trainer.readings import write_rank_metrics
+from pytest_fsdp_turbo.trainer.verl_config import declared, read_resolved
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
 from pytest_fsdp_turbo_contract.results import RankResult, RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+from pytest_fsdp_turbo_contract.trainer_records import read_ranks, read_replicas
 from pytest_fsdp_turbo_contract.trainer_spec import ENTRY_MODULE, RUN_DIR_VARIABLE, TrainerSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
@@ -195,8 +196,8 @@ class TrainerRunner:
 
 def progress_line(folder: TrainerFolder, world_size: int) -> str:
     """What the observer's files say so far: ranks that stepped, replicas that received weights."""
-    stepped = sum(1 for path in folder.ranks() if (read_json(path) or {}).get("steps"))
-    pushes = [len((read_json(path) or {}).get("pushes") or []) for path in folder.replicas()]
+    stepped = sum(1 for rank in read_ranks(folder.ranks()).values() if rank.steps)
+    pushes = [len(r.pushes) if r else 0 for _, r in read_replicas(folder.replicas())]
     if not (stepped or pushes):
         return "starting Ray, the workers and the rollout servers"
     return (
@@ -211,13 +212,11 @@ def keep_actor_logs(ray_tmp: Path, folder: TrainerFolder) -> None:
     folder.actor_logs.mkdir(exist_ok=True)
     for path in sorted(logs.glob("worker-*")) if logs.is_dir() else ():
         shutil.copy(path, folder.actor_logs / path.name)
-    for rank_file in folder.ranks():
-        data = read_json(rank_file)
-        pid = data.get("pid") if isinstance(data, dict) else None
-        parts = sorted(folder.actor_logs.glob(f"worker-*-{pid}.*")) if pid else []
+    for rank, observed in read_ranks(folder.ranks()).items():
+        parts = sorted(folder.actor_logs.glob(f"worker-*-{observed.pid}.*"))
         if parts:
             text = "".join(p.read_text(errors="replace") for p in parts)
-            RunFolder(folder.path).log(data["rank"]).write_text(text)
+            RunFolder(folder.path).log(rank).write_text(text)
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
@@ -237,8 +236,7 @@ def read_run(
         config = read_resolved(folder.resolved_config) if folder.resolved_config.is_file() else None
     except ConfigError as exc:
         config, failure = None, str(exc)
-    if config is not None:
-        write_rank_metrics(folder, declared(config, spec.world_size), spec)
+    write_rank_metrics(folder, None if config is None else declared(config, spec.world_size), spec)
     ranks = []
     for rank in range(spec.world_size):
         log = run.log(rank) if run.log(rank).is_file() else folder.log

@@ -18,12 +18,18 @@ Each file is rewritten whole after each event, so what was measured survives a f
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+from pytest_fsdp_turbo_contract.trainer_records import (
+    ObservedRank,
+    ObservedReplica,
+    ObservedStep,
+    write_json,
+    write_record,
+)
 from pytest_fsdp_turbo_contract.trainer_spec import RUN_DIR_VARIABLE, TrainerSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
 from pytest_fsdp_turbo_engine.trainer.imports import after_import
@@ -39,20 +45,13 @@ def digest(tensor) -> str:
     return hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()
 
 
-def _write(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_suffix(f".{os.getpid()}.tmp")
-    scratch.write_text(json.dumps(data))
-    os.replace(scratch, path)
-
-
 class TrainerRank:
     """One trainer rank's readings, per optimizer step."""
 
     def __init__(self, folder: TrainerFolder, rank: int) -> None:
         self.folder, self.rank = folder, rank
         self.roots: list = []  # modules fully_shard was applied to, in order
-        self.steps: list[dict[str, Any]] = []
+        self.steps: list[ObservedStep] = []
         self.post_step: dict[str, dict[str, str]] = {}
         self._pass: dict[str, Any] | None = None  # the training pass since the last step
         self._micro_batch_open = False
@@ -118,8 +117,10 @@ class TrainerRank:
     def before_step(self, optimizer) -> None:
         if self._pass is None:
             return
-        done = {k: v for k, v in self._pass.items() if k != "module"}
-        done["fsdp_units"] = self._units.count if self._units is not None else None
+        done = ObservedStep(
+            **{k: v for k, v in self._pass.items() if k != "module"},
+            fsdp_units=self._units.count if self._units is not None else None,
+        )
         if self._units is not None:
             self._units.__exit__(None, None, None)
         self.steps.append(done)
@@ -135,7 +136,7 @@ class TrainerRank:
     def reported(self, norm) -> None:
         value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if self.steps:
-            self.steps[-1]["reported_grad_norm"] = value
+            self.steps[-1].reported_grad_norm = value
         self._write()
 
     def _digest_parameters(self, module) -> None:
@@ -156,15 +157,8 @@ class TrainerRank:
         self.post_step = digests
 
     def _write(self) -> None:
-        _write(
-            self.folder.rank(self.rank),
-            {
-                "rank": self.rank,
-                "pid": os.getpid(),
-                "steps": self.steps,
-                "post_step_parameters": self.post_step,
-            },
-        )
+        observed = ObservedRank(self.rank, os.getpid(), self.steps, self.post_step)
+        write_record(self.folder.rank(self.rank), observed)
 
 
 def _contains(outer, inner) -> bool:
@@ -186,7 +180,7 @@ class Replica:
             self.pushes.append({})
         for name, tensor in weights:
             self.pushes[-1][name] = [str(tensor.dtype).removeprefix("torch."), digest(tensor)]
-        _write(self.folder.replica(os.getpid()), {"pushes": self.pushes})
+        write_record(self.folder.replica(os.getpid()), ObservedReplica(os.getpid(), self.pushes))
 
 
 def _observe_trainer_rank(folder: TrainerFolder) -> None:
@@ -311,7 +305,7 @@ def _observe_tracking(folder: TrainerFolder) -> None:
 
         def tracked(self, data, step, *args, **kwargs):
             logged[str(step)] = {k: _plain(v) for k, v in dict(data).items()}
-            _write(folder.step_metrics, logged)
+            write_json(folder.step_metrics, logged)  # verl's own: {step: {name: value}}
             return log(self, data, step, *args, **kwargs)
 
         module.Tracking.log = tracked

@@ -10,8 +10,8 @@ import json
 import math
 from typing import Any
 
-from pytest_fsdp_turbo.trainer_folder.verl_config import TrainerDeclared
-from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
+from pytest_fsdp_turbo.trainer.verl_config import TrainerDeclared
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import (
     LossRecord,
     OptimizerRecord,
@@ -23,6 +23,7 @@ from pytest_fsdp_turbo_contract.records import (
 )
 from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+from pytest_fsdp_turbo_contract.trainer_records import ObservedRank, first_step_metrics, read_ranks
 from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
 from pytest_fsdp_turbo_contract.vocab import CaseKindName, Dtype, Rollout
 
@@ -37,45 +38,43 @@ FROM_VERL = {
     "response_length/mean": (RolloutRecord, "response_length_mean"),
     "timing_s/step": (PerfRecord, "step_time_s"),
 }
-VERL_GRAD_NORM = "actor/grad_norm"
 
 
-def rank_readings(folder: TrainerFolder) -> dict[int, dict]:
-    """rank -> the observer's file for it (only ranks that wrote one)."""
-    found = {}
-    for path in folder.ranks():
-        data = read_json(path)
-        if isinstance(data, dict) and isinstance(data.get("rank"), int):
-            found[data["rank"]] = data
-    return found
+def rank_readings(folder: TrainerFolder) -> dict[int, ObservedRank]:
+    """rank -> the observer's record of it (only ranks that wrote a readable one)."""
+    return read_ranks(folder.ranks())
 
 
-def verl_step_metrics(folder: TrainerFolder) -> dict[str, Any]:
-    """verl's metrics of the run's first step, as its tracking logger got them."""
-    logged = read_json(folder.step_metrics)
-    if not isinstance(logged, dict) or not logged:
-        return {}
-    first = min(logged, key=lambda step: float(step) if step.replace(".", "").isdigit() else 0)
-    return logged[first] if isinstance(logged[first], dict) else {}
-
-
-def combined_norm(readings: dict[int, dict], world_size: int) -> float | None:
+def combined_norm(readings: dict[int, ObservedRank], world_size: int) -> float | None:
     """The global L2 norm from every rank's raw gradient shard (replicas hold the same shards)."""
-    steps = [r["steps"][0] for r in readings.values() if r.get("steps")]
-    sums = [s.get("shard_grad_sq") for s in steps]
+    steps = [r.steps[0] for r in readings.values() if r.steps]
+    sums = [s.shard_grad_sq for s in steps]
     if len(steps) < world_size or any(v is None for v in sums):
         return None
-    replicas = max(1, world_size // max(1, steps[0].get("shard_group_size") or 1))
-    return math.sqrt(sum(sums) / replicas)
+    replicas = max(1, world_size // max(1, steps[0].shard_group_size or 1))
+    return math.sqrt(sum(v for v in sums if v is not None) / replicas)
 
 
 def _dtype(verl_name: str) -> Dtype:
     return Dtype.FP32 if verl_name in ("fp32", "float32") else Dtype.BF16
 
 
-def run_spec_json(declared: TrainerDeclared, spec: TrainerSpec, shard: int) -> dict[str, Any]:
+def run_spec_json(
+    declared: TrainerDeclared | None, spec: TrainerSpec, shard: int
+) -> dict[str, Any]:
     """spec.json of a trainer run, in the harness's terms: what the case and verl's resolved config
-    declare, and nothing else (a key the config does not hold is left out, never defaulted)."""
+    declare, and nothing else (a key the config does not hold is left out, never defaulted; with
+    no readable config, what the case declares alone)."""
+    base: dict[str, Any] = {
+        "kind": CaseKindName.VERL_TRAINER,
+        "case_id": spec.case_id,
+        "model_path": spec.model_path,
+        "device_kind": spec.device_kind,
+        "timeout_s": spec.timeout_s,
+        "golden_tier": spec.golden_tier,
+    }
+    if declared is None:
+        return {**base, "engine": {"world_size": spec.world_size}, "ppo": {}}
     engine: dict[str, Any] = {
         "world_size": spec.world_size,
         "fsdp_size": shard,
@@ -100,50 +99,47 @@ def run_spec_json(declared: TrainerDeclared, spec: TrainerSpec, shard: int) -> d
         "clip_ratio": declared.clip_ratio,
     }
     return {
-        "kind": CaseKindName.VERL_TRAINER,
-        "case_id": spec.case_id,
-        "model_path": spec.model_path,
-        "device_kind": spec.device_kind,
+        **base,
         "engine": {k: v for k, v in engine.items() if v is not None},
         "ppo": {k: v for k, v in ppo.items() if v is not None},
-        "timeout_s": spec.timeout_s,
-        "golden_tier": spec.golden_tier,
         "golden_dtype": _dtype(declared.compute_dtype),
     }
 
 
-def run_spec(declared: TrainerDeclared, spec: TrainerSpec, shard: int) -> RankSpec:
+def run_spec(declared: TrainerDeclared | None, spec: TrainerSpec, shard: int) -> RankSpec:
     return RankSpec.from_json(json.loads(json.dumps(run_spec_json(declared, spec, shard))))
 
 
-def write_rank_metrics(folder: TrainerFolder, declared: TrainerDeclared, spec: TrainerSpec) -> None:
-    """rankN.metrics.json for each rank the observer read, and spec.json."""
+def write_rank_metrics(
+    folder: TrainerFolder, declared: TrainerDeclared | None, spec: TrainerSpec
+) -> None:
+    """spec.json (always: it names the run's kind), and rankN.metrics.json for each rank the
+    observer read."""
     readings = rank_readings(folder)
     run = RunFolder(folder.path)
     shard = next(
-        (r["steps"][0].get("shard_group_size") or 1 for r in readings.values() if r.get("steps")),
-        spec.world_size,
+        (r.steps[0].shard_group_size or 1 for r in readings.values() if r.steps), spec.world_size
     )
     run.spec.write_text(json.dumps(run_spec_json(declared, spec, shard), indent=1))
-    verl = verl_step_metrics(folder)
+    verl = first_step_metrics(folder.step_metrics)
     measured = combined_norm(readings, spec.world_size)
     for rank, reading in readings.items():
-        if not reading.get("steps"):
+        if not reading.steps:
             continue
-        step = reading["steps"][0]
+        step = reading.steps[0]
         metrics = StepMetrics()
         metrics.rank = RankRecord(
             rank=rank, device=str(spec.device_kind), replicas=spec.world_size // shard
         )
-        calls = step["reduce_scatters_by_micro_batch"]
+        calls = step.reduce_scatters_by_micro_batch
         metrics.train = TrainRecord(
             reduce_scatter_calls_by_micro_batch=calls,
             reduce_scatter_calls=sum(calls),
-            fsdp_units=step.get("fsdp_units"),
-            shard_group_size=step.get("shard_group_size"),
-            retained_grad_bytes=max(step.get("retained_grad_bytes") or [0]),
+            fsdp_units=step.fsdp_units,
+            shard_group_size=step.shard_group_size,
+            retained_grad_bytes=max(step.retained_grad_bytes or [0]),
         )
-        reported = step.get("reported_grad_norm")
+        reported = step.reported_grad_norm
         metrics.optimizer = OptimizerRecord(
             grad_norm=reported,
             grad_norm_finite=None if reported is None else math.isfinite(reported),

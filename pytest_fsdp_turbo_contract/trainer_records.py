@@ -1,0 +1,113 @@
+"""What the harness's observer writes from inside a verl trainer run (observe/ in the run folder),
+as typed records both sides share: the observer writes them, the plugin reads them. Torch-free.
+One spelling per field: a reader that names a field the observer does not write fails mypy."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+VERL_GRAD_NORM = "actor/grad_norm"  # verl's own step metric of the clipped gradient's norm
+# a weight push: tensor name -> [dtype as torch names it without "torch.", digest of its bytes]
+Push = dict[str, list[str]]
+# a parameter after the step: dtype -> digest of its bytes in that dtype
+Digests = dict[str, str]
+
+
+@dataclass
+class ObservedStep:
+    """One optimizer step on one trainer rank."""
+
+    reduce_scatters_by_micro_batch: list[int] = field(default_factory=list)
+    # unsharded gradient bytes held when each micro-batch after the first started
+    retained_grad_bytes: list[int] = field(default_factory=list)
+    shard_group_size: int | None = None  # ranks one parameter is sharded over
+    fsdp_units: int | None = None  # the FSDP units whose forward ran
+    shard_grad_sq: float | None = None  # the raw gradient shard's sum of squares, last backward
+    reported_grad_norm: float | None = None  # what the engine's clip returned
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ObservedStep:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class ObservedRank:
+    """A trainer rank: its steps, and (rank 0) each parameter after the last step, gathered whole."""
+
+    rank: int
+    pid: int
+    steps: list[ObservedStep] = field(default_factory=list)
+    post_step_parameters: dict[str, Digests] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ObservedRank:
+        return cls(
+            rank=int(data["rank"]),
+            pid=int(data["pid"]),
+            steps=[ObservedStep.from_json(s) for s in data.get("steps", [])],
+            post_step_parameters=dict(data.get("post_step_parameters", {})),
+        )
+
+
+@dataclass
+class ObservedReplica:
+    """A rollout replica (a vLLM worker): what each weight push handed it."""
+
+    pid: int
+    pushes: list[Push] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ObservedReplica:
+        return cls(pid=int(data.get("pid", 0)), pushes=list(data.get("pushes", [])))
+
+
+def write_record(path: Path, record: Any) -> None:
+    """Rewritten whole after each event, atomically: what was measured survives a failure."""
+    write_json(path, asdict(record))
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(data))
+    os.replace(scratch, path)
+
+
+def read_ranks(paths: list[Path]) -> dict[int, ObservedRank]:
+    """rank -> its record, for each file that holds a readable one."""
+    found = {}
+    for path in paths:
+        record = _read(path, ObservedRank)
+        if record is not None:
+            found[record.rank] = record
+    return found
+
+
+def read_replicas(paths: list[Path]) -> list[tuple[Path, ObservedReplica | None]]:
+    """Each replica's file and its record (None: unreadable)."""
+    return [(path, _read(path, ObservedReplica)) for path in paths]
+
+
+def first_step_metrics(path: Path) -> dict[str, Any]:
+    """verl's own metrics of the run's first step, as its tracking logger got them ({step:
+    {name: value}}, written by the observer in the trainer's process)."""
+    try:
+        logged = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(logged, dict) or not logged:
+        return {}
+    first = min(logged, key=lambda step: float(step) if step.replace(".", "").isdigit() else 0)
+    return logged[first] if isinstance(logged[first], dict) else {}
+
+
+def _read(path: Path, kind: Any) -> Any:
+    try:
+        return kind.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
