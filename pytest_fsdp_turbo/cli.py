@@ -14,6 +14,7 @@ from pytest_fsdp_turbo.environ import build_collective_env, mask_secrets
 from pytest_fsdp_turbo.launching.case_runner import standalone_settings
 from pytest_fsdp_turbo.leases import hccl_port_ranges
 from pytest_fsdp_turbo.turbo.checkout import resolve_checkout
+from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.errors import (
     CheckoutUnavailable,
     ConfigError,
@@ -108,7 +109,7 @@ def doctor(args: argparse.Namespace) -> int:
         accel.ids[:world],
         29500,
         world_size=world,
-        port_ranges=hccl_port_ranges(0) if accel.kind == DeviceKind.NPU else None,
+        port_ranges=hccl_port_ranges(0) if profile_of(accel.kind).port_ranges else None,
         user_env=os.environ,
     )
     print(f"env for a {world}-rank group ({accel.backend}):")
@@ -373,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     one.set_defaults(func=run)
     cfg = verbs.add_parser("config", help="the exact turbo_config a rank hands fsdp_turbo")
     cfg.add_argument("case_id")
-    cfg.add_argument("--device", choices=("cuda", "npu"), help="default: the case's first")
+    cfg.add_argument("--device", choices=("cpu", "cuda", "npu"), help="default: the case's first")
     cfg.add_argument("--cases", help="case file (default: the rootdir ini's, else e2e/cases.toml)")
     cfg.add_argument(
         "--fsdp-turbo-path", help="an FSDPTurbo checkout to check against (or FSDP_TURBO_PATH)"

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from pytest_fsdp_turbo.options import KIND_BY_MARKER, MARKER_BY_KIND  # noqa: F401
 from pytest_fsdp_turbo.settings import DetectionEnv, parse_device_override
+from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.errors import ConfigError
-from pytest_fsdp_turbo_contract.vocab import BACKEND_BY_KIND, DeviceKind
+from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
 KINDS = tuple(DeviceKind)
-VISIBLE_DEVICES_VAR = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 TOOL_TIMEOUT_S = 15
 
 _NVIDIA_SMI_LINE = re.compile(r"^GPU (\d+): (.+?) \(UUID: ([^)]+)\)")
@@ -47,11 +47,11 @@ class Accelerator:
 
     @property
     def backend(self) -> str:
-        return BACKEND_BY_KIND[self.kind]
+        return profile_of(self.kind).collective_backend
 
     @property
     def visible_devices_var(self) -> str | None:
-        return VISIBLE_DEVICES_VAR.get(self.kind)
+        return profile_of(self.kind).visible_devices_var
 
     def describe(self) -> str:
         unit = "rank slots" if self.kind == DeviceKind.CPU else "devices"

@@ -12,14 +12,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
 from pytest_fsdp_turbo.settings import (
     GLOO_INTERFACES,
     collective_timeout_override,
     xdist_workers,
 )
+from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.errors import ConfigError
-from pytest_fsdp_turbo_contract.vocab import DeviceKind, Env
+from pytest_fsdp_turbo_contract.vocab import Env
 
 COLLECTIVE_TIMEOUT_VAR = Env.COLLECTIVE_TIMEOUT_S
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
@@ -87,13 +87,14 @@ def _profile(
     port_ranges: tuple[tuple[int, int], tuple[int, int]] | None,
     cpu_count: int,
 ) -> dict[str, str]:
-    profile = {"OMP_NUM_THREADS": str(max(1, cpu_count // max(1, world_size)))}
-    if kind == DeviceKind.CUDA:
-        profile["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
-    elif kind == DeviceKind.NPU:
+    device = profile_of(kind)
+    profile = {
+        "OMP_NUM_THREADS": str(max(1, cpu_count // max(1, world_size))),
+        **device.collective_env,
+    }
+    if device.collective_backend == "hccl":  # HCCL's own timeouts, in its variables
         profile["HCCL_CONNECT_TIMEOUT"] = str(DEFAULT_HCCL_CONNECT_TIMEOUT_S)
         profile["HCCL_EXEC_TIMEOUT"] = str(max(1, int(timeouts.collective_s)))
-        profile["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] = "1"
         if port_ranges is not None:
             (host_lo, host_hi), (npu_lo, npu_hi) = port_ranges
             profile["HCCL_HOST_SOCKET_PORT_RANGE"] = f"{host_lo}-{host_hi}"
@@ -147,7 +148,7 @@ def build_collective_env(
         "WORLD_SIZE": str(world_size),
         **profile,
     }
-    var = VISIBLE_DEVICES_VAR.get(kind)
+    var = profile_of(kind).visible_devices_var
     if var:
         env[var] = ",".join(str(i) for i in device_ids)
     return CollectiveEnv(
@@ -175,17 +176,6 @@ def restored_environ() -> Iterator[None]:
         os.environ.update(saved)
 
 
-# What a rank on one node of several needs to reach the others: the address and interface of its
-# own node, for each backend's socket layer. HCCL picks its host NIC by HCCL_IF_IP, then
-# HCCL_SOCKET_IFNAME, then by name (Ascend's HCCL environment reference): a NIC with no route to
-# rank 0's node fails the group's creation, so both are set. gloo and NCCL take the interface.
-NODE_VARS = {
-    DeviceKind.CPU: ("GLOO_SOCKET_IFNAME",),
-    DeviceKind.CUDA: ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
-    DeviceKind.NPU: ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
-}
-
-
 def interface_of(ip: str) -> str | None:
     """The network interface that holds `ip` on this machine (None: none does)."""
     import psutil
@@ -208,6 +198,6 @@ def node_env(kind: str, ip: str, user_env: Mapping[str, str]) -> dict[str, str]:
         )
     return {
         name: values[name]
-        for name in NODE_VARS[DeviceKind(kind)]
+        for name in profile_of(kind).node_vars
         if name in values and name not in user_env
     }

@@ -138,12 +138,13 @@ def collective_env(
     environment decided), `.device_ids`, `.master_port` and `.world_size`. Per-rank variables
     (RANK, LOCAL_RANK) are not in it: each rank sets its own."""
     from pytest_fsdp_turbo.environ import build_collective_env
+    from pytest_fsdp_turbo_contract.device_profiles import profile_of
 
     marker = request.node.get_closest_marker("devices")
     world_size = marker.args[0] if marker else 1
     lease = device_lease(world_size)
     slot, ranges = (None, None)
-    if accelerator.kind == "npu":
+    if profile_of(accelerator.kind).port_ranges:
         slot, ranges = fsdp_turbo_lease_book.port_ranges()
     try:
         env = build_collective_env(

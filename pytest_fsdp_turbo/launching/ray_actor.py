@@ -14,7 +14,6 @@ from pathlib import Path
 
 import ray
 
-from pytest_fsdp_turbo.devices import VISIBLE_DEVICES_VAR
 from pytest_fsdp_turbo.environ import node_env
 from pytest_fsdp_turbo.launching.shipping import moved, moved_search_path, unpack
 from pytest_fsdp_turbo.processes.supervisor import (
@@ -25,9 +24,9 @@ from pytest_fsdp_turbo.processes.supervisor import (
     worker_command,
 )
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.spec import RankSpec
 
-RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
 REPLAYED = "replay"  # a twin's inputs from its main run, under the rank's own folder
 SHIPPED = "shipped"  # the driver's folders this rank needs, under the rank's own folder
 
@@ -83,7 +82,7 @@ class RankActor:
         return ray.util.get_node_ip_address(), port
 
     def visible_devices(self, kind: str) -> list[str]:
-        resource = RAY_RESOURCE.get(kind)
+        resource = profile_of(kind).ray_resource
         if resource is None:
             return []
         return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get(resource, [])]
@@ -115,7 +114,7 @@ class RankActor:
             if "PYTHONPATH" in overrides:
                 base["PYTHONPATH"] = moved_search_path(overrides["PYTHONPATH"], places)
             env = rank_env({**base, **node_env(kind, node["ip"], base)}, rank, world_size)
-            var = VISIBLE_DEVICES_VAR.get(kind)
+            var = profile_of(kind).visible_devices_var
             if var:  # Ray's assignment, also when RAY_EXPERIMENTAL_NOSET_* kept Ray from exporting
                 env[var] = ",".join(self.visible_devices(kind))
                 env["LOCAL_RANK"] = "0"

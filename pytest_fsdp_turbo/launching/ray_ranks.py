@@ -27,16 +27,16 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pytest_fsdp_turbo.launching.ray_actor import RAY_RESOURCE, REPLAYED, RankActor, node_name
+from pytest_fsdp_turbo.launching.ray_actor import REPLAYED, RankActor, node_name
 from pytest_fsdp_turbo.launching.shipping import Packed, pack
 from pytest_fsdp_turbo.processes.supervisor import (
     supervise,
 )
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent
 from pytest_fsdp_turbo_contract.spec import RankSpec
-from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
 PLACEMENT_TIMEOUT_S = 120
 CALL_TIMEOUT_S = 60
@@ -183,7 +183,8 @@ def launch_ray(
     the artifacts itself (collect_result). `ship`: the driver's folders the ranks need."""
     out = Path(artifacts_dir)
     shipped = shipments(list(ship))
-    bundle = {"CPU": 1.0, **({RAY_RESOURCE[kind]: 1.0} if kind in RAY_RESOURCE else {})}
+    resource = profile_of(kind).ray_resource
+    bundle = {"CPU": 1.0, **({resource: 1.0} if resource else {})}
     group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
     actors = []
     try:
@@ -201,10 +202,10 @@ def launch_ray(
                     group, placement_group_bundle_index=index
                 ),
             }
-            if kind == DeviceKind.CUDA:
+            if resource == "GPU":  # Ray's own name for it, not a custom resource
                 options["num_gpus"] = 1
-            elif kind == DeviceKind.NPU:
-                options["resources"] = {"NPU": 1}
+            elif resource:
+                options["resources"] = {resource: 1}
             actors.append(RankActor.options(**options).remote())
         address, port = ray.get(actors[0].node_address.remote(), timeout=CALL_TIMEOUT_S)
         overrides = {**env_overrides, "MASTER_ADDR": address, "MASTER_PORT": str(port)}

@@ -28,6 +28,7 @@ from pytest_fsdp_turbo.processes.supervisor import launch_local
 from pytest_fsdp_turbo.settings import HarnessEnv, RunEnv
 from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.engines import EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.results import RunResult
@@ -166,8 +167,11 @@ def refuse_missing_hardware(request: RunRequest) -> None:
     import importlib.util
 
     accel, case = request.accelerator, request.case
-    if accel.kind == DeviceKind.NPU and importlib.util.find_spec("torch_npu") is None:
-        problem = f"{accel.describe()}; its backend needs torch_npu, which is not importable here"
+    lacking = [m for m in profile_of(accel.kind).device_imports if not importlib.util.find_spec(m)]
+    if lacking:
+        problem = (
+            f"{accel.describe()}; its backend needs {lacking[0]}, which is not importable here"
+        )
     elif accel.kind != DeviceKind.CPU and accel.count < case.engine.world_size:
         problem = f"needs {case.engine.world_size} {accel.kind} devices; {accel.describe()}"
     else:
@@ -215,7 +219,7 @@ def run_case_on_ray(request: RunRequest, driver: RayDriver) -> RunResult:
     """Ray places the ranks and assigns their devices; rank 0's node gives the rendezvous."""
     case, kind = request.case, request.accelerator.kind
     out, spec = _prepare(request, local=False)
-    ranges = hccl_port_ranges(0) if kind == DeviceKind.NPU else None
+    ranges = hccl_port_ranges(0) if profile_of(kind).port_ranges else None
     overrides = _env_overrides(request, (), 0, ranges, on_this_host=False)  # Ray places them
     for name in ("MASTER_ADDR", "MASTER_PORT"):  # rank 0's node decides these
         overrides.pop(name)
@@ -300,7 +304,7 @@ def _leased(request: RunRequest, book: LeaseBook, timeout_s: float):
     lease = book.devices(accel.kind, accel.ids, request.case.engine.world_size, timeout_s=timeout_s)
     slot, ranges = None, None
     try:
-        if accel.kind == DeviceKind.NPU:
+        if profile_of(accel.kind).port_ranges:
             slot, ranges = book.port_ranges()
         yield lease.ids, ranges
     finally:

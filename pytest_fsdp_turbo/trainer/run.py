@@ -28,6 +28,7 @@ from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo.trainer.readings import write_rank_metrics
 from pytest_fsdp_turbo.trainer.verl_config import declared, read_resolved
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
 from pytest_fsdp_turbo_contract.results import RankResult, RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
@@ -115,7 +116,7 @@ class TrainerRunner:
         lease = self.book.devices(kind, self.accelerator.ids, case.world_size)
         slot, ranges = None, None
         try:
-            if kind == DeviceKind.NPU:
+            if profile_of(kind).port_ranges:
                 slot, ranges = self.book.port_ranges()
             collective = build_collective_env(
                 kind,

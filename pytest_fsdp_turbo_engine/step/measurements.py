@@ -22,11 +22,9 @@ from pytest_fsdp_turbo_engine.step import fsdp_probe
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == DeviceKind.CUDA:
-        return int(torch.cuda.max_memory_allocated(device))
-    if device.type == DeviceKind.NPU:
-        return int(torch.npu.max_memory_allocated(device))  # type: ignore[attr-defined]
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    if device.type == DeviceKind.CPU:
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return int(torch.get_device_module(device.type).max_memory_allocated(device))
 
 
 def sp_boundaries_in_responses(batch: TrainBatch, sp: int, micro_batches: int, packed: bool) -> int:

@@ -4,12 +4,14 @@ rollout."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo_contract.vocab import Capability, DeviceKind, Rollout
 from pytest_fsdp_turbo_engine.engines.ulysses_lift import library_patches_lifted
@@ -19,15 +21,14 @@ from pytest_fsdp_turbo_engine.step.phases import Phase
 
 
 def device_for(kind: str, local_rank: int) -> torch.device:
-    if kind == DeviceKind.CUDA:
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    if kind == DeviceKind.NPU:
-        import torch_npu  # noqa: F401  registers the npu device
-
-        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]  # torch_npu adds it
-        return torch.device("npu", local_rank)
-    return torch.device("cpu")
+    """The rank's device, reached through torch's device module for the kind once what the
+    kind's profile names has registered it (torch_npu adds `npu`)."""
+    if kind == DeviceKind.CPU:
+        return torch.device("cpu")
+    for module in profile_of(kind).device_imports:
+        importlib.import_module(module)
+    torch.get_device_module(kind).set_device(local_rank)
+    return torch.device(kind, local_rank)
 
 
 @dataclass(frozen=True)
