@@ -33,9 +33,9 @@ def _one_warm_parent_for_every_worker(config) -> None:
     not wait for them (it runs no case)."""
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return
+    from pytest_fsdp_turbo.leases import LeaseBook
     from pytest_fsdp_turbo.processes.session_processes import own, session_processes
     from pytest_fsdp_turbo.processes.warm import SOCKET_VAR, WarmParent, fork_unavailable_reason
-    from pytest_fsdp_turbo.leases import LeaseBook
 
     if fork_unavailable_reason() is not None:
         return  # each worker finds out and says why, as without this

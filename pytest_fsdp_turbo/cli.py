@@ -235,6 +235,7 @@ def config(args: argparse.Namespace) -> int:
     checkout, validated against its schema: one line per problem on stderr, exit 1."""
     import json
 
+    from pytest_fsdp_turbo.cases import Case
     from pytest_fsdp_turbo.kinds.registry import standalone_book
     from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
     from pytest_fsdp_turbo.turbo.library import TurboConfigProblems, inspect, turbo_config_for
@@ -247,16 +248,15 @@ def config(args: argparse.Namespace) -> int:
             "fsdp_turbo_models": args.fsdp_turbo_models,
         }
     )
-    book = standalone_book(settings)
-    if any(c.id == args.case_id for c in book.trainer_cases):
-        return _trainer_config(book.get_trainer(args.case_id))
-    case = book.get(args.case_id)
+    case = standalone_book(settings).find(args.case_id)  # any kind's; a miss lists every id
+    if not isinstance(case, Case):
+        return _trainer_config(case)
     if not case.is_turbo:
         print(
             f"case {case.id}: backend {case.engine.backend} takes no turbo_config", file=sys.stderr
         )
         return 2
-    kind = args.device or next(k for k in case.devices if k != DeviceKind.CPU)
+    kind = args.device or next((k for k in case.devices if k != DeviceKind.CPU), case.devices[0])
     try:
         model = resolve_model(case.model, settings.models, tiny_models=settings.tiny_models)
     except ModelUnavailable as exc:
@@ -287,39 +287,27 @@ def config(args: argparse.Namespace) -> int:
 
 
 def _trainer_config(case) -> int:
-    """A trainer case: what verl's own config resolves to with the case's overrides (the sync
-    policy first), and the overrides main_ppo is handed."""
-    from pytest_fsdp_turbo.trainer.verl_config import resolve_case
+    from pytest_fsdp_turbo.trainer.describe import trainer_config_lines
 
     try:
-        resolved = resolve_case(case)
+        lines = trainer_config_lines(case)
     except (ConfigError, Unavailable) as exc:
         print(f"pytest-fsdp-turbo config: trainer case {case.id}: {exc}", file=sys.stderr)
         return 2
-    print(f"trainer case {case.id} (verl's main_ppo, {case.world_size} ranks):")
-    for line in resolved.lines():
-        print(f"  {line}")
-    print("overrides (the case's; the harness adds one step, its logs and its observer):")
-    for override in case.overrides:
-        print(f"  {override}")
+    print("\n".join(lines))
     return 0
 
 
 def _describe_trainer_cases(settings) -> None:
-    """Each trainer case's sync policy as verl's own config resolves it."""
     from pytest_fsdp_turbo.kinds.registry import standalone_book
-    from pytest_fsdp_turbo.trainer.verl_config import resolve_case
+    from pytest_fsdp_turbo.trainer.describe import trainer_case_lines
 
     try:
         book = standalone_book(settings)
     except ConfigError:
         return  # the case line above says what is wrong with the file
-    for case in book.trainer_cases:
-        try:
-            line = resolve_case(case).lines()[0]
-        except (ConfigError, Unavailable) as exc:
-            line = f"verl's config cannot be resolved here ({exc})"
-        print(f"trainer:   {case.id}: {line}")
+    for line in trainer_case_lines(book.trainer_cases):
+        print(line)
 
 
 def compare(args: argparse.Namespace) -> int:

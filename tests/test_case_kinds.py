@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fsdp_turbo.cases.book import ReadContext
+from pytest_fsdp_turbo.cases.table import ReadContext
 from pytest_fsdp_turbo.kinds.registry import case_kinds, register_kind
 from pytest_fsdp_turbo_contract.errors import ConfigError
 

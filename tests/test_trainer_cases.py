@@ -346,3 +346,15 @@ def test_verl_imports_the_observer_first_then_the_users_modules_then_the_cases(t
     spec = TrainerSpec.read(path)
     assert spec.external_modules == modules
     assert external_modules(spec) == f"{OBSERVER_MODULE},my.platform,my.engine"
+
+
+def test_config_with_a_mistyped_id_lists_the_trainer_cases_too_and_takes_cpu(capsys):
+    from pytest_fsdp_turbo.cli import main
+
+    assert main(["config", "tiny-qwen3-verl-trainer-fsdp"]) == 2
+    missed = capsys.readouterr().err
+    assert "no case 'tiny-qwen3-verl-trainer-fsdp'; known: " in missed
+    assert "tiny-qwen3-verl-trainer-fsdp2-deferred" in missed  # a trainer case's id
+    assert "tiny-qwen3_5-fsdp_turbo-fsdp2-sp2-deferred" in missed  # an engine case's
+    assert main(["config", "tiny-qwen3_5-fsdp_turbo-fsdp2-sp2-deferred", "--device", "cpu"]) == 0
+    assert '"ulysses_parallel_size": 2' in capsys.readouterr().out

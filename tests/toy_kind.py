@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from pytest_fsdp_turbo.cases.book import ReadContext
-from pytest_fsdp_turbo.cases.table import TableReader, check_known_failure
+from pytest_fsdp_turbo.cases.table import ReadContext, TableReader, check_known_failure
 from pytest_fsdp_turbo.checks.check_sets import CheckSet, register_check_set
 from pytest_fsdp_turbo.checks.verdicts import CheckFailure
 from pytest_fsdp_turbo.kinds.registry import register_kind

@@ -6,7 +6,6 @@ from pytest_fsdp_turbo.cases.book import (
     DEFAULT_CASES,
     CaseBook,
     CaseParam,
-    ReadContext,
     find_case,
     load_cases,
     read_book,
@@ -31,7 +30,14 @@ from pytest_fsdp_turbo.cases.lookup import (
     tiny_spec_path,
     tiny_specs,
 )
-from pytest_fsdp_turbo.cases.table import CASE_ID, CASE_ID_MAX, MODEL_MAX, MODEL_NAME, TINY_PREFIX
+from pytest_fsdp_turbo.cases.table import (
+    CASE_ID,
+    CASE_ID_MAX,
+    MODEL_MAX,
+    MODEL_NAME,
+    TINY_PREFIX,
+    ReadContext,
+)
 from pytest_fsdp_turbo.cases.trainer_case import TrainerCase, validate_trainer_case
 
 __all__ = [

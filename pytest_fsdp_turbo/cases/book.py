@@ -11,20 +11,13 @@ from typing import Any, Protocol
 
 from pytest_fsdp_turbo.cases.engine_case import Case, read_table
 from pytest_fsdp_turbo.cases.lookup import FIXTURES_DIR, tiny_specs
+from pytest_fsdp_turbo.cases.table import ReadContext
 from pytest_fsdp_turbo.cases.trainer_case import TrainerCase
 from pytest_fsdp_turbo_contract.engines import EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.vocab import CaseKindName
 
 DEFAULT_CASES = Path("e2e") / "cases.toml"  # under the rootdir, unless an option or ini names one
-
-
-@dataclass(frozen=True)
-class ReadContext:
-    """What reading any kind's table needs: the tiny model specs known, the engine catalog."""
-
-    specs: list[str]
-    engines: EngineCatalog | None = None
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,13 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pytest_fsdp_turbo.cases.lookup import PROMPT_SET, prompt_count, tiny_specs
 from pytest_fsdp_turbo.cases.table import (
     DERIVED,
     TINY_PREFIX,
+    ReadContext,
     TableReader,
     Where,
     check_known_failure,
@@ -36,9 +37,6 @@ from pytest_fsdp_turbo_contract.vocab import (
     SyncPolicy,
     TwinKind,
 )
-
-if TYPE_CHECKING:
-    from pytest_fsdp_turbo.cases.book import ReadContext
 
 TABLE = "case"
 KINDS = tuple(DeviceKind)

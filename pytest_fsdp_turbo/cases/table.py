@@ -18,6 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from pytest_fsdp_turbo_contract.engines import EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.spec import BOUNDS, RUN
 
@@ -61,6 +62,14 @@ def _closed_set(annotation: Any) -> type[StrEnum] | None:
         if typing.get_origin(arg) is tuple:
             return _closed_set(typing.get_args(arg)[0])
     return None
+
+
+@dataclass(frozen=True)
+class ReadContext:
+    """What reading any kind's table needs: the tiny model specs known, the engine catalog."""
+
+    specs: list[str]
+    engines: EngineCatalog | None = None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import pytest
 
-    from pytest_fsdp_turbo.cases.book import ReadContext
+    from pytest_fsdp_turbo.cases.table import ReadContext
     from pytest_fsdp_turbo.settings import Settings
     from pytest_fsdp_turbo_contract.results import RunResult
 

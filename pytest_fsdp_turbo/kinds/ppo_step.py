@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from pytest_fsdp_turbo.cases.book import ReadContext
 from pytest_fsdp_turbo.cases.engine_case import TABLE, Case, read_table
+from pytest_fsdp_turbo.cases.table import ReadContext
 from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
 from pytest_fsdp_turbo.settings import Settings

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fsdp_turbo.cases.book import CaseBook, ReadContext, read_book
+from pytest_fsdp_turbo.cases.book import CaseBook, read_book
 from pytest_fsdp_turbo.cases.lookup import FIXTURES_DIR, tiny_specs
+from pytest_fsdp_turbo.cases.table import ReadContext
 from pytest_fsdp_turbo.kinds.base import CaseKind
 from pytest_fsdp_turbo.kinds.ppo_step import PPOStep
 from pytest_fsdp_turbo.kinds.verl_trainer import VerlTrainer

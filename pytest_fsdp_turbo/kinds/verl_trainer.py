@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pytest_fsdp_turbo.cases.book import ReadContext
+from pytest_fsdp_turbo.cases.table import ReadContext
 from pytest_fsdp_turbo.cases.trainer_case import TABLE, TrainerCase, trainer_cases
 from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir
 from pytest_fsdp_turbo.settings import Settings
