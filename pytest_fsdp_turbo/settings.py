@@ -16,6 +16,7 @@ from typing import Any
 from pytest_fsdp_turbo.checkout_request import CheckoutRequest, validate_ref, validate_repo
 from pytest_fsdp_turbo.options import DEFAULT_REPO, INI_DEFAULTS, OPTIONS, RETIRED_ENV, option_dest
 from pytest_fsdp_turbo_contract.bounds import DAY_S, number_in, seconds
+from pytest_fsdp_turbo_contract.device_profiles import PROFILES
 from pytest_fsdp_turbo_contract.engines import GIVEN, INI, EngineCatalog, engine_catalog
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.faults import FaultSpec, parse_fault
@@ -74,7 +75,7 @@ class DetectionEnv:
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> DetectionEnv:
         env = os.environ if env is None else env
-        visible = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
+        visible = [p.visible_devices_var for p in PROFILES.values() if p.visible_devices_var]
         return cls(
             path=env.get("PATH", os.defpath),
             visible={name: env[name] for name in visible if name in env},
