@@ -9,6 +9,10 @@ which bug this run carries.
 - stale_push: rank 1 hands its rollout replica the weights of the first push again after the
   step, a stale push into one replica (check e). It still walks the fresh generator, whose
   full_tensor() gathers are collectives every rank must join.
+- skip_clip: the clip runs with max_norm = inf, so the engine reports the true norm and steps on
+  the raw gradients (check k; a still holds: the norm is true).
+- zero_loss: the loss verl hands the engine is multiplied by 0 before backward: no gradient,
+  though the advantages are not 0 (check a).
 """
 
 from __future__ import annotations
@@ -50,7 +54,36 @@ def _register(transformer_impl) -> None:
 
             return stale(), peft
 
-    engines = {"noop_sync": NoopSyncEngine, "stale_push": StalePushEngine}
+    class SkipClipEngine(base):
+        def optimizer_step(self):
+            clip = transformer_impl.fsdp2_clip_grad_norm_
+
+            def unclipped(parameters, max_norm, *args, **kwargs):
+                return clip(parameters, float("inf"), *args, **kwargs)
+
+            transformer_impl.fsdp2_clip_grad_norm_ = unclipped
+            try:
+                return super().optimizer_step()
+            finally:
+                transformer_impl.fsdp2_clip_grad_norm_ = clip
+
+    class ZeroLossEngine(base):
+        def forward_backward_batch(self, data, loss_function, forward_only=False):
+            if forward_only or loss_function is None:
+                return super().forward_backward_batch(data, loss_function, forward_only)
+
+            def zeroed(**kwargs):
+                loss, metrics = loss_function(**kwargs)
+                return loss * 0.0, metrics
+
+            return super().forward_backward_batch(data, zeroed, forward_only)
+
+    engines = {
+        "noop_sync": NoopSyncEngine,
+        "stale_push": StalePushEngine,
+        "skip_clip": SkipClipEngine,
+        "zero_loss": ZeroLossEngine,
+    }
     if bug not in engines:
         raise ValueError(f"{BUG}={bug!r}: expected one of {', '.join(engines)}")
     EngineRegistry.register(

@@ -51,3 +51,17 @@ def test_stale_push_into_one_replica_fails_e(verl_trainer_run, request):
     failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
     assert set(failed) == {"e"}, failed
     assert "a stale or wrong push" in failed["e"].splitlines()[0]
+
+
+def test_a_clip_that_ignores_max_norm_fails_k(verl_trainer_run, request):
+    verdict = _broken(verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2", "skip_clip")
+    failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
+    assert set(failed) == {"k"}, failed
+    assert "from the raw ones clipped by the global norm and max_norm" in failed["k"]
+
+
+def test_a_loss_multiplied_by_zero_fails_a_on_its_advantages(verl_trainer_run, request):
+    verdict = _broken(verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2", "zero_loss")
+    failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
+    assert set(failed) == {"a"}, failed
+    assert "= 0 on a step whose advantages are not all zero" in failed["a"].splitlines()[0]

@@ -3,17 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from pytest_fsdp_turbo import checks
+from pytest_fsdp_turbo.cases import Case
+from pytest_fsdp_turbo.compare import compare_runs, render, write_png, write_timeline_png
 from pytest_fsdp_turbo.devices import KINDS, detect
-from pytest_fsdp_turbo.environ import build_collective_env, mask_secrets
-from pytest_fsdp_turbo.launching.case_runner import standalone_settings
+from pytest_fsdp_turbo.environ import build_collective_env, interface_of, mask_secrets, node_env
+from pytest_fsdp_turbo.kinds.registry import standalone_book
+from pytest_fsdp_turbo.known_bad import idle_unit_crashes
+from pytest_fsdp_turbo.launching.case_runner import (
+    case_file,
+    standalone_runner,
+    standalone_settings,
+)
 from pytest_fsdp_turbo.leases import hccl_port_ranges
+from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
+from pytest_fsdp_turbo.trainer.describe import trainer_case_lines, trainer_config_lines
 from pytest_fsdp_turbo.turbo.checkout import resolve_checkout
+from pytest_fsdp_turbo.turbo.library import (
+    TurboConfigProblems,
+    inspect,
+    torch_outside_range,
+    torch_requirement,
+    turbo_config_for,
+)
 from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.errors import (
     CheckoutUnavailable,
@@ -21,6 +43,7 @@ from pytest_fsdp_turbo_contract.errors import (
     LeaseTimeout,
     Unavailable,
 )
+from pytest_fsdp_turbo_contract.turbo_config import resolved_targets
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
 VERSIONED = (
@@ -44,8 +67,6 @@ def _version(dist: str) -> str:
 
 
 def _describe_library(path) -> None:
-    from pytest_fsdp_turbo.turbo.library import inspect, torch_outside_range, torch_requirement
-
     try:
         print(f"           config layout: {inspect(None, path).layout}")
     except ConfigError as exc:
@@ -65,9 +86,6 @@ TRAINING_DISTS = ("verl",)
 def pin_mismatches(dists: tuple[str, ...], pinned: str) -> list[str]:
     """Installed `dists` whose own metadata pins `pinned` to a range the installed one is outside:
     pip lets a later install replace what an earlier one pinned, and this says so before any case."""
-    from packaging.requirements import Requirement
-    from packaging.version import Version
-
     try:
         installed = Version(metadata.version(pinned))
     except metadata.PackageNotFoundError:
@@ -117,8 +135,6 @@ def doctor(args: argparse.Namespace) -> int:
         mark = "  (set by user)" if name in group.from_user else ""
         print(f"  {name}={value}{mark}")
     if args.node_ip:
-        from pytest_fsdp_turbo.environ import interface_of, node_env
-
         where = interface_of(args.node_ip)
         print(
             f"env per node, for the node at {args.node_ip} "
@@ -155,9 +171,6 @@ def doctor(args: argparse.Namespace) -> int:
 def _known_bad_cases(settings) -> None:
     """Cases this stack is known to crash on, said before any runs (not fatal: a case may declare
     it as its known_failure)."""
-    from pytest_fsdp_turbo.kinds.registry import standalone_book
-    from pytest_fsdp_turbo.known_bad import idle_unit_crashes
-
     torch = _version("torch")
     if torch == "not installed":
         return
@@ -171,8 +184,6 @@ def _known_bad_cases(settings) -> None:
 
 def _describe_cases_and_engines(settings) -> None:
     """The case file the rootdir's configuration selects and every engine announced to the ranks."""
-    from pytest_fsdp_turbo.launching.case_runner import case_file
-
     source = "ini fsdp_turbo_cases" if settings.cases else "default"  # doctor takes no --cases
     path = case_file(settings)
     state = "" if path.is_file() else ", missing"
@@ -186,11 +197,6 @@ def _describe_cases_and_engines(settings) -> None:
 def run(args: argparse.Namespace) -> int:
     """One case outside pytest, through the same run path as the ppo_run fixture: the rootdir's case
     file and ini engine modules, the same gates (strict included), leases, launchers and twin."""
-    import json
-
-    from pytest_fsdp_turbo import checks
-    from pytest_fsdp_turbo.launching.case_runner import Unavailable, standalone_runner
-
     settings = standalone_settings(
         {
             "fsdp_turbo_device": args.device,
@@ -233,14 +239,6 @@ def run(args: argparse.Namespace) -> int:
 def config(args: argparse.Namespace) -> int:
     """The exact turbo_config a rank of CASE_ID would hand the library, on any box. With a
     checkout, validated against its schema: one line per problem on stderr, exit 1."""
-    import json
-
-    from pytest_fsdp_turbo.cases import Case
-    from pytest_fsdp_turbo.kinds.registry import standalone_book
-    from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
-    from pytest_fsdp_turbo.turbo.library import TurboConfigProblems, inspect, turbo_config_for
-    from pytest_fsdp_turbo_contract.turbo_config import resolved_targets
-
     settings = standalone_settings(
         {
             "fsdp_turbo_cases": args.cases,
@@ -287,8 +285,6 @@ def config(args: argparse.Namespace) -> int:
 
 
 def _trainer_config(case) -> int:
-    from pytest_fsdp_turbo.trainer.describe import trainer_config_lines
-
     try:
         lines = trainer_config_lines(case)
     except (ConfigError, Unavailable) as exc:
@@ -299,9 +295,6 @@ def _trainer_config(case) -> int:
 
 
 def _describe_trainer_cases(settings) -> None:
-    from pytest_fsdp_turbo.kinds.registry import standalone_book
-    from pytest_fsdp_turbo.trainer.describe import trainer_case_lines
-
     try:
         book = standalone_book(settings)
     except ConfigError:
@@ -311,8 +304,6 @@ def _describe_trainer_cases(settings) -> None:
 
 
 def compare(args: argparse.Namespace) -> int:
-
-    from pytest_fsdp_turbo.compare import compare_runs, render, write_png, write_timeline_png
 
     rows, label_a, label_b = compare_runs(Path(args.a), Path(args.b))
     for line in render(rows, label_a, label_b):

@@ -133,10 +133,10 @@ def render(rows: list[Row], label_a: str, label_b: str) -> list[str]:
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # optional: the plot extra
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional: the plot extra
     except ImportError:
         raise ConfigError(
             "compare --png: matplotlib is not installed (pip install 'pytest-fsdp-turbo[plot]')"

@@ -12,6 +12,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import psutil
+
 from pytest_fsdp_turbo.settings import (
     GLOO_INTERFACES,
     collective_timeout_override,
@@ -178,8 +180,6 @@ def restored_environ() -> Iterator[None]:
 
 def interface_of(ip: str) -> str | None:
     """The network interface that holds `ip` on this machine (None: none does)."""
-    import psutil
-
     for name, addresses in psutil.net_if_addrs().items():
         if any(address.address == ip for address in addresses):
             return name

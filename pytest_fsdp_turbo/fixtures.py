@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_fsdp_turbo.outcomes import fail_line
+from pytest_fsdp_turbo.outcomes import fail_line, skip_or_fail
 from pytest_fsdp_turbo.session import (
     accelerator_of,
     artifacts_root,
@@ -87,7 +89,7 @@ def accelerator(pytestconfig: pytest.Config) -> Accelerator:
 
 @pytest.fixture(scope="session")
 def fsdp_turbo_lease_book() -> LeaseBook:
-    from pytest_fsdp_turbo.leases import LeaseBook
+    from pytest_fsdp_turbo.leases import LeaseBook  # on first use: start stays light
 
     try:
         return LeaseBook()
@@ -137,6 +139,7 @@ def collective_env(
     (os.environ with `.env` over it, for subprocess ranks), `.from_user` (the names your own
     environment decided), `.device_ids`, `.master_port` and `.world_size`. Per-rank variables
     (RANK, LOCAL_RANK) are not in it: each rank sets its own."""
+    # on first use: start stays light
     from pytest_fsdp_turbo.environ import build_collective_env
     from pytest_fsdp_turbo_contract.device_profiles import profile_of
 
@@ -172,8 +175,7 @@ def session_checkout(config: pytest.Config) -> Checkout:
     """The checkout the session's settings name (path, /FSDPTurbo, pinned clone), or a skip (a
     failure under --fsdp-turbo-strict) naming the source and git's last error; a conftest that
     overrides fsdp_turbo_checkout calls it for the cases it does not serve itself."""
-    from pytest_fsdp_turbo.outcomes import skip_or_fail
-    from pytest_fsdp_turbo.turbo.checkout import resolve_checkout
+    from pytest_fsdp_turbo.turbo.checkout import resolve_checkout  # on first use: start stays light
 
     settings = settings_of(config)
     try:
@@ -185,6 +187,7 @@ def session_checkout(config: pytest.Config) -> Checkout:
 @pytest.fixture(scope="session")
 def tiny_model(pytestconfig: pytest.Config) -> Callable[[str], Path]:
     """Factory: tiny spec name -> HF model directory (built once, shared by xdist workers)."""
+    # on first use: start stays light
     from pytest_fsdp_turbo.models import ModelUnavailable, build_tiny_model
 
     def build(name: str) -> Path:
@@ -205,10 +208,9 @@ def ray_cluster(
 
     The driver is a subprocess: Ray ends a driver whose cluster dies, and that is never pytest.
     """
-    import importlib.util
-
     if importlib.util.find_spec("ray") is None:
         pytest.skip("the ray launcher needs ray: pip install 'pytest-fsdp-turbo[ray]'")
+    # on first use: start stays light
     from pytest_fsdp_turbo.launching.ray_driver import ray_driver, stop_ray_driver
 
     settings = settings_of(pytestconfig)
@@ -237,6 +239,7 @@ def ppo_run(
     vLLM, verl, FSDPTurbo checkout or its torch range) skips, and fails under --fsdp-turbo-strict,
     naming what was looked for.
     """
+    # on first use: start stays light
     from pytest_fsdp_turbo.kinds.registry import cases_of  # the case machinery, on first use
     from pytest_fsdp_turbo.launching.case_runner import CaseRunner
     from pytest_fsdp_turbo.launching.ppo_run import PPORun, terminal_progress
@@ -266,6 +269,7 @@ def verl_trainer_run(
     -> the run of verl's own `main_ppo` for one step, observed by the harness. It does not assert:
     `pytest_fsdp_turbo.checks.check_all(result)` judges it. Skips (fails under strict) where verl,
     vLLM or the model cannot be had, naming what was looked for."""
+    # on first use: start stays light
     from pytest_fsdp_turbo.kinds.registry import cases_of  # the case machinery, on first use
     from pytest_fsdp_turbo.trainer.fixture import TrainerRun, progress_lines
     from pytest_fsdp_turbo.trainer.run import TrainerRunner
@@ -290,6 +294,7 @@ def fsdp_turbo_run(request: pytest.FixtureRequest) -> Callable[..., RunResult]:
     options -> the run's result, through the case's kind (`ppo_run` for the harness's own step,
     `verl_trainer_run` for verl's trainer, or a downstream kind's own run). It does not assert:
     `pytest_fsdp_turbo.checks.check_all(result)` judges it by the checks of its kind."""
+    # on first use: start stays light
     from pytest_fsdp_turbo.cases import CaseParam
     from pytest_fsdp_turbo.kinds.registry import cases_of, kind_of
 
@@ -314,8 +319,7 @@ def fsdp_turbo_golden(pytestconfig: pytest.Config) -> Callable[..., GoldenOutcom
     it warns. The golden is keyed by what the run's spec.json declares; `case` (the
     `fsdp_turbo_case` parameter, a trainer case, or a Case) is optional and, when given, must be
     the case the run ran."""
-    import warnings
-
+    # on first use: start stays light
     from pytest_fsdp_turbo.checks import goldens
     from pytest_fsdp_turbo.checks.verdicts import CheckFailure
     from pytest_fsdp_turbo_contract.vocab import GoldenStatus
@@ -346,8 +350,9 @@ def no_leaked_processes() -> Iterator[None]:
 
     Processes the session owns by design (the warm parent, the Ray driver and the cluster it
     started) are never counted, even when this test started them."""
-    import psutil
+    import psutil  # on first use: start stays light
 
+    # on first use: start stays light
     from pytest_fsdp_turbo.processes.session_processes import belongs_to_session
 
     me = psutil.Process()
@@ -382,7 +387,7 @@ def _alive(proc: psutil.Process) -> bool:
 
 
 def _cmd(proc: psutil.Process) -> str:
-    import psutil
+    import psutil  # on first use: start stays light
 
     try:
         return " ".join(proc.cmdline())[:120]

@@ -19,6 +19,7 @@ import psutil
 from filelock import FileLock
 
 from pytest_fsdp_turbo.private_dirs import private_dir, write_private
+from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout
 from pytest_fsdp_turbo_contract.vocab import Env
 
@@ -30,8 +31,6 @@ LEASE_TABLES = ("ports", "devices", "ranges")
 
 
 def default_state_dir() -> Path:
-    from pytest_fsdp_turbo.settings import HarnessEnv
-
     return HarnessEnv.read().state_dir
 
 

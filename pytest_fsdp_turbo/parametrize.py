@@ -49,6 +49,7 @@ def parametrize(metafunc: pytest.Metafunc) -> None:
     """Each case kind whose parameter the test asks for: its cases x their device kinds."""
     if not any(f in metafunc.fixturenames for f in BUILT_IN_FIXTURES) and not _kinds_loaded():
         return  # a downstream kind registers before its tests are collected
+    # the case machinery, on first use
     from pytest_fsdp_turbo.kinds.registry import case_kinds, cases_of
 
     wanted = [kind for kind in case_kinds() if kind.fixture in metafunc.fixturenames]

@@ -39,6 +39,7 @@ from pytest_fsdp_turbo.parametrize import BrokenCaseFile, case_params, parametri
 from pytest_fsdp_turbo.session import (
     SETTINGS_KEY,
     accelerator_of,
+    artifacts_root,
     settings_of,
     strict_of,
 )
@@ -87,7 +88,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # validated now, so bad input fails the session at start-up in one line; with nothing
         # given, settings_of() builds the defaults on first use and a suite that never asks
         # does not pay for them
-        from pytest_fsdp_turbo.settings import resolve
+        from pytest_fsdp_turbo.settings import resolve  # only when given: start stays light
 
         try:
             config.stash[SETTINGS_KEY] = resolve(values, ini=ini, rootdir=config.rootpath)
@@ -107,8 +108,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if not _is_xdist_controller(config):
         return
+    # xdist controller only: start stays light
     from pytest_fsdp_turbo.processes.progress import ArtifactWatcher, Display
-    from pytest_fsdp_turbo.session import artifacts_root
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
@@ -143,6 +144,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [f"fsdp-turbo: {accel.describe()}", _launcher_line(settings_of(config).launcher)]
     request = settings_of(config).checkout
     if request.path or request.ci_path.exists() or request.ref:
+        # only with a checkout named: start stays light
         from pytest_fsdp_turbo.turbo.checkout import find_checkout
 
         found = find_checkout(request)
@@ -156,7 +158,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def _launcher_line(launcher: str) -> str:
     if launcher != "local":
         return f"fsdp-turbo: launcher {launcher}"
-    from pytest_fsdp_turbo.processes.warm import fork_unavailable_reason
+    from pytest_fsdp_turbo.processes.warm import fork_unavailable_reason  # local launcher only
 
     why = fork_unavailable_reason()
     if why:
@@ -341,7 +343,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     names the case, the rank, the phase and the metric, so pytest's traceback through the test
     and the check would only push the cause down the failure section."""
     if call.when in ("call", "teardown") and PENDING_ROWS in item.stash:
-        from pytest_fsdp_turbo.report import write_rows
+        from pytest_fsdp_turbo.report import write_rows  # after a run: start stays light
 
         write_rows(item)  # after the test's checks judged its runs, before the report copies them
     report = yield

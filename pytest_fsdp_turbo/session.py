@@ -20,7 +20,7 @@ def settings_of(config: pytest.Config) -> Settings:
     """Resolved at start-up when an option or env var was given (bad input fails there); with
     nothing given there is nothing to validate, so the defaults are built on first use."""
     if SETTINGS_KEY not in config.stash:
-        from pytest_fsdp_turbo.settings import resolve
+        from pytest_fsdp_turbo.settings import resolve  # on first use: start stays light
 
         config.stash[SETTINGS_KEY] = resolve({}, env={}, rootdir=config.rootpath)
     return config.stash[SETTINGS_KEY]
@@ -36,7 +36,7 @@ def strict_of(config: pytest.Config) -> bool:
 def accelerator_of(config: pytest.Config) -> Accelerator:
     """Detected on first use, then cached: a suite that never asks pays nothing."""
     if ACCELERATOR_KEY not in config.stash:
-        from pytest_fsdp_turbo.devices import detect
+        from pytest_fsdp_turbo.devices import detect  # detected on first use: start stays light
 
         settings = settings_of(config)
         origin = (

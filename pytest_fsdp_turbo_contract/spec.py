@@ -148,6 +148,7 @@ class PPOSpec:
     replay: str = run_field()  # twin runs: the main run's artifact folder, whose batch is replayed
     # rollout replicas that receive the trainer's weights (a verl trainer run's resolved config)
     rollout_replicas: int | None = run_field(None)
+    rollout_dtype: str | None = run_field(None)  # what the rollout serves the weights in (torch's)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,15 @@ class ObservedStep:
     fsdp_units: int | None = None  # the FSDP units whose forward ran
     shard_grad_sq: float | None = None  # the raw gradient shard's sum of squares, last backward
     reported_grad_norm: float | None = None  # what the engine's clip returned
+    # the mini-batch the actor handed the engine (train_batch): a digest of each row's tokens,
+    # and the largest advantage's magnitude
+    rows: list[str] = field(default_factory=list)
+    advantages_abs_max: float | None = None
+    # the gradients the optimizer stepped on (read as its step began) against the raw ones after
+    # the last backward: the scale that fits them best, and what that scale leaves unexplained
+    # (largest entry, relative to the largest scaled raw entry)
+    stepped_scale: float | None = None
+    stepped_residual: float | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ObservedStep:

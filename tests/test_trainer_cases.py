@@ -121,7 +121,12 @@ def verl_config(flag: bool, strategy: str = "fsdp2", sp: int = 1) -> dict:
                     "turbo_config": {"distributed": {"ulysses_parallel_size": 2}},
                 },
             },
-            "rollout": {"n": 2, "name": "vllm", "tensor_model_parallel_size": 1},
+            "rollout": {
+                "n": 2,
+                "name": "vllm",
+                "tensor_model_parallel_size": 1,
+                "dtype": "float32",
+            },
         }
     }
 
@@ -182,10 +187,14 @@ def observed_run(
     shard_sq=(2.0, 2.0),
     verl_norm: float = 2.0,
     push_digest: str = "d",
+    push_dtype: str = "float32",
     replicas: int = 2,
     code: int = 0,
     log: str = "",
     config: str | None = None,
+    rows=(("p0-a", "p0-b"), ("p1-a", "p1-b")),
+    advantages=(0.7, 0.7),
+    stepped=(1 / 2.000001, 1 / 2.000001),  # clip_grad 1.0 over the global norm 2.0
 ):
     """A run folder as the trainer entry and the observer leave it, then read as the plugin does."""
     out = tmp_path / "run"
@@ -204,12 +213,17 @@ def observed_run(
             "fsdp_units": 5,
             "shard_grad_sq": shard_sq[rank],
             "reported_grad_norm": reported[rank],
+            "rows": list(rows[rank]),
+            "advantages_abs_max": advantages[rank],
+            "stepped_scale": stepped[rank],
+            "stepped_residual": 0.0,
         }
         data = {"rank": rank, "pid": 1, "steps": [step]}
         data["post_step_parameters"] = params if rank == 0 else {}
         folder.rank(rank).write_text(json.dumps(data))
     for pid in range(replicas):
-        pushes = [{"w": ["float32", "old"]}, {"w": ["float32", push_digest if pid else "d"]}]
+        last = [push_dtype, push_digest if pid else "d"] if pid else ["float32", "d"]
+        pushes = [{"w": ["float32", "old"]}, {"w": last}]
         folder.replica(pid).write_text(json.dumps({"pushes": pushes}))
     folder.step_metrics.write_text(
         json.dumps({"1": {"actor/grad_norm": verl_norm, "critic/score/mean": 0.2}})
@@ -226,7 +240,7 @@ def failed(result) -> dict[str, str]:
 def test_a_healthy_trainer_run_passes_a_e_h_and_says_what_it_cannot_have(tmp_path):
     result = observed_run(tmp_path)
     verdict = checks.check_all(result)
-    assert {o.check for o in verdict.with_status(checks.PASSED)} == {"a", "e", "h"}
+    assert {o.check for o in verdict.with_status(checks.PASSED)} == {"a", "e", "h", "j", "k"}
     assert any(line.startswith("c: no reference or twin") for line in verdict.not_applicable())
     assert result.metrics["critic/score/mean"] == 0.2
     assert result.metrics["comm/reduce_scatter_calls"] == 10
@@ -234,6 +248,13 @@ def test_a_healthy_trainer_run_passes_a_e_h_and_says_what_it_cannot_have(tmp_pat
     assert (result.spec().case_id, result.spec().timeout_s) == ("t", 600.0)
     # its checks hold gradients to the parameters' dtype; its golden, to the compute dtype's
     assert (result.spec().engine.dtype, result.spec().golden_dtype) == ("fp32", "bf16")
+    # spec.json holds what verl's config declares and nothing padded: this config names no lr,
+    # betas or prompt count, so neither does the spec
+    written = json.loads(RunFolder(result.artifacts_dir).spec.read_text())
+    assert written["kind"] == "verl_trainer"
+    assert not {"lr", "adam_beta1", "weight_decay"} & set(written["engine"]), written["engine"]
+    assert not {"num_prompts", "max_new_tokens", "lm_loss_coef"} & set(written["ppo"])
+    assert written["ppo"]["n"] == 2 and written["ppo"]["rollout_dtype"] == "float32"
     from pytest_fsdp_turbo.checks.goldens import golden_key
 
     assert golden_key(result).path(tmp_path).name == "cpu-bf16-ws2.json"
@@ -258,11 +279,26 @@ def test_an_unreadable_verl_config_is_still_a_trainer_run_and_e_fails_in_one_lin
         ({"flag": True, "calls": ((0, 5), (0, 5))}, "h", "expected unsharded gradients held"),
         ({"retained": (8, 8)}, "h", "expected no unsharded gradients held"),
         ({"reported": (2.0, 1.5)}, "a", "differs from rank 0's"),
-        ({"shard_sq": (2.0, 1.0)}, "a", "global L2 norm of the sharded gradients is"),
+        (
+            {"shard_sq": (2.0, 1.0), "stepped": (1 / (3**0.5 + 1e-6),) * 2},
+            "a",
+            "global L2 norm of the sharded gradients is",
+        ),
         ({"verl_norm": 3.0}, "a", "verl's step metric actor/grad_norm = 3.0"),
         ({"push_digest": "old"}, "e", "a stale or wrong push"),
+        # bf16 weights pushed into a float32 rollout: its bytes are the trainer's, in bf16
+        ({"push_dtype": "bfloat16", "push_digest": "b"}, "e", "came in bfloat16, the rollout"),
         ({"replicas": 1}, "e", "1 rollout replica(s) received weights"),
         ({"reported": (math.nan, math.nan)}, "a", "expected a finite value"),
+        # an engine that multiplies its loss by 0: no gradient, advantages that are not 0
+        (
+            {"reported": (0.0, 0.0), "shard_sq": (0.0, 0.0), "verl_norm": 0.0, "stepped": (1, 1)},
+            "a",
+            "= 0 on a step whose advantages are not all zero",
+        ),
+        ({"rows": (("p0-a", "p0-b"), ("p0-b", "p1-b"))}, "j", "row 1 was trained by ranks"),
+        ({"stepped": (1.0, 1.0)}, "k", "the optimizer stepped on gradients 1 away"),
+        ({"stepped": (0.0, 0.0)}, "k", "the optimizer stepped on gradients 1 away"),
     ],
 )
 def test_each_trainer_check_fails_on_the_bug_it_claims(tmp_path, changes, check, words):

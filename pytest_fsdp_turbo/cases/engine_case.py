@@ -19,6 +19,7 @@ from pytest_fsdp_turbo.cases.table import (
     Where,
     check_known_failure,
     check_tiny,
+    read_rows,
 )
 from pytest_fsdp_turbo.settings import default_engines
 from pytest_fsdp_turbo_contract.engines import (
@@ -29,6 +30,7 @@ from pytest_fsdp_turbo_contract.engines import (
 )
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
+from pytest_fsdp_turbo_contract.turbo_config import build_turbo_config
 from pytest_fsdp_turbo_contract.vocab import (
     VERL_PREFIX,
     Capability,
@@ -209,8 +211,6 @@ def validate_case(
             "micro_batches", f"at most the {rows} rows each rank trains on", ppo.micro_batches
         )
     if case.is_turbo:
-        from pytest_fsdp_turbo_contract.turbo_config import build_turbo_config
-
         for kind in case.devices:
             try:
                 build_turbo_config(engine, kind, case.model)
@@ -277,20 +277,11 @@ def with_overrides(
 
 def read_table(data: dict, path: Path, context: ReadContext) -> list[Case]:
     """The case file's `[[case]]` tables, each over `[defaults]`, every one validated; ids unique."""
-    rows = data.get(TABLE, [])
-    if not isinstance(rows, list):
-        raise ConfigError(f"{path}: [[{TABLE}]] entries must be tables")
     defaults = data.get("defaults", {})
     if not isinstance(defaults, dict):
         raise ConfigError(f"{path}: [defaults] must be a table")
-    cases: list[Case] = []
-    for row in rows:
-        if not isinstance(row, dict):
-            raise ConfigError(f"{path}: every [[{TABLE}]] entry must be a table")
-        case = validate_case({**defaults, **row}, path, context.specs, context.engines)
-        if case.id in {c.id for c in cases}:
-            raise ConfigError(
-                f"{path}: case {case.id!r}: field 'id': expected a unique id; got a duplicate"
-            )
-        cases.append(case)
-    return cases
+
+    def read_one(row: dict, earlier: list) -> Case:
+        return validate_case({**defaults, **row}, path, context.specs, context.engines)
+
+    return read_rows(data, TABLE, READER, path, read_one)

@@ -4,6 +4,8 @@ without importing anything (the engines run only in the ranks)."""
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -22,9 +24,6 @@ def engine_module_source(module: str, pythonpath: Iterable[str] = ()) -> Path | 
     """Where a named engine module's source is, as the ranks will look (ppo_run's `pythonpath`
     first, then this process's path), found by walking folders: nothing is imported, not even a
     parent package's `__init__.py` (the engines run only in the ranks); None: nowhere."""
-    import importlib.util
-    import sys
-
     top, *rest = module.split(".")
     roots = [Path(root or ".") for root in (*pythonpath, *sys.path)]
     try:  # a top-level name is found without importing anything (editable installs' finders too)

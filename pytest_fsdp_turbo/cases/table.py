@@ -12,11 +12,12 @@ import dataclasses
 import math
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from pytest_fsdp_turbo_contract.engines import EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError
@@ -31,6 +32,14 @@ CASE_ID_MAX = 100  # a folder name under the artifacts and goldens, with room fo
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 MODEL_MAX = 200
 DERIVED = "derived"  # a field validation sets, never a key
+
+
+class _HasId(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+T = TypeVar("T", bound=_HasId)
 
 _EXPECTED = {
     int: "an integer",
@@ -246,3 +255,22 @@ def check_known_failure(where: Where, known_failure: dict, devices: tuple) -> No
                 "(the bug, where it is tracked) and match (text its failure must contain)",
                 {kind: known},
             )
+
+
+def read_rows(
+    data: dict, table: str, reader: TableReader, path: Path, read_one: Callable[[dict, list], T]
+) -> list[T]:
+    """A kind's `[[table]]` entries, each read by `read_one(row, the cases before it)`; ids
+    unique within the table."""
+    rows = data.get(table, [])
+    if not isinstance(rows, list):
+        raise ConfigError(f"{path}: [[{table}]] entries must be tables")
+    cases: list[T] = []
+    for row in rows:
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}: every [[{table}]] entry must be a table")
+        case = read_one(row, cases)
+        if case.id in {c.id for c in cases}:
+            raise Where(path, reader.noun, case.id).error("id", "a unique id", "a duplicate")
+        cases.append(case)
+    return cases

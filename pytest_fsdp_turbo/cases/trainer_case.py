@@ -17,6 +17,7 @@ from pytest_fsdp_turbo.cases.table import (
     TableReader,
     check_known_failure,
     check_tiny,
+    read_rows,
 )
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.spec import BOUNDS, Bounds
@@ -147,15 +148,8 @@ def _int(text: str) -> int:
 
 def trainer_cases(data: dict, path: Path, specs: list[str]) -> list[TrainerCase]:
     """The case file's `[[trainer_case]]` tables, each validated; ids unique among them."""
-    rows = data.get(TABLE, [])
-    if not isinstance(rows, list):
-        raise ConfigError(f"{path}: [[{TABLE}]] entries must be tables")
-    cases: list[TrainerCase] = []
-    for row in rows:
-        if not isinstance(row, dict):
-            raise ConfigError(f"{path}: every [[{TABLE}]] entry must be a table")
-        case = validate_trainer_case(row, path, specs, {c.id: c for c in cases})
-        if case.id in {c.id for c in cases}:
-            raise READER.where(row, path).error("id", "a unique id", "a duplicate")
-        cases.append(case)
-    return cases
+
+    def read_one(row: dict, earlier: list[TrainerCase]) -> TrainerCase:
+        return validate_trainer_case(row, path, specs, {c.id: c for c in earlier})
+
+    return read_rows(data, TABLE, READER, path, read_one)

@@ -3,11 +3,17 @@ from outside verl and what verl's resolved config declares (spec.json).
 
   a  the gradient norm each rank's engine reported: finite, the same on every rank, equal to the
      global L2 norm of the raw gradient shards the harness read after the last backward, and equal
-     to verl's own `actor/grad_norm` step metric
+     to verl's own `actor/grad_norm` step metric; never 0 when the mini-batch the actor handed
+     the engine (`train_batch`) has non-zero advantages
   e  every rollout replica's last weight push equals the trainer's parameters after the step,
-     tensor by tensor (exact bytes in the dtype the replica received), and every replica got one
+     tensor by tensor, in the dtype the rollout declares (exact bytes), and every replica got one
   h  the resolved sync policy (`use_no_sync_for_gradient_accumulation`) proven by reduce-scatters
      per micro-batch and by the unsharded gradients held between micro-batches
+  j  the data-parallel ranks' mini-batches (each row's tokens, as `train_batch` got them) are
+     disjoint
+  k  the optimizer stepped on the raw gradients after the last backward times the clip
+     coefficient min(1, grad_clip / (the harness's global norm + 1e-6)): a clip skipped, or
+     gradients changed between the backward and the step, is red
   g  goldens of verl's step metrics per hardware (pytest_fsdp_turbo.checks.goldens, as every case)
 
 What a trainer run cannot have, and why, is said from the case kind (TRAINER_CANNOT), never from a
@@ -18,8 +24,13 @@ from __future__ import annotations
 
 from pytest_fsdp_turbo.checks.check_sets import CheckSet, register_check_set
 from pytest_fsdp_turbo.checks.gradients import check_grad_norm
+from pytest_fsdp_turbo.checks.optimizer import check_clip
 from pytest_fsdp_turbo.checks.readings import GRAD_NORM, _rel, declared
-from pytest_fsdp_turbo.checks.sync import check_reduce_scatters, check_retained_gradients
+from pytest_fsdp_turbo.checks.sync import (
+    check_data_rows,
+    check_reduce_scatters,
+    check_retained_gradients,
+)
 from pytest_fsdp_turbo.checks.tolerances import NORM_AGREEMENT_REL
 from pytest_fsdp_turbo.checks.verdicts import CheckFailure, judges
 from pytest_fsdp_turbo_contract.results import RunResult
@@ -39,8 +50,6 @@ TRAINER_CANNOT = {
     "d": "no HSDP replicas read (rollout replicas: e)",
     "f": "no memory budget in trainer cases",
     "i": "verl's optimizer state is the engine's own",
-    "j": "verl shards the data itself",
-    "k": "clip read only through the norm (a)",
     "l": "loss gradient inside verl's engine",
 }
 
@@ -106,6 +115,14 @@ def check_rollout_weights(result: RunResult) -> None:
         if not pushes:
             raise CheckFailure(f"check e: {name} received no weight push")
         last = pushes[-1]
+        served = declared(result).ppo.rollout_dtype
+        cast = sorted(name for name, (dtype, _) in last.items() if served and dtype != served)
+        if cast:
+            raise CheckFailure(
+                f"check e: {name}: {len(cast)} of the {len(last)} tensors of its last push came "
+                f"in {last[cast[0]][0]}, the rollout declares {served} "
+                f"(actor_rollout_ref.rollout.dtype; first: {cast[0]}): a push cast on the way"
+            )
         missing = sorted(set(trainer) - set(last))
         if missing:
             raise CheckFailure(
@@ -132,6 +149,8 @@ TRAINER_CHECKS = CheckSet(
         ("a", lambda r, _: check_trainer_grad_norm(r)),
         ("e", lambda r, _: check_rollout_weights(r)),
         ("h", lambda r, _: check_trainer_sync(r)),
+        ("j", lambda r, _: check_data_rows(r)),
+        ("k", lambda r, _: check_clip(r)),
     ),
     TRAINER_CANNOT,
 )

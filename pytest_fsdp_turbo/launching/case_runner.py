@@ -6,11 +6,15 @@ Ray, then its twin). Callers decide what an unavailable case means (skip, or fai
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import pytest
 
 from pytest_fsdp_turbo.cases import (
     DEFAULT_CASES,
@@ -22,21 +26,21 @@ from pytest_fsdp_turbo.cases import (
     with_overrides,
 )
 from pytest_fsdp_turbo.devices import Accelerator
+from pytest_fsdp_turbo.launching.ray_driver import RayDriver, ray_driver
 from pytest_fsdp_turbo.launching.request import RunRequest, launcher_for
 from pytest_fsdp_turbo.launching.twin import run_with_twin
 from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
+from pytest_fsdp_turbo.options import ini_values
 from pytest_fsdp_turbo.processes.progress import Display
 from pytest_fsdp_turbo.session import resolve_artifacts
 from pytest_fsdp_turbo.settings import Settings, launcher_named, resolve
-from pytest_fsdp_turbo.turbo.checkout import Checkout
+from pytest_fsdp_turbo.turbo.checkout import Checkout, resolve_checkout
 from pytest_fsdp_turbo_contract.engines import BUILT_IN, EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.vocab import CaseKindName
-
-if TYPE_CHECKING:
-    from pytest_fsdp_turbo.launching.ray_driver import RayDriver
 
 
 @dataclass
@@ -64,8 +68,6 @@ class CaseRunner:
         return with_overrides(case, overrides, engines, self.settings.tiny_models)
 
     def gate(self, case: Case, checkout: Checkout | None) -> tuple[Path, Checkout | None]:
-        from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
-
         try:
             model = resolve_model(
                 case.model, self.settings.models, tiny_models=self.settings.tiny_models
@@ -79,7 +81,7 @@ class CaseRunner:
             )
         if not case.is_turbo:
             return model, None
-        from pytest_fsdp_turbo.turbo.library import torch_gate
+        from pytest_fsdp_turbo.turbo.library import torch_gate  # only turbo cases load packaging
 
         checkout = checkout or self.checkout()
         torch_gate(case.id, checkout)
@@ -163,12 +165,6 @@ class IniConfig:
 def read_ini(start: Path) -> IniConfig:
     """Let pytest itself find the configuration (its file precedence: an empty pytest.ini still
     wins over pyproject.toml; its rootdir rules; PYTEST_ADDOPTS), stopping before it collects."""
-    import contextlib
-    import os
-
-    import pytest
-
-    from pytest_fsdp_turbo.options import ini_values
 
     class Reader:
         found: IniConfig | None = None
@@ -205,8 +201,6 @@ def standalone_runner(settings: Settings, accelerator: Accelerator) -> CaseRunne
     """The runner `pytest-fsdp-turbo run` and the benchmarks use: the same case file (from the
     option, else the rootdir's ini, else e2e/cases.toml under the rootdir), the ini engine modules,
     the same gates and launchers as the fixture."""
-    from pytest_fsdp_turbo.turbo.checkout import resolve_checkout
-
     path = case_file(settings)
     artifacts = resolve_artifacts(settings.artifacts, Path.cwd(), settings.rootdir or Path.cwd())
     return CaseRunner(
@@ -223,7 +217,6 @@ def standalone_runner(settings: Settings, accelerator: Accelerator) -> CaseRunne
 
 def _stderr_progress() -> Display:
     """Live status on stderr for `pytest-fsdp-turbo run`: rewritten in place on a terminal."""
-    import sys
 
     def live(text: str) -> None:
         sys.stderr.write("\r\x1b[2K" + text)
@@ -236,6 +229,4 @@ def _stderr_progress() -> Display:
 
 
 def _start_ray(settings: Settings, log_dir: Path) -> RayDriver:
-    from pytest_fsdp_turbo.launching.ray_driver import ray_driver
-
     return ray_driver(settings.ray_address, settings.ray_connect_timeout_s, log_dir)

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_fsdp_turbo.outcomes import fail_line, skip_or_fail
+from pytest_fsdp_turbo.processes.progress import Display
+from pytest_fsdp_turbo.report import artifact_name, note_run
 from pytest_fsdp_turbo.session import settings_of
-from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout
+from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
 
 if TYPE_CHECKING:
     from pytest_fsdp_turbo.cases import Case, CaseParam
@@ -27,8 +29,6 @@ class PPORun:
         self.request, self.runner, self.calls = request, runner, 0
 
     def artifact_name(self) -> str:
-        from pytest_fsdp_turbo.report import artifact_name
-
         self.calls += 1
         name = artifact_name(self.request.node.nodeid)
         return name + (f"-{self.calls}" if self.calls > 1 else "")
@@ -44,16 +44,12 @@ class PPORun:
                 reporter.write_line(line)
 
     def record(self, result: RunResult, options: dict) -> None:
-        from pytest_fsdp_turbo.report import note_run
-
         note_run(self.request.node, result, options)
         for note in result.notes:
             if note.startswith("fsdp-turbo: stall:"):
                 self.request.node.user_properties.append(("fsdp_turbo/stall", note))
 
     def __call__(self, case: Case | CaseParam | str, **options: object) -> RunResult:
-        from pytest_fsdp_turbo.launching.case_runner import Unavailable
-
         name = self.artifact_name()
         try:
             result = self.runner.run(case, name, **options)
@@ -76,8 +72,6 @@ def terminal_progress(config: pytest.Config):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return None
-    from pytest_fsdp_turbo.processes.progress import Display
-
     settings = settings_of(config)
     share, quiet = settings.stall_share, settings.quiet_s
     capture = config.pluginmanager.getplugin("capturemanager")

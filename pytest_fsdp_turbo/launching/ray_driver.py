@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from pytest_fsdp_turbo.processes.session_processes import disown, own, session_processes
 from pytest_fsdp_turbo.processes.supervisor import WATCH_EVERY_S, collect_result, kill_pid_tree
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
@@ -63,8 +65,6 @@ class EndedRank:
 
 
 def _cmdline(proc) -> str:
-    import psutil
-
     try:
         return " ".join(proc.cmdline())
     except psutil.Error:
@@ -128,8 +128,6 @@ class RayDriver:
 
     def _core_processes(self) -> dict:
         """The daemons of a cluster this driver started (gcs_server, raylet, monitors, agents)."""
-        import psutil
-
         try:
             tree = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.Error:
@@ -251,8 +249,6 @@ class RayDriver:
 
     def close(self, grace_s: float = 20.0) -> None:
         """Stops the driver (which stops a cluster it started) and whatever it left."""
-        import psutil
-
         disown(self.proc.pid)
         with contextlib.suppress(OSError):
             self.proc.stdin.close()

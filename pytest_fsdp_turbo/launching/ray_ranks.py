@@ -27,6 +27,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pytest_fsdp_turbo.environ import restored_environ
 from pytest_fsdp_turbo.launching.ray_actor import REPLAYED, RankActor, node_name
 from pytest_fsdp_turbo.launching.shipping import Packed, pack
 from pytest_fsdp_turbo.processes.supervisor import (
@@ -50,8 +51,6 @@ def init_ray(address: str | None):
     """Join `address`, or start a local instance with at least 4 CPU slots (a 4-rank CPU case
     fits a 2-core box). ray.init() exports variables into the driver's environment; they are put
     back at once, so the ranks see the environment pytest gave the driver."""
-    from pytest_fsdp_turbo.environ import restored_environ
-
     with restored_environ():
         if address:
             return ray.init(address=address, log_to_driver=False)

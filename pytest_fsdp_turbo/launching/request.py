@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -11,6 +12,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import psutil
 
 from pytest_fsdp_turbo.cases import TINY_PREFIX, Case
 from pytest_fsdp_turbo.devices import Accelerator
@@ -25,6 +28,7 @@ from pytest_fsdp_turbo.leases import LeaseBook, hccl_port_ranges
 from pytest_fsdp_turbo.models import model_type_of
 from pytest_fsdp_turbo.processes.progress import Display, Progress
 from pytest_fsdp_turbo.processes.supervisor import launch_local
+from pytest_fsdp_turbo.processes.warm import WarmParentSilent, warm_parent
 from pytest_fsdp_turbo.settings import HarnessEnv, RunEnv
 from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
@@ -142,8 +146,6 @@ def _refuse_missing_interfaces(group: CollectiveEnv, run: RunEnv) -> None:
     """GLOO_SOCKET_IFNAME naming an interface this host lacks (the user's, or the profile's lo):
     gloo's own error names neither the variable nor the interfaces there are; said here, before
     any rank starts."""
-    import psutil
-
     present = sorted(psutil.net_if_addrs())
     if missing := [name for name in group.gloo_interfaces() if name not in present]:
         origin = run.gloo_origin or "collective profile GLOO_SOCKET_IFNAME"
@@ -164,8 +166,6 @@ def refuse_missing_hardware(request: RunRequest) -> None:
     before any rank starts and after every other gate (so a box that pretends to be an NPU box
     still meets those): a forced npu without torch_npu (its ranks would die on an unknown hccl
     backend), fewer devices than ranks (the lease would wait them out)."""
-    import importlib.util
-
     accel, case = request.accelerator, request.case
     lacking = [m for m in profile_of(accel.kind).device_imports if not importlib.util.find_spec(m)]
     if lacking:
@@ -291,8 +291,6 @@ def _warm_parent(book: LeaseBook, warm: bool):
     could not start."""
     if not warm:
         return None, []
-    from pytest_fsdp_turbo.processes.warm import warm_parent
-
     parent, why = warm_parent(book.state_dir)
     return parent, [] if parent is not None else [f"ranks spawned as fresh interpreters: {why}"]
 
@@ -316,8 +314,6 @@ def _leased(request: RunRequest, book: LeaseBook, timeout_s: float):
 def _launch_once(request: RunRequest, ids, ranges, port: int, parent, progress) -> RunResult:
     """One launch of the case's ranks on `port`, its environment kept in env.json."""
     case, out = request.case, request.artifacts_dir
-    from pytest_fsdp_turbo.processes.warm import WarmParentSilent
-
     env = {**os.environ, **_env_overrides(request, ids, port, ranges)}
     RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
 

@@ -52,7 +52,7 @@ def with_turbo_config(request: RunRequest) -> RunRequest:
     tree, validated against the checkout's schema before any rank starts."""
     if not request.case.is_turbo or request.turbo_config is not None:
         return request
-    from pytest_fsdp_turbo.turbo.library import turbo_config_for
+    from pytest_fsdp_turbo.turbo.library import turbo_config_for  # only turbo cases load packaging
 
     checkout = request.checkout.path if request.checkout is not None else None
     config = turbo_config_for(request.case, request.accelerator.kind, request.model_path, checkout)

@@ -12,12 +12,14 @@ After the case, `timeline` turns the files into (rank, phase, start, end) rows f
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
+from pytest_fsdp_turbo_contract.faults import PHASES
 from pytest_fsdp_turbo_contract.spec import RankSpec
 
 
@@ -65,8 +67,6 @@ def group_ranks(phases: dict[int, str]) -> str:
 
 def _order(phase: str) -> int:
     """A phase's place in the step (an unknown one, "starting" included, counts as first)."""
-    from pytest_fsdp_turbo_contract.faults import PHASES
-
     return PHASES.index(phase) if phase in PHASES else -1
 
 
@@ -169,8 +169,6 @@ class ArtifactWatcher:
     runs, and timeline.json when it ends) and prints plain status and stall lines."""
 
     def __init__(self, root: Path, display: Display):
-        import threading
-
         self.root, self.display = root, replace(display, live=None)  # plain lines only
         self.since = time.time()  # runs of earlier sessions are not followed
         self.running: dict[Path, Progress] = {}

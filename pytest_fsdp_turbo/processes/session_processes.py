@@ -15,10 +15,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import psutil
+import psutil
 
 
 @dataclass(frozen=True)
@@ -89,8 +88,6 @@ def owned() -> dict[int, SessionProcess]:
 
 def belongs_to_session(proc: psutil.Process) -> bool:
     """A registered process, or a descendant its nearest registered ancestor keeps."""
-    import psutil
-
     pids = session_processes().pids
     if proc.pid in pids:
         return True

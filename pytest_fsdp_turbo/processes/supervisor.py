@@ -22,6 +22,7 @@ from typing import Protocol
 
 import psutil
 
+from pytest_fsdp_turbo.processes import progress
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent
 from pytest_fsdp_turbo_contract.results import RankResult, RunResult
@@ -267,11 +268,10 @@ def collect_result(
     outcome: tuple,
 ) -> RunResult:
     timed_out, first_failure, ends = outcome
-    from pytest_fsdp_turbo.processes.progress import write_timeline
-
     notes = []
     try:
-        write_timeline(artifacts_dir, len(handles))  # what every rank did when, kept with the logs
+        # what every rank did when, kept with the logs
+        progress.write_timeline(artifacts_dir, len(handles))
     except OSError as exc:  # a full disk must not hide what the ranks did
         notes.append(f"fsdp-turbo: timeline not written to {artifacts_dir}: {exc.strerror}")
     now = time.monotonic()

@@ -23,7 +23,12 @@ from pytest_fsdp_turbo_contract.records import (
 )
 from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
-from pytest_fsdp_turbo_contract.trainer_records import ObservedRank, first_step_metrics, read_ranks
+from pytest_fsdp_turbo_contract.trainer_records import (
+    ObservedRank,
+    ObservedStep,
+    first_step_metrics,
+    read_ranks,
+)
 from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
 from pytest_fsdp_turbo_contract.vocab import CaseKindName, Dtype, Rollout
 
@@ -92,6 +97,7 @@ def run_spec_json(
         "micro_batches": declared.micro_batches or 0,  # 0: dynamic batch sizes
         "rollout": Rollout.VLLM if declared.rollout == "vllm" else Rollout.HF,
         "rollout_replicas": declared.rollout_replicas,
+        "rollout_dtype": declared.rollout_dtype,
         "reference_checks": False,
         "n": declared.n,
         "num_prompts": declared.num_prompts,
@@ -123,6 +129,11 @@ def write_rank_metrics(
     run.spec.write_text(json.dumps(run_spec_json(declared, spec, shard), indent=1))
     verl = first_step_metrics(folder.step_metrics)
     measured = combined_norm(readings, spec.world_size)
+    steps = {rank: reading.steps[0] for rank, reading in readings.items() if reading.steps}
+    row_ids = {row: i for i, row in enumerate(sorted({r for s in steps.values() for r in s.rows}))}
+    peaks = [s.advantages_abs_max for s in steps.values() if s.advantages_abs_max is not None]
+    clip = None if declared is None else declared.grad_clip
+    coef = None if measured is None or clip is None else min(1.0, clip / (measured + 1e-6))
     for rank, reading in readings.items():
         if not reading.steps:
             continue
@@ -138,15 +149,30 @@ def write_rank_metrics(
             fsdp_units=step.fsdp_units,
             shard_group_size=step.shard_group_size,
             retained_grad_bytes=max(step.retained_grad_bytes or [0]),
+            data_rows=sorted(row_ids[row] for row in step.rows) if step.rows else None,
         )
         reported = step.reported_grad_norm
         metrics.optimizer = OptimizerRecord(
             grad_norm=reported,
             grad_norm_finite=None if reported is None else math.isfinite(reported),
             grad_norm_measured=measured,
+            clip_coef=coef,
+            clip_max_rel_err=_clip_error(step, coef),
         )
+        metrics.rollout.advantages_abs_max = max(peaks) if peaks else None
         for key, (record, name) in FROM_VERL.items():
             if isinstance(verl.get(key), int | float):
                 setattr(metrics.record(record), name, verl[key])
         written = {k: v for k, v in metrics.to_json().items() if v is not None}
         run.metrics(rank).write_text(json.dumps(written, indent=1))
+
+
+def _clip_error(step: ObservedStep, coef: float | None) -> float | None:
+    """How far the gradients the optimizer stepped on are from the raw ones times the clip
+    coefficient: the fitted scale's relative distance from it, or what the scale leaves
+    unexplained, whichever is larger."""
+    if coef is None or step.stepped_residual is None:
+        return None
+    if step.stepped_scale is None:  # no raw gradient on this shard: what it stepped on, as is
+        return step.stepped_residual
+    return max(abs(step.stepped_scale - coef) / coef, step.stepped_residual)

@@ -43,6 +43,7 @@ class TrainerDeclared:
     num_prompts: int | None = None  # data.train_batch_size: prompts per step, all ranks
     max_new_tokens: int | None = None  # data.max_response_length
     clip_ratio: float | None = None
+    rollout_dtype: str | None = None  # what the rollout serves the weights in (torch's name)
 
     def lines(self) -> list[str]:
         """For `config` and `doctor`: the resolved sync policy first."""
@@ -111,6 +112,7 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
         num_prompts=_number(config, "data.train_batch_size", int),
         max_new_tokens=_number(config, "data.max_response_length", int),
         clip_ratio=_number(config, f"{ACTOR}.clip_ratio", float),
+        rollout_dtype=_torch_dtype(_get(config, f"{rollout}.dtype")),
     )
 
 
@@ -119,6 +121,12 @@ def _number(config: dict, dotted: str, kind: type) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return kind(value)
+
+
+def _torch_dtype(value: Any) -> str | None:
+    """verl's dtype names (bf16, fp32, bfloat16, float32) as torch names them."""
+    names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
+    return names.get(value, value) if isinstance(value, str) else None
 
 
 def _betas(value: Any) -> tuple[float, float] | None:
@@ -130,7 +138,7 @@ def _betas(value: Any) -> tuple[float, float] | None:
 
 def read_resolved(path: Path) -> dict:
     """The config Hydra saved for a run, interpolations resolved."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # optional: verl brings hydra-core
 
     try:
         return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
@@ -151,11 +159,11 @@ def compose(overrides: list[str]) -> dict:
     """verl's trainer config with `overrides`, as main_ppo composes it (placeholders stand in)."""
     if importlib.util.find_spec("hydra") is None:
         raise Unavailable("composing verl's config needs hydra-core (verl brings it)")
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from hydra import compose as hydra_compose  # optional: verl brings hydra-core
+    from hydra import initialize_config_dir  # optional: verl brings hydra-core
+    from hydra.errors import HydraException  # optional: verl brings hydra-core
+    from omegaconf import OmegaConf  # optional: verl brings hydra-core
+    from omegaconf.errors import OmegaConfBaseException  # optional: verl brings hydra-core
 
     try:
         with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):

@@ -23,6 +23,7 @@ from pytest_fsdp_turbo.checkout_request import (
     validate_repo,
 )
 from pytest_fsdp_turbo.private_dirs import private_dir
+from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo_contract.errors import CheckoutUnavailable, ConfigError
 
 PACKAGE = "fsdp_turbo"
@@ -121,8 +122,6 @@ def _commit_of(path: Path) -> str | None:
 
 
 def default_cache_dir() -> Path:
-    from pytest_fsdp_turbo.settings import HarnessEnv
-
     return HarnessEnv.read().cache_home / "pytest-fsdp-turbo" / "checkouts"
 
 
@@ -209,7 +208,7 @@ def _verified_cached(final: Path, ref: str | None) -> str | None:
 
 
 def clone_cached(request: CheckoutRequest, clone: bool = True) -> Checkout:
-    from filelock import FileLock
+    from filelock import FileLock  # when cloning: the header's lookup stays light
 
     repo = validate_repo(request.repo)
     ref = validate_ref(request.ref)

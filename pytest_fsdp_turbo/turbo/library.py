@@ -20,6 +20,10 @@ from typing import TYPE_CHECKING
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
+from pytest_fsdp_turbo.models import default_model_cache
+from pytest_fsdp_turbo.private_dirs import private_dir, write_private
+from pytest_fsdp_turbo.processes.warm import run_module
+from pytest_fsdp_turbo.turbo.schema import published_schema
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.turbo_config import (
     NEWEST,
@@ -85,9 +89,6 @@ def inspect(model_dir: Path | None, checkout: Path | None) -> Inspection:
     """Read in a subprocess (it imports torch and transformers) once per model config, checkout
     source and library versions; the answer is kept on disk, so the next pytest process, CLI call
     or xdist worker asking the same does not pay the imports again."""
-    from pytest_fsdp_turbo.models import default_model_cache
-    from pytest_fsdp_turbo.private_dirs import private_dir, write_private
-
     cache = private_dir(
         default_model_cache().parent / "inspections", "inspection cache", "XDG_CACHE_HOME"
     )
@@ -103,8 +104,6 @@ def inspect(model_dir: Path | None, checkout: Path | None) -> Inspection:
 
 
 def _inspect_now(model_dir: Path | None, checkout: Path | None) -> dict:
-    from pytest_fsdp_turbo.processes.warm import run_module
-
     argv = []
     if model_dir is not None:
         argv += ["--model", str(model_dir)]
@@ -123,8 +122,6 @@ def turbo_config_for(case: Case, kind: str, model_dir: Path | None, checkout: Pa
     """The exact turbo_config a rank hands the library; raises TurboConfigProblems when the
     checkout's schema (without a checkout: the layout's published schema) would drop a key or
     misses a required field."""
-    from pytest_fsdp_turbo.turbo.schema import published_schema
-
     found = inspect(model_dir, checkout)
     layout = found.layout or NEWEST
     try:

@@ -56,6 +56,8 @@ class TrainerRank:
         self._pass: dict[str, Any] | None = None  # the training pass since the last step
         self._micro_batch_open = False
         self._units: Any = None  # fsdp_probe.UnitsThatRan over the trained model's units
+        self._batch: dict[str, Any] = {}  # what train_batch was handed, until the step
+        self._raw: list = []  # the local gradient shards after the last backward, until the step
         self._inner: set[int] | None = None  # ids of the units inside another unit
 
     # -- the trained model ---------------------------------------------------------------------
@@ -106,21 +108,55 @@ class TrainerRank:
         # the callback is queued by whichever unit's state saw backward first, not the root's
         if self._pass is None or not any(_contains(self._pass["module"], m) for m in modules):
             return
-        total = 0.0
-        for param in self._pass["module"].parameters():
-            if param.grad is not None:
-                grad = param.grad
-                local = grad.to_local() if hasattr(grad, "to_local") else grad
-                total += float(local.detach().double().pow(2).sum())
-        self._pass["shard_grad_sq"] = total
+        self._raw = [g.detach().clone() for g in _local_grads(self._pass["module"])]
+        self._pass["shard_grad_sq"] = sum(float(g.double().pow(2).sum()) for g in self._raw)
+
+    def batch_seen(self, data) -> None:
+        """train_batch's mini-batch, as the actor hands it: each row's tokens digested (rows
+        disjoint across data-parallel ranks), and the advantages' largest magnitude."""
+        rows = _rows(data.get("input_ids", None))
+        advantages = data.get("advantages", None)
+        self._batch.setdefault("rows", []).extend(digest(row) for row in rows)
+        if advantages is not None:
+            values = advantages.values() if getattr(advantages, "is_nested", False) else advantages
+            peak = float(values.detach().abs().max()) if values.numel() else 0.0
+            self._batch["advantages_abs_max"] = max(
+                self._batch.get("advantages_abs_max", 0.0), peak
+            )
+
+    def _stepped_against_raw(self) -> dict[str, float]:
+        """The scale that best maps the raw gradients onto those the optimizer steps on, and the
+        largest part of the stepped ones it leaves unexplained."""
+        stepped = list(_local_grads(self._pass["module"])) if self._pass else []
+        if not self._raw or len(stepped) != len(self._raw):
+            return {}
+        raw_sq = sum(float(r.double().pow(2).sum()) for r in self._raw)
+        if raw_sq == 0:  # no gradient reached this shard: any scale fits; the step's must be 0
+            return {"stepped_residual": max(float(s.double().abs().max()) for s in stepped)}
+        dot = sum(float((r.double() * s.double()).sum()) for r, s in zip(self._raw, stepped))
+        scale = dot / raw_sq
+        peak = max(float((scale * r.double()).abs().max()) for r in self._raw)
+        off = max(
+            float((s.double() - scale * r.double()).abs().max()) for r, s in zip(self._raw, stepped)
+        )
+        return {"stepped_scale": scale, "stepped_residual": off / peak if peak else off}
 
     def before_step(self, optimizer) -> None:
         if self._pass is None:
             return
+        fit = self._stepped_against_raw()
         done = ObservedStep(
-            **{k: v for k, v in self._pass.items() if k != "module"},
+            reduce_scatters_by_micro_batch=self._pass["reduce_scatters_by_micro_batch"],
+            retained_grad_bytes=self._pass["retained_grad_bytes"],
+            shard_group_size=self._pass["shard_group_size"],
+            shard_grad_sq=self._pass.get("shard_grad_sq"),
             fsdp_units=self._units.count if self._units is not None else None,
+            rows=self._batch.get("rows", []),
+            advantages_abs_max=self._batch.get("advantages_abs_max"),
+            stepped_scale=fit.get("stepped_scale"),
+            stepped_residual=fit.get("stepped_residual"),
         )
+        self._batch, self._raw = {}, []
         if self._units is not None:
             self._units.__exit__(None, None, None)
         self.steps.append(done)
@@ -159,6 +195,19 @@ class TrainerRank:
     def _write(self) -> None:
         observed = ObservedRank(self.rank, os.getpid(), self.steps, self.post_step)
         write_record(self.folder.rank(self.rank), observed)
+
+
+def _local_grads(module) -> list:
+    """The module's gradients, each its rank's own shard."""
+    grads = (p.grad for p in module.parameters() if p.grad is not None)
+    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+
+def _rows(ids) -> list:
+    """Each row's tokens (a nested batch's rows, or a padded batch's)."""
+    if ids is None:
+        return []
+    return list(ids.unbind()) if getattr(ids, "is_nested", False) else list(ids)
 
 
 def _contains(outer, inner) -> bool:
@@ -268,6 +317,13 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
                 return norm
 
             engine.optimizer_step = optimizer_step
+            train = engine.train_batch
+
+            def train_batch(data, *a, **k):
+                rank.batch_seen(data)
+                return train(data, *a, **k)
+
+            engine.train_batch = train_batch
             return engine
 
         registry.new = classmethod(built)
