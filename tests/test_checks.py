@@ -124,7 +124,10 @@ def test_a_check_that_applies_fails_when_its_measurement_is_missing():
     result.launched = declared_by(ranks[0], 2, reference=True)
     verdict = checks.evaluate(result)
     failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
-    assert set(failed) == {"c", "e", "j", "k", "l"}, failed
+    # a and i compare with the reference by declaration too: its readings missing is red
+    assert set(failed) == {"a", "c", "e", "i", "j", "k", "l"}, failed
+    assert "no reading of the reference gradients' norm (sync/reference_grad_norm)" in failed["a"]
+    assert "no reading of the reference's step (sync/step_max_err_lr)" in failed["i"]
     assert "metric 'sync/grad_rel_l2_err' missing" in failed["c"]
     assert "phase 'reference' should have written it" in failed["c"]
     assert "phase 'train' should have written it" in failed["l"]

@@ -17,6 +17,7 @@ from pytest_fsdp_turbo.checks.readings import (
     OLD_LOGPROB_MAX_ABS_DIFF,
     OLD_LOGPROB_WORST_ROW,
     POST_STEP_LOGPROB_MAX_ABS_DIFF,
+    REFERENCE_GRAD_NORM,
     REPLICA_MAX_ABS_DIFF,
     _dtype,
     _first_above,
@@ -92,6 +93,11 @@ def check_grad_norm(result: RunResult) -> None:
             "the shards"
         )
     reference = _rank0(result).reference.reference_grad_norm
+    if declares_reference(result) and reference is None:
+        raise CheckFailure(
+            f"check a: the case declares the single-process reference (reference_checks) but "
+            f"rank 0 has no reading of the reference gradients' norm ({REFERENCE_GRAD_NORM.key})"
+        )
     if reference is not None:
         tol = GRAD_NORM_REFERENCE_REL[dtype]
         if not _rel(base, reference) <= tol:

@@ -26,6 +26,7 @@ from pytest_fsdp_turbo.checks.readings import (
     _rank0,
     _value,
     declared,
+    declares_reference,
 )
 from pytest_fsdp_turbo.checks.tolerances import (
     ADAMW_STEP_TOL_LR,
@@ -75,8 +76,14 @@ def check_optimizer_step(result: RunResult) -> None:
             f"decay) by {over[1]:.3g} x lr ({ADAMW_STEP_MAX_ERR_LR.key}), "
             f"tolerance {tol:g}"
         )
+    if not declares_reference(result) or not finite:
+        return  # no reference step declared, or no step to compare (a non-finite norm skips it)
     if _rank0(result).post_step.step_max_err_lr is None:
-        return  # no reference step
+        raise CheckFailure(
+            f"check i: the case declares the single-process reference (reference_checks) but "
+            f"rank 0 has no reading of the reference's step ({STEP_MAX_ERR_LR.key}): the "
+            "post-step comparison never ran"
+        )
     dtype = _dtype(result)
     tol = STEP_L2_TOL[dtype]
     if over := _first_above(result, STEP_REL_L2_ERR, tol):

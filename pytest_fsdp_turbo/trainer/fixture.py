@@ -5,6 +5,8 @@ row, as `ppo_run` does for engine cases."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from pytest_fsdp_turbo.cases import CaseParam, TrainerCase
@@ -43,8 +45,6 @@ class TrainerRun:
 def progress_lines(config: pytest.Config):
     """Plain lines past the test's output capture (pytest's terminal reporter), as ppo_run's
     progress writes them in CI logs; None without a terminal reporter."""
-    import contextlib
-
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return None

@@ -19,10 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from pytest_fsdp_turbo.cases.trainer_case import TrainerCase
 from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
 from pytest_fsdp_turbo.leases import LeaseBook
+from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
 from pytest_fsdp_turbo.processes.supervisor import CASE_TOKEN_VAR, LocalRank, reap_case, supervise
 from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo.trainer.readings import write_rank_metrics
@@ -67,7 +70,6 @@ class TrainerRunner:
 
     def gate(self, case: TrainerCase) -> Path:
         """The model's folder, or Unavailable naming what is missing here."""
-        from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
 
         missing = missing_needs()
         if missing:
@@ -87,7 +89,6 @@ class TrainerRunner:
         """verl's colocated weight sync names its IPC sockets /tmp/rl-colocate-zmq-<Ray job id>-...,
         and every fresh Ray cluster's first job has the same id: two trainer runs on one host
         (xdist workers) push into each other's sockets and hang (seen here). They take turns."""
-        from filelock import FileLock, Timeout
 
         lock = FileLock(str(self.book.state_dir / "verl-trainer.lock"))
         waited = time.monotonic()

@@ -8,6 +8,7 @@ config` and `doctor`, before any run). Torch-free (Hydra and OmegaConf only).
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,7 +181,6 @@ _STAND_INS = {"{model}": "/model", "{data}": "/data", "{reward}": "/reward.py"}
 
 def resolve_case(case) -> TrainerDeclared:
     """A trainer case's declared values from verl's YAML and its overrides, before any run."""
-    import os
 
     overrides = []
     for override in case.overrides:
