@@ -16,6 +16,6 @@ def test_verl_trainer_one_step(
 ):
     result = verl_trainer_run(fsdp_turbo_trainer_case)
     verdict = checks.check_all(result)
-    assert {o.check for o in verdict.with_status(checks.PASSED)} == {"a", "e", "h"}
+    assert {o.check for o in verdict.with_status(checks.PASSED)} == {"a", "e", "h", "j", "k"}
     golden = fsdp_turbo_golden(result, fsdp_turbo_trainer_case)
     record_property("fsdp_turbo/golden", str(golden))

@@ -55,7 +55,7 @@ class HarnessEnv:
         external = env.get(VERL_EXTERNAL_MODULES, "")
         return cls(
             state_dir=Path(state) if state else default_state,
-            no_fork=env.get(Env.NO_FORK, "") not in ("", "0"),
+            no_fork=_flag(env.get(Env.NO_FORK, ""), Env.NO_FORK),
             cache_home=Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache"),
             warm_socket=env.get(Env.WARM_SOCKET, ""),
             pythonpath=env.get("PYTHONPATH", ""),
@@ -219,7 +219,7 @@ def resolve(
         checkout=CheckoutRequest(path=raw["fsdp_turbo_path"], repo=repo, ref=ref),
         cases=Path(raw["fsdp_turbo_cases"]) if raw["fsdp_turbo_cases"] else None,
         models=Path(raw["fsdp_turbo_models"]) if raw["fsdp_turbo_models"] else None,
-        tiny_models=Path(raw["fsdp_turbo_tiny_models"]) if raw["fsdp_turbo_tiny_models"] else None,
+        tiny_models=_folder(raw["fsdp_turbo_tiny_models"], origin["fsdp_turbo_tiny_models"]),
         artifacts=Path(raw["fsdp_turbo_artifacts"]) if raw["fsdp_turbo_artifacts"] else None,
         record_golden=bool(raw["fsdp_turbo_record_golden"]),
         goldens=Path(raw["fsdp_turbo_goldens"]) if raw["fsdp_turbo_goldens"] else None,
@@ -259,3 +259,23 @@ def parse_device_override(value: str, origin: str) -> tuple[str, int | None]:
             f"{value!r}"
         )
     return kind, int(count_text)
+
+
+def _flag(value: str, name: str) -> bool:
+    """A yes/no variable: 1, true, yes or on; 0, false, no, off or unset. Anything else is one
+    line naming it (`false` never turns a thing on)."""
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in ("", "0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}: expected 1 or 0 (true or false); got {value!r}")
+
+
+def _folder(value: str | None, origin: str) -> Path | None:
+    """A folder an option names: a file there is one line, not a silently empty folder."""
+    if not value:
+        return None
+    path = Path(value)
+    if path.is_file():
+        raise ConfigError(f"{origin}: expected a folder; got {path}, a file")
+    return path

@@ -88,7 +88,9 @@ class EngineSpec:
     gradient_sync: SyncPolicy = SyncPolicy.DEFERRED
     lr: float = case_key(1e-4, 0, low_open=True)
     grad_clip: float = case_key(1.0, 0, low_open=True)  # max_norm of the clip by the global norm
-    weight_decay: float = case_key(0.0, 0)  # AdamW; the reference step and the closed form alike
+    # AdamW; the reference step and the closed form alike. Above 1, a step of lr 1 would turn
+    # every parameter's sign: no training run decays like that
+    weight_decay: float = case_key(0.0, 0, 1)
     adam_beta1: float = case_key(0.9, 0, 1, high_open=True)
     adam_beta2: float = case_key(0.999, 0, 1, high_open=True)
     adam_eps: float = case_key(1e-8, 0, low_open=True)

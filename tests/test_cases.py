@@ -620,9 +620,15 @@ def test_a_case_key_is_the_spec_field_that_declares_it_read_into_its_part(tmp_pa
     assert (spec.engine.weight_decay, spec.engine.fsdp_size, spec.engine.dtype) == (0.1, 2, "fp32")
     assert spec.ppo.reference_checks is True  # a tiny model: settled for the ranks
     assert case_keys(case)["weight_decay"] == 0.1 and case_keys(case)["id"] == "c"
-    path.write_text('[[case]]\nid = "c"\nmodel = "tiny-qwen3"\nweight_decay = -1\n')
-    with pytest.raises(ConfigError) as refused:
-        load_cases(path)
-    assert str(refused.value) == (
-        f"{path}: case 'c': field 'weight_decay': expected a finite number >= 0; got -1.0"
+    for bad in (-1, 1e6):  # a decay above 1 is accepted by nothing that trains
+        path.write_text(f'[[case]]\nid = "c"\nmodel = "tiny-qwen3"\nweight_decay = {bad}\n')
+        with pytest.raises(ConfigError) as refused:
+            load_cases(path)
+        assert str(refused.value) == (
+            f"{path}: case 'c': field 'weight_decay': expected a number in [0, 1]; got {bad:.1f}"
+        )
+    path.write_text(
+        '[[case]]\nid = "c"\nmodel = "tiny-qwen3"\nupdates = 2\nclip_not_exercised = "  "\n'
     )
+    with pytest.raises(ConfigError, match="'clip_not_exercised': expected a reason in words"):
+        load_cases(path)

@@ -591,6 +591,20 @@ def test_the_session_variables_a_run_hands_on_are_read_once_by_harness_env():
     assert (bare.pythonpath, bare.verl_external_modules) == ("", ())
 
 
+def test_a_yes_no_variable_reads_false_as_no_and_a_folder_option_refuses_a_file(tmp_path):
+    from pytest_fsdp_turbo.settings import HarnessEnv, resolve
+    from pytest_fsdp_turbo_contract.errors import ConfigError
+
+    for value, fork_off in (("false", False), ("0", False), ("", False), ("1", True), ("on", True)):
+        assert HarnessEnv.read({"PYTEST_FSDP_TURBO_NO_FORK": value}).no_fork is fork_off, value
+    with pytest.raises(ConfigError, match="PYTEST_FSDP_TURBO_NO_FORK: expected 1 or 0"):
+        HarnessEnv.read({"PYTEST_FSDP_TURBO_NO_FORK": "maybe"})
+    specs = tmp_path / "specs.json"
+    specs.write_text("{}")
+    with pytest.raises(ConfigError, match=f"expected a folder; got {specs}, a file"):
+        resolve({"fsdp_turbo_tiny_models": str(specs)}, env={}, rootdir=tmp_path)
+
+
 def test_a_runs_thread_count_and_interfaces_say_where_they_came_from():
     from pytest_fsdp_turbo.settings import RunEnv
     from pytest_fsdp_turbo_contract.errors import ConfigError

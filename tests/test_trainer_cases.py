@@ -46,13 +46,24 @@ def book(tmp_path: Path, text: str):
         ('devices = ["tpu"]', "devices", "one of cpu, cuda, npu"),
         ("timeout = -1", "timeout", "a number of seconds > 0"),
         ('extends = "nope"', "extends", "the id of a trainer case above this one"),
+        # the fifth set of hostile inputs: each refused in one line, nothing dropped or escaped
+        ('extends = ["a", "b"]', "extends", "the id of one trainer case above this one"),
+        ('devices = ["cpu", "cpu"]', "devices", "each member once"),
+        ('env = { "A=B" = "1" }', "env", "a table of variable = string"),
+        ('env = { PYTHONPATH = "/elsewhere" }', "env", "no variable the harness sets"),
+        ('env = { PYTEST_FSDP_TURBO_TRAINER_RUN = "/tmp" }', "env", "no variable the harness"),
+        ('external_modules = ["../evil"]', "external_modules", "importable module names"),
+        ('model = "../../etc"', "model", "a tiny spec (tiny-...) or a folder inside the models"),
+        ('script = "/etc/passwd"', "script", "a script inside the case file's folder"),
+        ('script = "../outside.sh"', "script", "a script inside the case file's folder"),
     ],
 )
 def test_a_bad_trainer_case_is_one_line_naming_file_case_and_field(
     tmp_path, extra, field, expected
 ):
+    base = BASE.replace('model = "tiny-qwen3-chat"\n', "") if extra.startswith("model") else BASE
     with pytest.raises(ConfigError) as err:
-        book(tmp_path, BASE + extra + "\n")
+        book(tmp_path, base + extra + "\n")
     message = str(err.value)
     assert "\n" not in message
     assert f"trainer case 't': field {field!r}: expected {expected}" in message
@@ -394,3 +405,55 @@ def test_config_with_a_mistyped_id_lists_the_trainer_cases_too_and_takes_cpu(cap
     assert "tiny-qwen3_5-fsdp_turbo-fsdp2-sp2-deferred" in missed  # an engine case's
     assert main(["config", "tiny-qwen3_5-fsdp_turbo-fsdp2-sp2-deferred", "--device", "cpu"]) == 0
     assert '"ulysses_parallel_size": 2' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("hydra.output_subdir=/tmp/x", "no override of what the harness sets"),
+        ("hydra.job_logging.handlers.file.filename=/tmp/x.log", "no override of what the harness"),
+        ("trainer.default_local_dir=/tmp/ckpt", "no override of what the harness sets"),
+        ("trainer.n_gpus_per_node=$NOT_SET_ANYWHERE", "$NOT_SET_ANYWHERE set in the case's env"),
+        ("trainer.n_gpus_per_node=two", "a whole number of devices or nodes"),
+    ],
+)
+def test_overrides_the_harness_owns_or_cannot_count_are_refused(tmp_path, override, expected):
+    text = BASE.replace('"trainer.n_gpus_per_node=2"', json.dumps(override))
+    with pytest.raises(ConfigError, match="field 'overrides'") as err:
+        book(tmp_path, text)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_world_size_from_variables_is_counted_as_the_shell_would(tmp_path, monkeypatch):
+    monkeypatch.setenv("NGPUS", "2")
+    text = BASE.replace('"trainer.n_gpus_per_node=2"', '"trainer.n_gpus_per_node=${NGPUS}"')
+    assert book(tmp_path, text).get_trainer("t").world_size == 2
+    two_by_two = text.replace("${NGPUS}", "$A", 1).replace(
+        "overrides = [", 'env = { A = "2", B = "2" }\noverrides = ["trainer.nnodes=$B", ', 1
+    )
+    with pytest.raises(ConfigError, match=r"from the overrides \(4\)"):
+        book(tmp_path, two_by_two)  # $A x $B is 4, not the case's 2
+
+
+def test_a_script_is_read_whole_or_refused_in_one_line(tmp_path):
+    (tmp_path / "run.sh").write_text("python3 -m verl.trainer.main_ppo a=1 $EXTRA\n")
+    text = BASE + 'script = "run.sh"\n'
+    with pytest.raises(ConfigError, match="'\\$EXTRA' after verl.trainer.main_ppo holds overrides"):
+        book(tmp_path, text)
+    (tmp_path / "run.sh").write_bytes(b"python3 -m verl.trainer.main_ppo a=\xff\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        book(tmp_path, text)
+    (tmp_path / "run.sh").write_text("python3 -m verl.trainer.main_ppo 'a=1\nb=2'\n")
+    with pytest.raises(ConfigError, match="line 1: No closing quotation; keep each override"):
+        book(tmp_path, text)
+
+
+def test_a_size_given_as_a_word_in_verls_config_is_one_line_naming_the_key():
+    config = verl_config(False)
+    config["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] = "two"
+    with pytest.raises(ConfigError) as err:
+        declared(config, 2)
+    assert str(err.value) == (
+        "verl's config: actor_rollout_ref.actor.ppo_mini_batch_size: expected a whole number; "
+        "got 'two'"
+    )

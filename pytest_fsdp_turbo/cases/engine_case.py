@@ -182,6 +182,10 @@ def validate_case(
             engine.world_size,
         )
     check_known_failure(where, case.known_failure, case.devices)
+    if ppo.clip_not_exercised and not ppo.clip_not_exercised.strip():
+        raise where.error(
+            "clip_not_exercised", "a reason in words, or no key", raw["clip_not_exercised"]
+        )
     if ppo.clip_not_exercised and ppo.updates < 2:
         raise where.error(
             "clip_not_exercised",

@@ -7,6 +7,7 @@ engine case's, from `TrainerCase`'s fields. Torch-free.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -15,14 +16,15 @@ from pathlib import Path
 from pytest_fsdp_turbo.cases.table import (
     TINY_PREFIX,
     TableReader,
+    Where,
     check_known_failure,
     check_tiny,
     read_rows,
 )
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.spec import BOUNDS, Bounds
-from pytest_fsdp_turbo_contract.trainer_spec import PLACEHOLDERS
-from pytest_fsdp_turbo_contract.vocab import DeviceKind, GoldenTier
+from pytest_fsdp_turbo_contract.trainer_spec import PLACEHOLDERS, RUN_DIR_VARIABLE
+from pytest_fsdp_turbo_contract.vocab import DeviceKind, Env, GoldenTier
 
 TABLE = "trainer_case"
 ENTRY = "verl.trainer.main_ppo"
@@ -30,6 +32,16 @@ _PLACEHOLDER = re.compile(r"\{[a-z_]+\}")
 # key=value, +key=value, ++key=value or ~key: Hydra's override grammar, as far as a case needs it
 _OVERRIDE = re.compile(r"^(\+\+|\+|~)?[A-Za-z_][\w.\-]*(=.*)?$", re.S)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+# where the main_ppo command ends, and the script's own arguments (the case's overrides stand for
+# them: the harness runs the script's line, not the script)
+SHELL_OPERATORS = ("|", "||", "&&", ";", "&", "2>&1")
+SCRIPT_ARGS = ("$@", "$*", "${@}", "${*}")
+_VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+# what the harness sets in every process of a trainer run, which a case's env may not replace
+HARNESS_ENV = (RUN_DIR_VARIABLE, "PYTHONPATH", "VERL_USE_EXTERNAL_MODULES", Env.CASE_TOKEN)
+# where the harness puts Hydra's output and verl's checkpoints (inside the run folder)
+HARNESS_KEYS = ("hydra.", "trainer.default_local_dir", "trainer.total_training_steps")
 
 
 @dataclass(frozen=True)
@@ -80,12 +92,29 @@ READER = TableReader("trainer case", {"case": TrainerCase}, extra=("script", "ex
 
 def overrides_of_script(script: Path) -> tuple[str, ...]:
     """The Hydra overrides of the `python -m verl.trainer.main_ppo ...` line of a shell script (a
-    verl e2e script), continuation lines joined; `$VAR` and `${VAR}` are kept as written."""
-    text = script.read_text(encoding="utf-8").replace("\\\n", " ")
-    for line in text.splitlines():
-        words = shlex.split(line, comments=True)
+    verl e2e script), continuation lines joined; `$VAR` and `${VAR}` inside an override are kept
+    as written. A word the harness cannot read as overrides is one line, never dropped."""
+    try:
+        text = script.read_text(encoding="utf-8").replace("\\\n", " ")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{script}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError as exc:  # a quoted string that runs over lines, say
+            raise ConfigError(
+                f"{script}: line {number}: {exc}; keep each override on its line"
+            ) from None
         if ENTRY in words:
-            return tuple(w for w in words[words.index(ENTRY) + 1 :] if "=" in w or w[:1] == "~")
+            args = words[words.index(ENTRY) + 1 :]
+            ends = [i for i, w in enumerate(args) if w in SHELL_OPERATORS or w.startswith(">")]
+            args = [w for w in args[: min(ends, default=len(args))] if w not in SCRIPT_ARGS]
+            if unread := [w for w in args if w.startswith("$") and "=" not in w]:
+                raise ConfigError(
+                    f"{script}: {unread[0]!r} after {ENTRY} holds overrides the harness cannot "
+                    "read; write them into the case's overrides"
+                )
+            return tuple(w for w in args if "=" in w or w[:1] == "~")
     raise ConfigError(f"{script}: no `python -m {ENTRY}` line")
 
 
@@ -95,15 +124,17 @@ def validate_trainer_case(
     where = READER.where(raw, path)
     values = dict(raw)
     if "extends" in values:  # another trainer case's overrides first, then this one's
+        if not isinstance(values["extends"], str):
+            raise where.error(
+                "extends", "the id of one trainer case above this one", raw["extends"]
+            )
         base = (earlier or {}).get(values.pop("extends"))
         if base is None:
             raise where.error("extends", "the id of a trainer case above this one", raw["extends"])
         values["overrides"] = [*base.overrides, *values.get("overrides", [])]
         values.setdefault("model", base.model)
     if "script" in values:  # a verl e2e script's own overrides, then the case's
-        script = Path(path).parent / str(values.pop("script"))
-        if not script.is_file():
-            raise where.error("script", "a shell script next to the case file", str(script))
+        script = _script(where, Path(path).parent, values.pop("script"))
         values["overrides"] = [*overrides_of_script(script), *values.get("overrides", [])]
     if not isinstance(values.get("overrides"), list | tuple):
         raise where.error(
@@ -113,6 +144,14 @@ def validate_trainer_case(
     for item in case.overrides:
         if not _OVERRIDE.match(item):
             raise where.error("overrides", "key=value, +key=value, ++key=value or ~key", item)
+        key = item.lstrip("+~").partition("=")[0]
+        if key.startswith(HARNESS_KEYS):
+            raise where.error(
+                "overrides",
+                "no override of what the harness sets (Hydra's output, verl's checkpoint folder "
+                "and step count: they stay in the run folder)",
+                item,
+            )
         for placeholder in _PLACEHOLDER.findall(item):
             if placeholder not in PLACEHOLDERS:
                 raise where.error(
@@ -125,11 +164,16 @@ def validate_trainer_case(
     ]
     if bad_env:
         raise where.error("env", "a table of variable = string", dict(bad_env))
+    if owned := sorted(set(case.env) & set(HARNESS_ENV)):
+        raise where.error("env", "no variable the harness sets in every process", owned[0])
+    if bad := [m for m in case.external_modules if not _MODULE.fullmatch(m)]:
+        raise where.error("external_modules", "importable module names (a.b.c)", bad[0])
     check_tiny(where, case.model, specs)
     check_known_failure(where, case.known_failure, case.devices)
     per_node, nodes = case.override("trainer.n_gpus_per_node"), case.override("trainer.nnodes")
     if per_node is not None:
-        declared = _int(per_node) * _int(nodes or "1")
+        sizes = [_expanded(where, text, case.env) for text in (per_node, nodes or "1")]
+        declared = sizes[0] * sizes[1]
         if declared != case.world_size:
             raise where.error(
                 "world_size",
@@ -139,11 +183,30 @@ def validate_trainer_case(
     return case
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        return -1
+def _expanded(where: Where, text: str, env: dict[str, str]) -> int:
+    """A count as the script's shell would see it: `$VAR` and `${VAR}` from the case's env, then
+    this environment; one line naming a variable that is set nowhere or a count that is none."""
+    for name in _VARIABLE.findall(text):
+        if name not in env and name not in os.environ:
+            raise where.error(
+                "overrides", f"${name} set in the case's env or the environment", text
+            )
+    value = _VARIABLE.sub(lambda m: env.get(m.group(1), os.environ.get(m.group(1), "")), text)
+    if not value.strip().isdigit():
+        raise where.error("overrides", "a whole number of devices or nodes", text)
+    return int(value)
+
+
+def _script(where: Where, folder: Path, given: object) -> Path:
+    """A script inside the case file's folder (or below it), never a path or a link out of it."""
+    if not isinstance(given, str) or not given:
+        raise where.error("script", "a path to a shell script, relative to the case file", given)
+    script = (folder / given).resolve()
+    if not script.is_relative_to(folder.resolve()):
+        raise where.error("script", "a script inside the case file's folder", given)
+    if not script.is_file():
+        raise where.error("script", "a shell script next to the case file", str(folder / given))
+    return script
 
 
 def trainer_cases(data: dict, path: Path, specs: list[str]) -> list[TrainerCase]:

@@ -74,16 +74,16 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
     strategy = str(_get(config, f"{ACTOR}.strategy", "?"))
     if strategy == "fsdp_turbo":  # the library's Ulysses group, from verl's turbo_config
         turbo = f"{ACTOR}.fsdp_config.turbo_config.distributed.ulysses_parallel_size"
-        sp = int(_get(config, turbo, 1) or 1)
+        sp = _count(config, turbo) or 1
         precision = f"{ACTOR}.fsdp_config.turbo_config.distributed.fsdp_plan.param_dtype"
     else:
-        sp = int(_get(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1)
+        sp = _count(config, f"{ACTOR}.ulysses_sequence_parallel_size") or 1
         # verl's FSDP engines compute in bf16 where no mixed precision is set (transformer_impl)
         precision = f"{ACTOR}.fsdp_config.mixed_precision.param_dtype"
-    n = int(_get(config, "actor_rollout_ref.rollout.n", 1) or 1)
+    n = _count(config, "actor_rollout_ref.rollout.n") or 1
     dp = max(1, world_size // sp)
-    micro = _get(config, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
-    mini = _get(config, f"{ACTOR}.ppo_mini_batch_size")
+    micro = _count(config, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
+    mini = _count(config, f"{ACTOR}.ppo_mini_batch_size")
     dynamic = bool(_get(config, f"{ACTOR}.use_dynamic_bsz", False))
     micro_batches = None
     if not dynamic and micro and mini:
@@ -91,7 +91,7 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
     rollout = "actor_rollout_ref.rollout"
     per_replica = 1
     for key in ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size"):
-        per_replica *= int(_get(config, f"{rollout}.{key}", 1) or 1)
+        per_replica *= _count(config, f"{rollout}.{key}") or 1
     return TrainerDeclared(
         gradient_sync=SyncPolicy.DEFERRED if flag else SyncPolicy.EVERY_MICRO_BATCH,
         sync_flag=flag,
@@ -115,6 +115,17 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
         clip_ratio=_number(config, f"{ACTOR}.clip_ratio", float),
         rollout_dtype=_torch_dtype(_get(config, f"{rollout}.dtype")),
     )
+
+
+def _count(config: dict, dotted: str) -> int | None:
+    """A count the config holds (None where it holds none); a word for one is one line naming it."""
+    value = _get(config, dotted)
+    if value is None:
+        return None
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if not whole and not (isinstance(value, str) and value.strip().isdigit()):
+        raise ConfigError(f"verl's config: {dotted}: expected a whole number; got {value!r}")
+    return int(value)
 
 
 def _number(config: dict, dotted: str, kind: type) -> Any:
