@@ -247,12 +247,14 @@ NAMED_READ = re.compile(
 # Where the plugin reads variables: the settings, with the options' table (detection's too:
 # DetectionEnv); the collective profile, which yields to any of its variables the run's
 # environment sets; the supervisor, reaping what a case started by the token in its environment;
-# and a trainer case's overrides, whose $HOME and ${VAR} are expanded as the script's shell did.
+# and a trainer case's overrides, whose $HOME and ${VAR} are expanded as the script's shell did
+# (its world size counted so at collection, its config resolved so for `config`).
 PLUGIN_READERS = {
     "settings.py",
     "options.py",
     "environ.py",
     "processes/supervisor.py",
+    "cases/trainer_case.py",
     "trainer/verl_config.py",
 }
 # Where the rank side does, besides rank_env.py: a warm fork applies the environment a rank starts
@@ -289,3 +291,51 @@ def test_every_variable_is_read_where_docs_environment_says():
     assert NAMED_READ.search("{k: v for k, v in os.environ.items()}") is None  # handed on whole
     for read in ("if name in user_env:", "proc.environ().get(X)", "expandvars(o)", "getenv(X)"):
         assert NAMED_READ.search(read), read
+
+
+def plugin_imports() -> dict[str, set[str]]:
+    """Each plugin module -> the plugin modules it imports, anywhere in it (inside functions and
+    under TYPE_CHECKING too): what a circle would run through."""
+    import ast
+
+    root = REPO / "pytest_fsdp_turbo"
+    names = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in root.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        graph[name] = {m for m in found if m in names and m != name}
+    return graph
+
+
+def test_the_plugin_has_floors_no_circle_and_no_module_over_400_lines():
+    """The import-linter layers (pyproject.toml) keep each floor below the ones that use it; this
+    holds what they cannot see: no circle anywhere, not even through a package's own modules."""
+    graph = plugin_imports()
+    state: dict[str, int] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for nxt in graph[module]:
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*path, module, nxt]))
+            if nxt not in state:
+                visit(nxt, [*path, module])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [])
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in (REPO / "pytest_fsdp_turbo").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert not long, long
