@@ -236,6 +236,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if not strict_of(session.config):
         return
     e2e = [item for item in session.items if _is_e2e(item)]
+    asked = [m for m in KIND_BY_MARKER if m in (session.config.option.markexpr or "")]
+    if asked and not e2e and not hasattr(session.config, "workerinput"):
+        # pytest would exit 5 saying nothing of why: a strict job selected no case of its kind
+        raise pytest.UsageError(
+            f"--fsdp-turbo-strict: -m {session.config.option.markexpr!r} selected no e2e test: no "
+            f"case of the case file lists {' or '.join(KIND_BY_MARKER[m] for m in asked)} among "
+            "its devices, or no test takes a case"
+        )
     blocked = [item for item in e2e if _HARDWARE_SKIP in item.stash]
     message = None
     if e2e and len(blocked) == len(e2e):

@@ -619,3 +619,14 @@ def test_a_runs_thread_count_and_interfaces_say_where_they_came_from():
     assert RunEnv.read({}, {}, 2).omp_threads is None  # the collective profile's share
     with pytest.raises(ConfigError, match=r"^environment OMP_NUM_THREADS: expected a positive"):
         RunEnv.read({"OMP_NUM_THREADS": "0"}, {}, 2)
+
+
+def test_a_strict_kind_selection_with_no_case_of_that_kind_says_so(pytester):
+    """`pytest -m npu_e2e --fsdp-turbo-strict` where no case lists npu: one line, not exit 5."""
+    pytester.makefile(".toml", cases='[[case]]\nid = "c"\nmodel = "tiny-qwen3"\n')
+    pytester.makepyfile("def test_t(fsdp_turbo_case, ppo_run):\n    ppo_run(fsdp_turbo_case)\n")
+    args = ["--fsdp-turbo-cases=cases.toml", "-p", "no:cacheprovider", "-m", "npu_e2e"]
+    result = pytester.runpytest(*args, "--fsdp-turbo-strict")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*selected no e2e test: no case of the case file lists npu*"])
+    assert pytester.runpytest(*args).ret == pytest.ExitCode.NO_TESTS_COLLECTED  # not strict
