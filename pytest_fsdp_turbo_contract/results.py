@@ -13,6 +13,7 @@ from typing import Any
 from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
 from pytest_fsdp_turbo_contract.records import StepMetrics
 from pytest_fsdp_turbo_contract.spec import RankSpec
+from pytest_fsdp_turbo_contract.vocab import CaseKindName
 
 LOG_TAIL_LINES = 30
 LOG_TAIL_BYTES = 8192  # a rank that printed megabytes without a newline still gets a short tail
@@ -242,6 +243,13 @@ class RunResult:
             return f"lost its peer rank {self.first_failure} ({said})"
         return said if error is not None else f"stopped after rank {self.first_failure} failed"
 
+    def _no_results(self, rank: RankResult) -> str:
+        """Why a rank that exited 0 has no results, in its case kind's words."""
+        spec = self.spec()
+        if spec is not None and spec.kind != CaseKindName.PPO_STEP:
+            return f"no reading of {rank.name}: its run ended without one (the cause is above)"
+        return "exited with code 0 without writing its results (did it call exit?)"
+
     def failure_text(self) -> str:
         if self.ok:
             return ""
@@ -268,6 +276,7 @@ class RunResult:
         one_line = self._followers_in_one_line(first)
         parts = [head, f"artifacts: {self.artifacts_dir}"]
         told: dict[tuple[str, str, str], int] = {}  # an error every rank raised is shown once
+        tailed: dict[Path, str] = {}  # a log several ranks share is shown once
         # the rank that failed first, then the others in rank order
         for rank in sorted(self.ranks, key=lambda r: r.rank != self.first_failure):
             if rank.exit_code == 0 and rank.metrics and not self.timed_out:
@@ -278,9 +287,13 @@ class RunResult:
                 continue
             parts.append(where)
             if rank.exit_code == 0 and not rank.metrics:
-                parts.append("exited with code 0 without writing its results (did it call exit?)")
+                parts.append(self._no_results(rank))
             error = rank.error
             if error is None:
+                if rank.log_path in tailed:  # ranks of one process (a trainer's log): once
+                    parts.append(f"log tail: as {tailed[rank.log_path]}")
+                    continue
+                tailed[rank.log_path] = rank.name
                 parts.append("log tail:\n" + rank.log_tail())
                 continue
             key = (error.phase, error.type, error.message)

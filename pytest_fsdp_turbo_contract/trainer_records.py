@@ -52,6 +52,7 @@ class ObservedRank:
     pid: int
     steps: list[ObservedStep] = field(default_factory=list)
     post_step_parameters: dict[str, Digests] = field(default_factory=dict)
+    batches: int = 0  # mini-batches the actor handed the engine (train_batch), stepped or not
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ObservedRank:
@@ -60,6 +61,7 @@ class ObservedRank:
             pid=int(data["pid"]),
             steps=[ObservedStep.from_json(s) for s in data.get("steps", [])],
             post_step_parameters=dict(data.get("post_step_parameters", {})),
+            batches=int(data.get("batches", 0)),
         )
 
 

@@ -206,6 +206,7 @@ def observed_run(
     rows=(("p0-a", "p0-b"), ("p1-a", "p1-b")),
     advantages=(0.7, 0.7),
     stepped=(1 / 2.000001, 1 / 2.000001),  # clip_grad 1.0 over the global norm 2.0
+    optimizer_steps: bool = True,
 ):
     """A run folder as the trainer entry and the observer leave it, then read as the plugin does."""
     out = tmp_path / "run"
@@ -229,7 +230,7 @@ def observed_run(
             "stepped_scale": stepped[rank],
             "stepped_residual": 0.0,
         }
-        data = {"rank": rank, "pid": 1, "steps": [step]}
+        data = {"rank": rank, "pid": 1, "steps": [step] if optimizer_steps else [], "batches": 1}
         data["post_step_parameters"] = params if rank == 0 else {}
         folder.rank(rank).write_text(json.dumps(data))
     for pid in range(replicas):
@@ -457,3 +458,19 @@ def test_a_size_given_as_a_word_in_verls_config_is_one_line_naming_the_key():
         "verl's config: actor_rollout_ref.actor.ppo_mini_batch_size: expected a whole number; "
         "got 'two'"
     )
+
+
+def test_an_engine_that_never_steps_is_named_with_the_line_that_says_why(tmp_path):
+    warning = (
+        "\x1b[36m(WorkerDict pid=2)\x1b[0m UserWarning: Detected call of `lr_scheduler.step()` "
+        "before `optimizer.step()`.\n"
+    )
+    result = observed_run(tmp_path, optimizer_steps=False, log="noise\n" + warning)
+    head = result.failure_text().splitlines()[0]
+    assert "verl's engine on rank(s) [0, 1] trained on the mini-batch the actor handed it" in head
+    assert "but the optimizer never stepped" in head
+    assert "the log says: UserWarning: Detected call of `lr_scheduler.step()`" in head
+    text = result.failure_text()
+    assert "did it call exit" not in text  # an engine case's words, not a trainer's
+    assert "no reading of rank 1: its run ended without one" in text
+    assert text.count("noise") == 1  # the one trainer log the ranks share, shown once

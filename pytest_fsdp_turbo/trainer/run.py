@@ -260,14 +260,33 @@ def read_run(
         result.failure = failure or f"no resolved config at {folder.resolved_config}"
     elif not all(r.metrics for r in ranks):
         lost = [r.rank for r in ranks if not r.metrics]
-        result.failure = (
-            f"the harness's observer has no reading of rank(s) {lost} (observe/ in the run "
-            "folder; was the optimizer step reached?)"
-        )
+        observed = read_ranks(folder.ranks())
+        if any(observed[r].batches for r in lost if r in observed):
+            why = first_line_with(folder.log, "optimizer.step()")
+            result.failure = (
+                f"verl's engine on rank(s) {lost} trained on the mini-batch the actor handed it "
+                "(train_batch) but the optimizer never stepped: nothing was updated"
+                + (f"; the log says: {why}" if why else "")
+            )
+        else:
+            result.failure = (
+                f"verl's engine on rank(s) {lost} never reached train_batch: the harness's "
+                f"observer ({folder.observe}) saw no training mini-batch and no optimizer step"
+            )
     return result
 
 
 CAUSE_MARKS = ("Error:", "Exception:", "error:")
+
+
+def first_line_with(log: Path, text: str) -> str:
+    """The first line of the trainer's log that holds `text`, its Ray prefix cut ("" if none)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    found = next((line for line in lines if text in line), "")
+    return found.split("\x1b[0m", 1)[-1].strip()[:300]
 
 
 def first_cause(log: Path) -> str:

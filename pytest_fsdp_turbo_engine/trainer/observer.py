@@ -57,6 +57,7 @@ class TrainerRank:
         self._micro_batch_open = False
         self._units: Any = None  # fsdp_probe.UnitsThatRan over the trained model's units
         self._batch: dict[str, Any] = {}  # what train_batch was handed, until the step
+        self.batches = 0  # mini-batches train_batch was handed
         self._raw: list = []  # the local gradient shards after the last backward, until the step
         self._inner: set[int] | None = None  # ids of the units inside another unit
 
@@ -116,6 +117,7 @@ class TrainerRank:
         disjoint across data-parallel ranks), and the advantages' largest magnitude."""
         rows = _rows(data.get("input_ids", None))
         advantages = data.get("advantages", None)
+        self.batches += 1
         self._batch.setdefault("rows", []).extend(digest(row) for row in rows)
         if advantages is not None:
             values = advantages.values() if getattr(advantages, "is_nested", False) else advantages
@@ -123,6 +125,7 @@ class TrainerRank:
             self._batch["advantages_abs_max"] = max(
                 self._batch.get("advantages_abs_max", 0.0), peak
             )
+        self._write()  # a step that never comes still leaves the batch it was handed
 
     def _stepped_against_raw(self) -> dict[str, float]:
         """The scale that best maps the raw gradients onto those the optimizer steps on, and the
@@ -193,7 +196,7 @@ class TrainerRank:
         self.post_step = digests
 
     def _write(self) -> None:
-        observed = ObservedRank(self.rank, os.getpid(), self.steps, self.post_step)
+        observed = ObservedRank(self.rank, os.getpid(), self.steps, self.post_step, self.batches)
         write_record(self.folder.rank(self.rank), observed)
 
 
