@@ -306,7 +306,11 @@ def fsdp_turbo_run(request: pytest.FixtureRequest) -> Callable[..., RunResult]:
                 case = cases_of(request.config).find(case)
             except ConfigError as exc:
                 fail_line(str(exc))
-        return kind_of(case).run(request, case, **options)
+        try:
+            kind = kind_of(case)
+        except ConfigError as exc:
+            fail_line(f"fsdp_turbo_run: {exc}")
+        return kind.run(request, case, **options)
 
     return run
 

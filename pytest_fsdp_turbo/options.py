@@ -166,9 +166,13 @@ RETIRED_ENV = {
 }
 
 
+# yes/no variables read where they are used (settings.HarnessEnv), checked at start-up all the same
+CHECKED_ENV = ("PYTEST_FSDP_TURBO_NO_FORK",)
+
+
 def env_given(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The options' env vars, and the retired ones, that are set (non-empty): what resolve() will
-    read, or refuse."""
+    """The options' env vars, the checked and the retired ones, that are set (non-empty): what
+    resolve() will read, check, or refuse."""
     env = os.environ if env is None else env
-    names = [*(opt.env for opt in OPTIONS if opt.env), *RETIRED_ENV]
+    names = [*(opt.env for opt in OPTIONS if opt.env), *CHECKED_ENV, *RETIRED_ENV]
     return {name: env[name] for name in names if env.get(name, "") != ""}

@@ -179,6 +179,7 @@ def resolve(
     """values: option dest -> value (None when not given); env, then the ini, fill the gaps.
     ini: key -> value as pytest's getini gives it (missing keys take their defaults)."""
     env = os.environ if env is None else env
+    HarnessEnv.read(env)  # its yes/no variables: a bad value is one line at start-up
     for name, instead in RETIRED_ENV.items():
         if env.get(name, ""):
             raise ConfigError(f"{name} is no longer read; {instead}")
@@ -193,9 +194,7 @@ def resolve(
             value = env[opt.env]
             origin[dest] = opt.env
             if opt.is_flag:
-                if value.lower() not in (*_TRUE, "0", "false", "no", "off"):
-                    raise ConfigError(f"{opt.env}: expected 1 or 0; got {value!r}")
-                value = value.lower() in _TRUE
+                value = _flag(value, opt.env)
         if value is None and opt.ini and ini[opt.ini]:
             value = str((rootdir or Path.cwd()) / ini[opt.ini])
             origin[dest] = f"ini {opt.ini}"
@@ -268,7 +267,7 @@ def _flag(value: str, name: str) -> bool:
         return True
     if value.strip().lower() in ("", "0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{name}: expected 1 or 0 (true or false); got {value!r}")
+    raise ConfigError(f"{name}: expected 1 or 0; got {value!r}")
 
 
 def _folder(value: str | None, origin: str) -> Path | None:

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 VERL_GRAD_NORM = "actor/grad_norm"  # verl's own step metric of the clipped gradient's norm
-# a weight push: tensor name -> [dtype as torch names it without "torch.", digest of its bytes]
-Push = dict[str, list[str]]
+# a weight push: tensor name -> {RECEIVED: the dtype it came in, as torch names it without
+# "torch."; and for each dtype a rollout may serve it in, the digest of its bytes cast to it}
+Push = dict[str, dict[str, str]]
+RECEIVED = "received"
 # a parameter after the step: dtype -> digest of its bytes in that dtype
 Digests = dict[str, str]
 

@@ -48,8 +48,8 @@ def test_a_toy_kind_in_one_module_runs_through_collection_summary_and_verdict(py
     )  # fmt: skip
     result.assert_outcomes(passed=1, failed=1)
     text = result.stdout.str()
-    assert "test_toy.py::test_toy[toy-even-cpu] PASSED" in text or "1 passed" in text
     assert "FAILED test_toy.py::test_toy[toy-skewed-cpu]" in text
+    assert "test_toy[toy-even-cpu]" not in text.split("short test summary info")[-1]
     assert "check z: the ranks' gradient norms differ: [1.0, 1.5]" in text
     table = text[text.index("fsdp-turbo e2e runs") :]
     rows = [line for line in table.splitlines() if line.startswith("test_toy")]
@@ -57,6 +57,13 @@ def test_a_toy_kind_in_one_module_runs_through_collection_summary_and_verdict(py
     assert any("toy-skewed" in row and "check z" in row for row in rows), table
     cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
     assert set(cases) == {"test_toy[toy-even-cpu]", "test_toy[toy-skewed-cpu]"}
+    assert cases["test_toy[toy-skewed-cpu]"].find("failure") is not None
+    assert cases["test_toy[toy-even-cpu]"].find("failure") is None
+    # strict pre-flight asks the toy kind what this machine lacks (nothing), then runs both
+    strict = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--fsdp-turbo-cases=cases.toml", "--fsdp-turbo-strict"
+    )  # fmt: skip
+    strict.assert_outcomes(passed=1, failed=1)
 
 
 def test_a_toy_case_file_error_is_one_line_naming_the_kind_and_field(pytester):

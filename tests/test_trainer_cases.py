@@ -197,8 +197,7 @@ def observed_run(
     reported=(2.0, 2.0),
     shard_sq=(2.0, 2.0),
     verl_norm: float = 2.0,
-    push_digest: str = "d",
-    push_dtype: str = "float32",
+    push: dict | None = None,  # replica 1's last push of "w", where it differs
     replicas: int = 2,
     code: int = 0,
     log: str = "",
@@ -234,8 +233,9 @@ def observed_run(
         data["post_step_parameters"] = params if rank == 0 else {}
         folder.rank(rank).write_text(json.dumps(data))
     for pid in range(replicas):
-        last = [push_dtype, push_digest if pid else "d"] if pid else ["float32", "d"]
-        pushes = [{"w": ["float32", "old"]}, {"w": last}]
+        fresh = {"received": "float32", "float32": "d", "bfloat16": "b"}  # the trainer's, after
+        stale = {"received": "float32", "float32": "old", "bfloat16": "old-b"}
+        pushes = [{"w": stale}, {"w": (push or fresh) if pid else fresh}]
         folder.replica(pid).write_text(json.dumps({"pushes": pushes}))
     folder.step_metrics.write_text(
         json.dumps({"1": {"actor/grad_norm": verl_norm, "critic/score/mean": 0.2}})
@@ -280,6 +280,7 @@ def test_an_unreadable_verl_config_is_still_a_trainer_run_and_e_fails_in_one_lin
     assert written["kind"] == "verl_trainer" and written["ppo"] == {}
     assert written["engine"] == {"world_size": 2}
     problem = failed(result)["e"]
+    assert "verl's resolved config was not read" in failed(result)["h"]  # nothing declared
     assert problem.startswith("check e: the run's spec.json declares no rollout replicas")
     assert "\n" not in problem
 
@@ -297,9 +298,18 @@ def test_an_unreadable_verl_config_is_still_a_trainer_run_and_e_fails_in_one_lin
             "global L2 norm of the sharded gradients is",
         ),
         ({"verl_norm": 3.0}, "a", "verl's step metric actor/grad_norm = 3.0"),
-        ({"push_digest": "old"}, "e", "a stale or wrong push"),
+        (
+            {"push": {"received": "float32", "float32": "old", "bfloat16": "old-b"}},
+            "e",
+            "a stale or wrong push",
+        ),
         # bf16 weights pushed into a float32 rollout: its bytes are the trainer's, in bf16
-        ({"push_dtype": "bfloat16", "push_digest": "b"}, "e", "came in bfloat16, the rollout"),
+        (
+            {"push": {"received": "bfloat16", "bfloat16": "b", "float32": "b-widened"}},
+            "e",
+            "it came in bfloat16, the trainer's own weights in that dtype, which the rollout "
+            "serves in float32 (actor_rollout_ref.rollout.dtype): a push cast on the way",
+        ),
         ({"replicas": 1}, "e", "1 rollout replica(s) received weights"),
         ({"reported": (math.nan, math.nan)}, "a", "expected a finite value"),
         # an engine that multiplies its loss by 0: no gradient, advantages that are not 0
@@ -308,7 +318,12 @@ def test_an_unreadable_verl_config_is_still_a_trainer_run_and_e_fails_in_one_lin
             "a",
             "= 0 on a step whose advantages are not all zero",
         ),
-        ({"rows": (("p0-a", "p0-b"), ("p0-b", "p1-b"))}, "j", "row 1 was trained by ranks"),
+        # data ranks handed the same mini-batch (one token-identical response is no such thing)
+        (
+            {"rows": (("p0-a", "p0-b"), ("p0-b", "p0-a"))},
+            "j",
+            "ranks [0, 1] trained on the same rows",
+        ),
         ({"stepped": (1.0, 1.0)}, "k", "the optimizer stepped on gradients 1 away"),
         ({"stepped": (0.0, 0.0)}, "k", "the optimizer stepped on gradients 1 away"),
     ],
@@ -411,9 +426,9 @@ def test_config_with_a_mistyped_id_lists_the_trainer_cases_too_and_takes_cpu(cap
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("hydra.output_subdir=/tmp/x", "no override of what the harness sets"),
-        ("hydra.job_logging.handlers.file.filename=/tmp/x.log", "no override of what the harness"),
-        ("trainer.default_local_dir=/tmp/ckpt", "no override of what the harness sets"),
+        ("hydra.output_subdir=/tmp/x", "no override of Hydra's own output"),
+        ("hydra.job_logging.handlers.file.filename=/tmp/x.log", "no override of Hydra's own"),
+        ("hydra.run.dir=/tmp/x", "no override of Hydra's own output"),
         ("trainer.n_gpus_per_node=$NOT_SET_ANYWHERE", "$NOT_SET_ANYWHERE set in the case's env"),
         ("trainer.n_gpus_per_node=two", "a whole number of devices or nodes"),
     ],
@@ -474,3 +489,26 @@ def test_an_engine_that_never_steps_is_named_with_the_line_that_says_why(tmp_pat
     assert "did it call exit" not in text  # an engine case's words, not a trainer's
     assert "no reading of rank 1: its run ended without one" in text
     assert text.count("noise") == 1  # the one trainer log the ranks share, shown once
+
+
+def test_verls_own_push_in_the_parameters_dtype_into_a_bf16_rollout_passes_e(tmp_path):
+    """verl pushes fp32 parameters and vLLM casts them to its bf16: e compares in bf16."""
+    config = verl_config(False)
+    config["actor_rollout_ref"]["rollout"]["dtype"] = "bfloat16"
+    result = observed_run(tmp_path, config=json.dumps(config))
+    assert result.spec().ppo.rollout_dtype == "bfloat16"
+    assert "e" not in failed(result)
+    auto = observed_run(tmp_path / "auto", config=json.dumps(config).replace("bfloat16", "auto"))
+    assert auto.spec().ppo.rollout_dtype is None and "e" not in failed(auto)  # as received
+
+
+def test_one_token_identical_response_on_two_ranks_is_no_shared_row(tmp_path):
+    result = observed_run(tmp_path, rows=(("p0-a", "same"), ("same", "p1-b")))
+    assert "j" not in failed(result)
+    assert [r.metrics["sync/data_rows"] for r in result.ranks] == [[0, 1], [2, 3]]
+
+
+def test_overrides_that_are_no_list_are_refused_before_a_base_case_adds_to_them(tmp_path):
+    text = BASE + '\n[[trainer_case]]\nid = "t2"\nextends = "t"\noverrides = "ab"\n'
+    with pytest.raises(ConfigError, match="trainer case 't2': field 'overrides': expected a list"):
+        book(tmp_path, text)

@@ -40,8 +40,9 @@ SCRIPT_ARGS = ("$@", "$*", "${@}", "${*}")
 _VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 # what the harness sets in every process of a trainer run, which a case's env may not replace
 HARNESS_ENV = (RUN_DIR_VARIABLE, "PYTHONPATH", "VERL_USE_EXTERNAL_MODULES", Env.CASE_TOKEN)
-# where the harness puts Hydra's output and verl's checkpoints (inside the run folder)
-HARNESS_KEYS = ("hydra.", "trainer.default_local_dir", "trainer.total_training_steps")
+# Hydra's own output (its folder, its .hydra copy, its job log): the harness keeps it in the run
+# folder (hydra.run.dir, which it sets last, as it does verl's checkpoint folder and step count)
+HARNESS_KEYS = ("hydra.",)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,10 @@ def validate_trainer_case(
 ) -> TrainerCase:
     where = READER.where(raw, path)
     values = dict(raw)
+    if not isinstance(values.get("overrides", []), list):  # before extends or script adds to it
+        raise where.error(
+            "overrides", "a list of Hydra overrides (key=value strings)", values["overrides"]
+        )
     if "extends" in values:  # another trainer case's overrides first, then this one's
         if not isinstance(values["extends"], str):
             raise where.error(
@@ -148,8 +153,7 @@ def validate_trainer_case(
         if key.startswith(HARNESS_KEYS):
             raise where.error(
                 "overrides",
-                "no override of what the harness sets (Hydra's output, verl's checkpoint folder "
-                "and step count: they stay in the run folder)",
+                "no override of Hydra's own output (the harness keeps it in the run folder)",
                 item,
             )
         for placeholder in _PLACEHOLDER.findall(item):

@@ -36,6 +36,7 @@ from pytest_fsdp_turbo.checks.verdicts import CheckFailure, judges
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_records import (
+    RECEIVED,
     VERL_GRAD_NORM,
     first_step_metrics,
     read_ranks,
@@ -76,6 +77,11 @@ def check_trainer_grad_norm(result: RunResult) -> None:
 def check_trainer_sync(result: RunResult) -> None:
     """h: the counts and the held gradients the resolved sync policy promises."""
     spec = declared(result)
+    if spec.golden_dtype is None:  # written with what verl's config declares, and only then
+        raise CheckFailure(
+            f"check h: trainer case {result.case_id}: verl's resolved config was not read, so "
+            "no sync policy is declared to hold the run to (the run's failure says why)"
+        )
     measured = len(result.ranks[0].step.train.reduce_scatter_calls_by_micro_batch or [])
     micro_batches = spec.ppo.micro_batches or measured  # 0: dynamic batch sizes in verl's config
     head = (
@@ -115,31 +121,31 @@ def check_rollout_weights(result: RunResult) -> None:
         if not pushes:
             raise CheckFailure(f"check e: {name} received no weight push")
         last = pushes[-1]
-        served = declared(result).ppo.rollout_dtype
-        cast = sorted(name for name, (dtype, _) in last.items() if served and dtype != served)
-        if cast:
-            raise CheckFailure(
-                f"check e: {name}: {len(cast)} of the {len(last)} tensors of its last push came "
-                f"in {last[cast[0]][0]}, the rollout declares {served} "
-                f"(actor_rollout_ref.rollout.dtype; first: {cast[0]}): a push cast on the way"
-            )
         missing = sorted(set(trainer) - set(last))
         if missing:
             raise CheckFailure(
                 f"check e: {name}: its last push lacks {len(missing)} of the trainer's "
                 f"{len(trainer)} parameters (first: {missing[0]}): a partial push"
             )
-        wrong = [
-            (tensor, dtype)
-            for tensor, (dtype, digest) in sorted(last.items())
-            if trainer.get(tensor, {}).get(dtype) != digest
-        ]
+        served = declared(result).ppo.rollout_dtype  # None: as each tensor came in
+        wrong = []
+        for tensor, got in sorted(last.items()):
+            dtype = served if served in got else got.get(RECEIVED, "")
+            if trainer.get(tensor, {}).get(dtype) != got.get(dtype):
+                wrong.append((tensor, dtype, got.get(RECEIVED, "")))
         if wrong:
-            tensor, dtype = wrong[0]
+            tensor, dtype, came = wrong[0]
+            exact = trainer.get(tensor, {}).get(came) == last[tensor].get(came)
+            how = (
+                f"it came in {came}, the trainer's own weights in that dtype, which the rollout "
+                f"serves in {dtype} (actor_rollout_ref.rollout.dtype): a push cast on the way"
+                if exact and came != dtype
+                else "a stale or wrong push"
+            )
             raise CheckFailure(
                 f"check e: {name}: {len(wrong)} of the {len(last)} tensors of its last push "
-                f"differ from the trainer's parameters after the step (first: {tensor}, "
-                f"{dtype}): a stale or wrong push"
+                f"differ from the trainer's parameters after the step in {dtype} (first: "
+                f"{tensor}): {how}"
             )
 
 

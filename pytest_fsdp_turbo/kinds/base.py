@@ -20,6 +20,20 @@ if TYPE_CHECKING:
     from pytest_fsdp_turbo_contract.results import RunResult
 
 
+class KindCase(Protocol):
+    """What every kind's case has: a test parameter needs its id, device kinds, world size (the
+    devices it leases) and its known failures (device kind -> {reason, match})."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def devices(self) -> tuple[str, ...]: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def known_failure(self) -> dict: ...
+
+
 class CaseKind(Protocol):
     name: str  # spec.json's `kind`, and the key of the check set that judges its runs
     table: str  # its `[[table]]` in the case file

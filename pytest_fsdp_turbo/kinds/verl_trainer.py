@@ -45,5 +45,7 @@ class VerlTrainer:
         """Through the `verl_trainer_run` fixture; a trainer case takes no options (its overrides
         are its script's)."""
         if options:
-            raise TypeError(f"a trainer case takes no run options; got {sorted(options)}")
+            from pytest_fsdp_turbo.outcomes import fail_line
+
+            fail_line(f"trainer case {case.id}: takes no run options; got {', '.join(options)}")
         return request.getfixturevalue("verl_trainer_run")(case)

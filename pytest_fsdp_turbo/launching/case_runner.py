@@ -62,7 +62,10 @@ class CaseRunner:
         elif isinstance(case, str):
             case = self.cases().get(case)
         if not isinstance(case, Case):
-            raise ConfigError(f"ppo_run: {case.id!r} is a trainer case; verl_trainer_run runs it")
+            raise ConfigError(
+                f"ppo_run: {case.id!r} is no [[case]] of the harness's own step; fsdp_turbo_run "
+                "runs a case of any kind"
+            )
         if not overrides:
             return case
         return with_overrides(case, overrides, engines, self.settings.tiny_models)

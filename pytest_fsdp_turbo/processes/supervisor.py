@@ -129,8 +129,15 @@ def reap_case(token: str, sessions: Mapping[int, float], grace_s: float = 0.0) -
     return [proc.pid for proc in found]
 
 
-def kill_trees(children: Sequence[subprocess.Popen]) -> None:
-    """Kill each rank and everything it started; reap ranks through Popen to keep exit codes."""
+def kill_trees(children: Sequence[subprocess.Popen], grace_s: float = 0.0) -> None:
+    """Kill each rank and everything it started; reap ranks through Popen to keep exit codes.
+    With `grace_s`, the whole tree is asked to end first (SIGTERM) and given that long."""
+    if grace_s > 0:
+        tree = [p for child in children for p in _process_tree(child.pid)]
+        for proc in tree:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        psutil.wait_procs(tree, timeout=grace_s)
     descendants = [p for child in children for p in _process_tree(child.pid)[1:]]
     for proc in descendants:
         with contextlib.suppress(psutil.Error):
@@ -157,8 +164,15 @@ class RankHandle(Protocol):
 
 
 class LocalRank:
-    def __init__(self, rank: int, command: Sequence[str], env: Mapping[str, str], log_path: Path):
-        self.rank, self.log_path = rank, log_path
+    def __init__(
+        self,
+        rank: int,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        grace_s: float = 0.0,  # SIGTERM first, this long, for a tree that cleans up after itself
+    ):
+        self.rank, self.log_path, self.grace_s = rank, log_path, grace_s
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 list(command),
@@ -181,7 +195,7 @@ class LocalRank:
                 os.kill(self.proc.pid, STACK_DUMP_SIGNAL)
 
     def kill(self) -> None:
-        kill_trees([self.proc])
+        kill_trees([self.proc], self.grace_s if self.proc.poll() is None else 0.0)
 
 
 class ForkedRank:

@@ -31,7 +31,8 @@ class TrainerRun:
             resolved = self.book().get_trainer(given) if isinstance(given, str) else given
             if not isinstance(resolved, TrainerCase):
                 raise ConfigError(
-                    f"verl_trainer_run: {resolved.id!r} is an engine case; ppo_run runs it"
+                    f"verl_trainer_run: {resolved.id!r} is no trainer case; fsdp_turbo_run runs "
+                    "a case of any kind"
                 )
             result = self.runner.run(resolved, name)
         except Unavailable as why:

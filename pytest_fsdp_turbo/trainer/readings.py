@@ -130,7 +130,7 @@ def write_rank_metrics(
     verl = first_step_metrics(folder.step_metrics)
     measured = combined_norm(readings, spec.world_size)
     steps = {rank: reading.steps[0] for rank, reading in readings.items() if reading.steps}
-    row_ids = {row: i for i, row in enumerate(sorted({r for s in steps.values() for r in s.rows}))}
+    data_rows = _row_ids({rank: step.rows for rank, step in steps.items()})
     peaks = [s.advantages_abs_max for s in steps.values() if s.advantages_abs_max is not None]
     clip = None if declared is None else declared.grad_clip
     coef = None if measured is None or clip is None else min(1.0, clip / (measured + 1e-6))
@@ -149,7 +149,7 @@ def write_rank_metrics(
             fsdp_units=step.fsdp_units,
             shard_group_size=step.shard_group_size,
             retained_grad_bytes=max(step.retained_grad_bytes or [0]),
-            data_rows=sorted(row_ids[row] for row in step.rows) if step.rows else None,
+            data_rows=data_rows.get(rank),
         )
         reported = step.reported_grad_norm
         metrics.optimizer = OptimizerRecord(
@@ -176,3 +176,21 @@ def _clip_error(step: ObservedStep, coef: float | None) -> float | None:
     if step.stepped_scale is None:  # no raw gradient on this shard: what it stepped on, as is
         return step.stepped_residual
     return max(abs(step.stepped_scale - coef) / coef, step.stepped_residual)
+
+
+def _row_ids(rows: dict[int, list[str]]) -> dict[int, list[int]]:
+    """Row numbers for check j, from each rank's mini-batch (its rows' token digests): ranks
+    whose whole mini-batches are equal share one set of numbers (a Ulysses group, or data ranks
+    handed the same rows); any other two ranks' numbers are apart, because two sampled responses
+    may well be token for token the same (a short answer), and that is no shared row."""
+    ids: dict[int, list[int]] = {}
+    batches: dict[tuple[str, ...], list[int]] = {}
+    for rank, digests in sorted(rows.items()):
+        if digests:
+            batches.setdefault(tuple(sorted(digests)), []).append(rank)
+    first = 0
+    for batch, ranks in batches.items():
+        for rank in ranks:
+            ids[rank] = list(range(first, first + len(batch)))
+        first += len(batch)
+    return ids

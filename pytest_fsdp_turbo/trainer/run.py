@@ -169,7 +169,8 @@ class TrainerRunner:
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
         start = time.monotonic()
-        trainer = LocalRank(0, [sys.executable, "-m", ENTRY_MODULE, str(out)], env, folder.log)
+        command = [sys.executable, "-m", ENTRY_MODULE, str(out)]
+        trainer = LocalRank(0, command, env, folder.log, grace_s=KILL_GRACE_S)
         try:
             timed_out, _, _ = supervise([trainer], case.timeout, watch=self._watch(case, folder))
         finally:
@@ -234,11 +235,13 @@ def read_run(
     spec.json from verl's resolved config, and the cause first when it failed."""
     folder, run = TrainerFolder(out), RunFolder(out)
     failure = ""
+    said = None
     try:
         config = read_resolved(folder.resolved_config) if folder.resolved_config.is_file() else None
-    except ConfigError as exc:
+        said = None if config is None else declared(config, spec.world_size)
+    except ConfigError as exc:  # unreadable, or a count in it that is no number
         config, failure = None, str(exc)
-    write_rank_metrics(folder, None if config is None else declared(config, spec.world_size), spec)
+    write_rank_metrics(folder, said, spec)
     ranks = []
     for rank in range(spec.world_size):
         log = run.log(rank) if run.log(rank).is_file() else folder.log

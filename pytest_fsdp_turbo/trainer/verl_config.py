@@ -138,7 +138,8 @@ def _number(config: dict, dotted: str, kind: type) -> Any:
 def _torch_dtype(value: Any) -> str | None:
     """verl's dtype names (bf16, fp32, bfloat16, float32) as torch names them."""
     names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
-    return names.get(value, value) if isinstance(value, str) else None
+    name = names.get(value, value) if isinstance(value, str) else None
+    return name if name in ("bfloat16", "float16", "float32") else None  # "auto": as received
 
 
 def _betas(value: Any) -> tuple[float, float] | None:

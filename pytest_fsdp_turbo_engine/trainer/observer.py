@@ -5,7 +5,12 @@ is read from the engine's own objects (its optimizer, its state-dict copy); the 
 reduce-scatter, the global optimizer step hooks) and verl's public seams (EngineRegistry.new, the
 vLLM worker extension's weight update, the tracking logger).
 
-What each process writes, under the run folder's observe/ (trainer_files.py names them):
+The engine instance verl's registry builds also gets two wrappers (whatever its class): around
+`train_batch` (the mini-batch the actor hands it) and around `optimizer_step` (the raw gradients'
+sums of squares as it begins, the norm it returns).
+
+What each process writes, under the run folder's observe/ (trainer_files.py names them, the
+records are trainer_records.py's):
 - a trainer rank: per optimizer step, reduce-scatters per training micro-batch, unsharded gradient
   bytes held between micro-batches, the FSDP units that ran, the shard group, its raw gradient
   shard's sum of squares, the norm its engine reported; after the step (rank 0) a digest of every
@@ -18,15 +23,18 @@ Each file is rewritten whole after each event, so what was measured survives a f
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_records import (
+    RECEIVED,
     ObservedRank,
     ObservedReplica,
     ObservedStep,
+    Push,
     write_json,
     write_record,
 )
@@ -58,7 +66,9 @@ class TrainerRank:
         self._units: Any = None  # fsdp_probe.UnitsThatRan over the trained model's units
         self._batch: dict[str, Any] = {}  # what train_batch was handed, until the step
         self.batches = 0  # mini-batches train_batch was handed
-        self._raw: list = []  # the local gradient shards after the last backward, until the step
+        # each local gradient shard's sum of squares as the engine's optimizer_step began (the raw
+        # gradients, before its clip), until the step
+        self._raw_sq: list[float] = []
         self._inner: set[int] | None = None  # ids of the units inside another unit
 
     # -- the trained model ---------------------------------------------------------------------
@@ -109,8 +119,12 @@ class TrainerRank:
         # the callback is queued by whichever unit's state saw backward first, not the root's
         if self._pass is None or not any(_contains(self._pass["module"], m) for m in modules):
             return
-        self._raw = [g.detach().clone() for g in _local_grads(self._pass["module"])]
-        self._pass["shard_grad_sq"] = sum(float(g.double().pow(2).sum()) for g in self._raw)
+        self._pass["shard_grad_sq"] = sum(_squares(self._pass["module"]))
+
+    def before_clip(self) -> None:
+        """The engine's optimizer_step began: its raw gradients, one sum of squares a shard."""
+        if self._pass is not None:
+            self._raw_sq = _squares(self._pass["module"])
 
     def batch_seen(self, data) -> None:
         """train_batch's mini-batch, as the actor hands it: each row's tokens digested (rows
@@ -128,21 +142,22 @@ class TrainerRank:
         self._write()  # a step that never comes still leaves the batch it was handed
 
     def _stepped_against_raw(self) -> dict[str, float]:
-        """The scale that best maps the raw gradients onto those the optimizer steps on, and the
-        largest part of the stepped ones it leaves unexplained."""
-        stepped = list(_local_grads(self._pass["module"])) if self._pass else []
-        if not self._raw or len(stepped) != len(self._raw):
+        """The clip, read from outside: the scale from the raw gradients' norm to the stepped
+        ones', and how far any one shard's own scale strays from it (a clip by the shard's own
+        norm, a shard zeroed or changed). Sums of squares only: no gradient is copied."""
+        stepped = _squares(self._pass["module"]) if self._pass else []
+        if not self._raw_sq or len(stepped) != len(self._raw_sq):
             return {}
-        raw_sq = sum(float(r.double().pow(2).sum()) for r in self._raw)
-        if raw_sq == 0:  # no gradient reached this shard: any scale fits; the step's must be 0
-            return {"stepped_residual": max(float(s.double().abs().max()) for s in stepped)}
-        dot = sum(float((r.double() * s.double()).sum()) for r, s in zip(self._raw, stepped))
-        scale = dot / raw_sq
-        peak = max(float((scale * r.double()).abs().max()) for r in self._raw)
-        off = max(
-            float((s.double() - scale * r.double()).abs().max()) for r, s in zip(self._raw, stepped)
-        )
-        return {"stepped_scale": scale, "stepped_residual": off / peak if peak else off}
+        raw, total = sum(self._raw_sq), sum(stepped)
+        if raw == 0:  # no gradient reached this rank: any scale fits; the step's must be 0
+            return {"stepped_residual": math.sqrt(total)}
+        scale = math.sqrt(total / raw)
+        own = [
+            math.sqrt(s / r) if r else (math.inf if s else scale)
+            for r, s in zip(self._raw_sq, stepped)
+        ]
+        stray = max(abs(x - scale) for x in own)
+        return {"stepped_scale": scale, "stepped_residual": stray / scale if scale else stray}
 
     def before_step(self, optimizer) -> None:
         if self._pass is None:
@@ -159,7 +174,7 @@ class TrainerRank:
             stepped_scale=fit.get("stepped_scale"),
             stepped_residual=fit.get("stepped_residual"),
         )
-        self._batch, self._raw = {}, []
+        self._batch, self._raw_sq = {}, []
         if self._units is not None:
             self._units.__exit__(None, None, None)
         self.steps.append(done)
@@ -200,6 +215,11 @@ class TrainerRank:
         write_record(self.folder.rank(self.rank), observed)
 
 
+def _squares(module) -> list[float]:
+    """Each local gradient shard's sum of squares, in float32 on its device, read once each."""
+    return [float(g.detach().float().pow(2).sum()) for g in _local_grads(module)]
+
+
 def _local_grads(module) -> list:
     """The module's gradients, each its rank's own shard."""
     grads = (p.grad for p in module.parameters() if p.grad is not None)
@@ -222,7 +242,7 @@ class Replica:
 
     def __init__(self, folder: TrainerFolder) -> None:
         self.folder = folder
-        self.pushes: list[dict[str, list[str]]] = []
+        self.pushes: list[Push] = []
 
     def push_started(self) -> None:
         self.pushes.append({})
@@ -230,8 +250,11 @@ class Replica:
     def received(self, weights) -> None:
         if not self.pushes:
             self.pushes.append({})
-        for name, tensor in weights:
-            self.pushes[-1][name] = [str(tensor.dtype).removeprefix("torch."), digest(tensor)]
+        import torch
+
+        for name, tensor in weights:  # as received, and in each dtype a rollout may serve it in
+            digests = {dtype: digest(tensor.to(getattr(torch, dtype))) for dtype in DIGEST_DTYPES}
+            self.pushes[-1][name] = {RECEIVED: str(tensor.dtype).removeprefix("torch."), **digests}
         write_record(self.folder.replica(os.getpid()), ObservedReplica(os.getpid(), self.pushes))
 
 
@@ -315,6 +338,7 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
             step = engine.optimizer_step
 
             def optimizer_step(*a, **k):
+                rank.before_clip()
                 norm = step(*a, **k)
                 rank.reported(norm)
                 return norm
