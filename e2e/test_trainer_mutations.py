@@ -18,6 +18,13 @@ pytestmark = [
     pytest.mark.verl_trainer,
 ]
 MODULE = "e2e.broken_trainer_engines"
+# the class each bug's engine is: the run is red unless verl built it (a registration that missed)
+ENGINE = {
+    "noop_sync": "NoopSyncEngine",
+    "stale_push": "StalePushEngine",
+    "skip_clip": "SkipClipEngine",
+    "zero_loss": "ZeroLossEngine",
+}
 
 
 def _broken(verl_trainer_run, request, case_id: str, bug: str):
@@ -28,6 +35,7 @@ def _broken(verl_trainer_run, request, case_id: str, bug: str):
         case,
         external_modules=(MODULE,),
         env={**case.env, "PYTEST_FSDP_TURBO_TRAINER_BUG": bug},
+        engine_class=ENGINE[bug],
     )
     result = verl_trainer_run(broken)
     checks.check_completed(result)

@@ -83,6 +83,7 @@ JUNIT_METRICS = (
     Reading(lambda m: m.perf.peak_memory_bytes).key,
     Reading(lambda m: m.perf.step_time_s).key,
     TIMING_PREFIX + STARTUP,
+    Reading(lambda m: m.rank.engine).key,  # a trainer run's engine class: which one ran
 )
 
 

@@ -116,6 +116,8 @@ class RankRecord(Record):
     rank: int | None = metric(key="rank")
     device: str | None = metric()  # the device it computed on (cpu, cuda:0, npu:3)
     replicas: int | None = metric()  # ranks holding the same shard as this one (HSDP), itself too
+    # the engine class that trained (module.Class), where the harness reads it (a trainer run)
+    engine: str | None = metric(optional=True)
 
 
 @dataclass

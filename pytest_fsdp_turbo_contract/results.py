@@ -190,7 +190,9 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
-        return not self.timed_out and all(r.exit_code == 0 and r.metrics for r in self.ranks)
+        """Every rank ended well with its results, and nothing failed the group as a whole."""
+        ranks_ok = all(r.exit_code == 0 and r.metrics for r in self.ranks)
+        return not self.timed_out and not self.failure and ranks_ok
 
     @property
     def metrics(self) -> dict:

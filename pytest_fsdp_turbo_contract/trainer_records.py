@@ -55,6 +55,7 @@ class ObservedRank:
     steps: list[ObservedStep] = field(default_factory=list)
     post_step_parameters: dict[str, Digests] = field(default_factory=dict)
     batches: int = 0  # mini-batches the actor handed the engine (train_batch), stepped or not
+    engine_class: str = ""  # the class of the engine train_batch ran on (module.Class)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ObservedRank:
@@ -64,6 +65,7 @@ class ObservedRank:
             steps=[ObservedStep.from_json(s) for s in data.get("steps", [])],
             post_step_parameters=dict(data.get("post_step_parameters", {})),
             batches=int(data.get("batches", 0)),
+            engine_class=str(data.get("engine_class", "")),
         )
 
 

@@ -206,6 +206,8 @@ def observed_run(
     advantages=(0.7, 0.7),
     stepped=(1 / 2.000001, 1 / 2.000001),  # clip_grad 1.0 over the global norm 2.0
     optimizer_steps: bool = True,
+    engine_class: str = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead",
+    expect_engine: str = "",
 ):
     """A run folder as the trainer entry and the observer leave it, then read as the plugin does."""
     out = tmp_path / "run"
@@ -230,6 +232,7 @@ def observed_run(
             "stepped_residual": 0.0,
         }
         data = {"rank": rank, "pid": 1, "steps": [step] if optimizer_steps else [], "batches": 1}
+        data["engine_class"] = engine_class
         data["post_step_parameters"] = params if rank == 0 else {}
         folder.rank(rank).write_text(json.dumps(data))
     for pid in range(replicas):
@@ -241,7 +244,7 @@ def observed_run(
         json.dumps({"1": {"actor/grad_norm": verl_norm, "critic/score/mean": 0.2}})
     )
     folder.log.write_text(log)
-    case = TrainerCase("t", "tiny-qwen3-chat", ("a=b",))
+    case = TrainerCase("t", "tiny-qwen3-chat", ("a=b",), engine_class=expect_engine)
     return read_run(case, spec, out, code, 1.0, False)
 
 
@@ -512,3 +515,14 @@ def test_overrides_that_are_no_list_are_refused_before_a_base_case_adds_to_them(
     text = BASE + '\n[[trainer_case]]\nid = "t2"\nextends = "t"\noverrides = "ab"\n'
     with pytest.raises(ConfigError, match="trainer case 't2': field 'overrides': expected a list"):
         book(tmp_path, text)
+
+
+def test_the_engine_class_that_trained_is_recorded_and_a_missed_registration_is_red(tmp_path):
+    verls = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
+    result = observed_run(tmp_path / "any")
+    assert result.metrics["rank/engine"] == verls  # in junit too: report.JUNIT_METRICS
+    assert observed_run(tmp_path / "named", expect_engine="FSDPEngineWithLMHead").ok
+    missed = observed_run(tmp_path / "missed", expect_engine="acme.engines.AcmeEngine")
+    head = missed.failure_text().splitlines()[0]
+    assert "expects engine class acme.engines.AcmeEngine; rank 0 trained with " + verls in head
+    assert "a registration that missed" in head

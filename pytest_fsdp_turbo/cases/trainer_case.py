@@ -69,6 +69,9 @@ class TrainerCase:
     description: str = ""
     # device kind -> {reason, match}, as an engine case's
     known_failure: dict = field(default_factory=dict)
+    # the engine class verl must build for the actor (module.Class, or the class's name): a
+    # registration that misses runs verl's own engine, and the run is red
+    engine_class: str = ""
 
     @property
     def is_tiny(self) -> bool:
@@ -172,6 +175,8 @@ def validate_trainer_case(
         raise where.error("env", "no variable the harness sets in every process", owned[0])
     if bad := [m for m in case.external_modules if not _MODULE.fullmatch(m)]:
         raise where.error("external_modules", "importable module names (a.b.c)", bad[0])
+    if case.engine_class and not _MODULE.fullmatch(case.engine_class):
+        raise where.error("engine_class", "a class name, or module.Class", case.engine_class)
     check_tiny(where, case.model, specs)
     check_known_failure(where, case.known_failure, case.devices)
     per_node, nodes = case.override("trainer.n_gpus_per_node"), case.override("trainer.nnodes")

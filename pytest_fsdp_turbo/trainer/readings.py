@@ -140,7 +140,10 @@ def write_rank_metrics(
         step = reading.steps[0]
         metrics = StepMetrics()
         metrics.rank = RankRecord(
-            rank=rank, device=str(spec.device_kind), replicas=spec.world_size // shard
+            rank=rank,
+            device=str(spec.device_kind),
+            replicas=spec.world_size // shard,
+            engine=reading.engine_class or None,
         )
         calls = step.reduce_scatters_by_micro_batch
         metrics.train = TrainRecord(

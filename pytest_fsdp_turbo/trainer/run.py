@@ -261,6 +261,12 @@ def read_run(
         result.failure = f"verl's trainer exited {code}: {first_cause(folder.log)}"
     elif config is None:
         result.failure = failure or f"no resolved config at {folder.resolved_config}"
+    elif wrong := _other_engines(case, read_ranks(folder.ranks())):
+        result.failure = (
+            f"trainer case {case.id} expects engine class {case.engine_class}; "
+            + "; ".join(f"rank {rank} trained with {cls}" for rank, cls in wrong)
+            + " (a registration that missed: verl built another engine)"
+        )
     elif not all(r.metrics for r in ranks):
         lost = [r.rank for r in ranks if not r.metrics]
         observed = read_ranks(folder.ranks())
@@ -280,6 +286,18 @@ def read_run(
 
 
 CAUSE_MARKS = ("Error:", "Exception:", "error:")
+
+
+def _other_engines(case: TrainerCase, observed: dict) -> list[tuple[int, str]]:
+    """The ranks whose engine is not the class the case expects (module.Class or Class)."""
+    if not case.engine_class:
+        return []
+    want = case.engine_class
+    return [
+        (rank, got.engine_class or "no engine the harness saw train")
+        for rank, got in sorted(observed.items())
+        if got.engine_class != want and not got.engine_class.endswith("." + want)
+    ]
 
 
 def first_line_with(log: Path, text: str) -> str:

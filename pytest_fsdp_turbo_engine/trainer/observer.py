@@ -66,6 +66,7 @@ class TrainerRank:
         self._units: Any = None  # fsdp_probe.UnitsThatRan over the trained model's units
         self._batch: dict[str, Any] = {}  # what train_batch was handed, until the step
         self.batches = 0  # mini-batches train_batch was handed
+        self.engine_class = ""  # the class of the engine train_batch ran on
         # each local gradient shard's sum of squares as the engine's optimizer_step began (the raw
         # gradients, before its clip), until the step
         self._raw_sq: list[float] = []
@@ -211,7 +212,9 @@ class TrainerRank:
         self.post_step = digests
 
     def _write(self) -> None:
-        observed = ObservedRank(self.rank, os.getpid(), self.steps, self.post_step, self.batches)
+        observed = ObservedRank(
+            self.rank, os.getpid(), self.steps, self.post_step, self.batches, self.engine_class
+        )
         write_record(self.folder.rank(self.rank), observed)
 
 
@@ -347,6 +350,7 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
             train = engine.train_batch
 
             def train_batch(data, *a, **k):
+                rank.engine_class = f"{type(engine).__module__}.{type(engine).__qualname__}"
                 rank.batch_seen(data)
                 return train(data, *a, **k)
 
