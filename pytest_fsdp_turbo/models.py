@@ -98,6 +98,15 @@ def build_tiny_model(
     return final
 
 
+def missing_model(name: str, models_dir: Path | None) -> list[str]:
+    """A real model's folder as collection finds it: [] when it is there, else the one line why."""
+    try:
+        local_model_dir(name, models_dir)
+    except ModelUnavailable as exc:
+        return [str(exc)]
+    return []
+
+
 def local_model_dir(name: str, models_dir: Path | None) -> Path:
     """A real model the user keeps locally; missing or incomplete is a skip, with the path."""
     if models_dir is None:

@@ -11,7 +11,7 @@ import pytest
 
 from pytest_fsdp_turbo.cases.engine_case import TABLE, Case, read_table
 from pytest_fsdp_turbo.cases.table import ReadContext
-from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir
+from pytest_fsdp_turbo.models import missing_model
 from pytest_fsdp_turbo.needs import case_needs, missing_packages
 from pytest_fsdp_turbo.settings import Settings
 from pytest_fsdp_turbo_contract.results import RunResult
@@ -40,10 +40,7 @@ class PPOStep:
         needs = case_needs(case, device_kind)
         lines = [f"{n.reason} needs {n.name}: {n.hint}" for n in missing_packages(needs)]
         for need in (n for n in needs if n.kind == "model"):
-            try:
-                local_model_dir(need.name, settings.models)
-            except ModelUnavailable as exc:
-                lines.append(str(exc))
+            lines += missing_model(need.name, settings.models)
         return lines
 
     def run(self, request: pytest.FixtureRequest, case: Case, **options: Any) -> RunResult:

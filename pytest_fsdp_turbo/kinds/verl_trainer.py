@@ -11,7 +11,7 @@ import pytest
 
 from pytest_fsdp_turbo.cases.table import ReadContext
 from pytest_fsdp_turbo.cases.trainer_case import TABLE, TrainerCase, trainer_cases
-from pytest_fsdp_turbo.models import ModelUnavailable, local_model_dir
+from pytest_fsdp_turbo.models import missing_model
 from pytest_fsdp_turbo.settings import Settings
 from pytest_fsdp_turbo.trainer.run import missing_needs
 from pytest_fsdp_turbo_contract.results import RunResult
@@ -34,12 +34,7 @@ class VerlTrainer:
 
     def missing(self, case: TrainerCase, device_kind: str, settings: Settings) -> list[str]:
         lines = [f"verl's trainer needs {need}" for need in missing_needs()]
-        if not case.is_tiny:
-            try:
-                local_model_dir(case.model, settings.models)
-            except ModelUnavailable as exc:
-                lines.append(str(exc))
-        return lines
+        return lines + ([] if case.is_tiny else missing_model(case.model, settings.models))
 
     def run(self, request: pytest.FixtureRequest, case: TrainerCase, **options: Any) -> RunResult:
         """Through the `verl_trainer_run` fixture; a trainer case takes no options (its overrides
