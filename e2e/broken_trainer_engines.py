@@ -13,6 +13,10 @@ which bug this run carries.
   the raw gradients (check k; a still holds: the norm is true).
 - zero_loss: the loss verl hands the engine is multiplied by 0 before backward: no gradient,
   though the advantages are not 0 (check a).
+- half_grads: FSDP2's gradient divide factor is twice the world size (an average taken twice):
+  the norm it reports is the true norm of what it holds, the clip right, the loss gradient right,
+  and AdamW's first update nearly scale-free; only the reference sees it (c, and a's reference
+  norm).
 """
 
 from __future__ import annotations
@@ -78,11 +82,25 @@ def _register(transformer_impl) -> None:
 
             return super().forward_backward_batch(data, zeroed, forward_only)
 
+    class HalfGradsEngine(base):
+        """FSDP2 told to divide the gradient by twice the world size: every reduced gradient is
+        half, its norm is reported and clipped faithfully, AdamW's first step barely moves."""
+
+        def initialize(self):
+            super().initialize()
+            import torch.distributed as dist
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self.module.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(2.0 * dist.get_world_size())
+
     engines = {
         "noop_sync": NoopSyncEngine,
         "stale_push": StalePushEngine,
         "skip_clip": SkipClipEngine,
         "zero_loss": ZeroLossEngine,
+        "half_grads": HalfGradsEngine,
     }
     if bug not in engines:
         raise ValueError(f"{BUG}={bug!r}: expected one of {', '.join(engines)}")

@@ -24,10 +24,13 @@ ENGINE = {
     "stale_push": "StalePushEngine",
     "skip_clip": "SkipClipEngine",
     "zero_loss": "ZeroLossEngine",
+    "half_grads": "HalfGradsEngine",
 }
 
 
-def _broken(verl_trainer_run, request, case_id: str, bug: str):
+def _broken(verl_trainer_run, request, case_id: str, bug: str, reference: bool = False):
+    """The case with the bug's engine; without the reference unless asked (the checks that need
+    none are proven alone there)."""
     from pytest_fsdp_turbo.kinds.registry import cases_of
 
     case = cases_of(request.config).get_trainer(case_id)
@@ -36,6 +39,7 @@ def _broken(verl_trainer_run, request, case_id: str, bug: str):
         external_modules=(MODULE,),
         env={**case.env, "PYTEST_FSDP_TURBO_TRAINER_BUG": bug},
         engine_class=ENGINE[bug],
+        reference=reference,
     )
     result = verl_trainer_run(broken)
     checks.check_completed(result)
@@ -73,3 +77,15 @@ def test_a_loss_multiplied_by_zero_fails_a_on_its_advantages(verl_trainer_run, r
     failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
     assert set(failed) == {"a"}, failed
     assert "= 0 on a step whose advantages are not all zero" in failed["a"].splitlines()[0]
+
+
+def test_halved_gradients_fail_c_against_the_reference(verl_trainer_run, request):
+    """The norm it reports is the true norm of what it holds, its clip is right, the loss
+    gradient is right: only the single-process reference sees the gradients are half."""
+    verdict = _broken(
+        verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2", "half_grads", reference=True
+    )
+    failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
+    assert "c" in failed and set(failed) <= {"a", "c"}, failed
+    first = failed["c"].splitlines()[0]
+    assert "step 0: the engine's gradients differ from the single-process reference's" in first

@@ -49,6 +49,18 @@ class TrainerFolder:
         return lambda pid: self.observe / f"replica-{pid}.json"
 
     @property
+    def capture(self) -> Callable[[int], Path]:  # what the reference replays of step N (from 0)
+        return lambda step: self.observe / "capture" / f"step-{step}"
+
+    @property
+    def replay(self) -> Path:  # the reference's verdict material, every step
+        return self.observe / "replay.json"
+
+    def captured_steps(self) -> list[Path]:
+        found = self.observe.glob("capture/step-*")
+        return sorted(found, key=lambda path: int(path.name.removeprefix("step-")))
+
+    @property
     def step_metrics(self) -> Path:  # verl's own step metrics, as its tracking logger got them
         return self.observe / "step-metrics.json"
 

@@ -81,6 +81,80 @@ class ObservedReplica:
         return cls(pid=int(data.get("pid", 0)), pushes=list(data.get("pushes", [])))
 
 
+@dataclass
+class ReplayedStep:
+    """One optimizer step replayed by the single-process reference (trainer/replay.py): from the
+    step's own parameters before it, on the union of the data-parallel ranks' mini-batches."""
+
+    step: int
+    rows: int = 0  # in the union of the data-parallel ranks' mini-batches
+    tokens: int = 0  # response tokens in it
+    # c: the engine's raw gradients (after the last backward) against the reference's
+    grad_max_rel_err: float | None = None
+    grad_max_rel_err_param: str = ""
+    grad_rel_l2_err: float | None = None
+    reference_grad_norm: float | None = None
+    # b: the old log-probs verl trained with, against the reference's forward of the same tokens
+    old_logprob_max_abs_diff: float | None = None  # None: not the update's first mini-batch
+    # l: the gradient verl's loss sent into each row's log-probs (times 1 / data-parallel size,
+    # FSDP's average), against the reference loss's, relative to its largest entry
+    loss_grad_max_rel_err: float | None = None
+    loss_grad_rows: int = 0  # rows whose loss gradient the observer caught
+    # i: the engine's parameters after the step against AdamW in closed form on its own clipped
+    # gradients from the same parameters (largest entry, in units of the learning rate), and its
+    # update against the reference's (relative L2)
+    update_max_err_lr: float | None = None
+    update_max_err_param: str = ""
+    update_rel_l2_err: float | None = None
+    # in a run that computes in bf16: the same distances for the reference itself computed in
+    # bf16 from the same parameters (what the dtype alone costs on this very computation)
+    grad_rel_l2_noise: float | None = None
+    old_logprob_noise: float | None = None
+    update_rel_l2_noise: float | None = None
+    clip_coef: float | None = None  # the reference's
+    seconds: float = 0.0  # the replay of this step
+    problem: str = ""  # what kept a reading from being taken (a missing capture, a name set)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ReplayedStep:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class Replay:
+    """The reference's replay of a trainer run: each step, or what it refused to model."""
+
+    refused: str = ""  # one line: the resolved config's setting the reference does not model
+    error: str = ""  # the replay itself failed (a harness fault, said as such)
+    steps: list[ReplayedStep] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line for the trainer's log."""
+        if self.refused or self.error:
+            return f"reference: {'refused: ' + self.refused if self.refused else self.error}"
+        said = [
+            f"step {s.step}: {s.problem}"
+            if s.problem
+            else (
+                f"step {s.step}: c {s.grad_max_rel_err:.3g} ({s.grad_max_rel_err_param}), "
+                f"i {s.update_max_err_lr:.3g} lr, {s.seconds:.1f} s"
+            )
+            for s in self.steps
+        ]
+        return "reference: " + ("; ".join(said) or "no step was captured")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Replay:
+        steps = [ReplayedStep.from_json(s) for s in data.get("steps", [])]
+        said = {k: str(data.get(k, "")) for k in ("refused", "error")}
+        return cls(steps=steps, **said)
+
+
+def read_replay(path: Path) -> Replay | None:
+    return _read(path, Replay)
+
+
 def write_record(path: Path, record: Any) -> None:
     """Rewritten whole after each event, atomically: what was measured survives a failure."""
     write_json(path, asdict(record))

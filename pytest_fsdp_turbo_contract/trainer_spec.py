@@ -42,6 +42,8 @@ class TrainerSpec:
     # what verl imports in every process: the user's VERL_USE_EXTERNAL_MODULES (a platform
     # plug-in, say), then the case's; the entry puts the harness's observer before them
     external_modules: tuple[str, ...] = ()
+    # the case declares the single-process reference: the observer captures what it replays
+    reference: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -208,13 +208,18 @@ def observed_run(
     optimizer_steps: bool = True,
     engine_class: str = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead",
     expect_engine: str = "",
+    replay: dict | None = None,  # observe/replay.json; the case declares its reference with it
 ):
     """A run folder as the trainer entry and the observer leave it, then read as the plugin does."""
     out = tmp_path / "run"
     folder = TrainerFolder(out)
     folder.observe.mkdir(parents=True)
-    spec = TrainerSpec("t", DeviceKind.CPU, 2, "/model", ("a=b",), timeout_s=600.0)
+    spec = TrainerSpec(
+        "t", DeviceKind.CPU, 2, "/model", ("a=b",), timeout_s=600.0, reference=replay is not None
+    )
     spec.write(folder.spec)
+    if replay:
+        folder.replay.write_text(json.dumps(replay))
     folder.resolved_config.parent.mkdir(parents=True)
     folder.resolved_config.write_text(config or json.dumps(verl_config(flag)))  # JSON is YAML
     params = {"w": {"float32": "d", "bfloat16": "b"}}
@@ -231,7 +236,8 @@ def observed_run(
             "stepped_scale": stepped[rank],
             "stepped_residual": 0.0,
         }
-        data = {"rank": rank, "pid": 1, "steps": [step] if optimizer_steps else [], "batches": 1}
+        steps = [step] * max(1, len((replay or {}).get("steps", ()))) if optimizer_steps else []
+        data = {"rank": rank, "pid": 1, "steps": steps, "batches": max(1, len(steps))}
         data["engine_class"] = engine_class
         data["post_step_parameters"] = params if rank == 0 else {}
         folder.rank(rank).write_text(json.dumps(data))
@@ -256,13 +262,15 @@ def test_a_healthy_trainer_run_passes_a_e_h_and_says_what_it_cannot_have(tmp_pat
     result = observed_run(tmp_path)
     verdict = checks.check_all(result)
     assert {o.check for o in verdict.with_status(checks.PASSED)} == {"a", "e", "h", "j", "k"}
-    assert any(line.startswith("c: no reference or twin") for line in verdict.not_applicable())
+    said = verdict.not_applicable()
+    assert "c: no reference declared (the trainer case's `reference`)" in said, said
+    assert {line[0] for line in said} == {"b", "c", "d", "f", "i", "l"}, said
     assert result.metrics["critic/score/mean"] == 0.2
     assert result.metrics["comm/reduce_scatter_calls"] == 10
     # spec.json holds what a reader of the run needs of its case, as every case's does
     assert (result.spec().case_id, result.spec().timeout_s) == ("t", 600.0)
-    # its checks hold gradients to the parameters' dtype; its golden, to the compute dtype's
-    assert (result.spec().engine.dtype, result.spec().golden_dtype) == ("fp32", "bf16")
+    # its tolerances and its golden follow the dtype verl computes in (FSDP's mixed precision)
+    assert (result.spec().engine.dtype, result.spec().golden_dtype) == ("bf16", "bf16")
     # spec.json holds what verl's config declares and nothing padded: this config names no lr,
     # betas or prompt count, so neither does the spec
     written = json.loads(RunFolder(result.artifacts_dir).spec.read_text())
@@ -526,3 +534,69 @@ def test_the_engine_class_that_trained_is_recorded_and_a_missed_registration_is_
     head = missed.failure_text().splitlines()[0]
     assert "expects engine class acme.engines.AcmeEngine; rank 0 trained with " + verls in head
     assert "a registration that missed" in head
+
+
+# --- the single-process reference's replay, judged every step ------------------------------------
+
+HEALTHY_STEP = {
+    "rows": 4,
+    "tokens": 64,
+    "grad_max_rel_err": 0.03,
+    "grad_max_rel_err_param": "model.norm.weight",
+    "grad_rel_l2_err": 0.016,
+    "reference_grad_norm": 2.0,
+    "old_logprob_max_abs_diff": 0.028,
+    "loss_grad_max_rel_err": 1e-4,
+    "loss_grad_rows": 4,
+    "update_max_err_lr": 2e-4,
+    "update_max_err_param": "lm_head.weight",
+    "update_rel_l2_err": 0.14,
+    "grad_rel_l2_noise": 0.011,
+    "old_logprob_noise": 0.02,
+    "update_rel_l2_noise": 0.12,
+}
+
+
+def replay_of(*steps: dict, **top) -> dict:
+    return {"steps": [{"step": n, **HEALTHY_STEP, **s} for n, s in enumerate(steps)], **top}
+
+
+def test_a_replayed_healthy_run_passes_every_check_on_every_step(tmp_path):
+    result = observed_run(tmp_path, replay=replay_of({}, {"old_logprob_max_abs_diff": None}))
+    verdict = checks.check_all(result)
+    passed = {o.check for o in verdict.with_status(checks.PASSED)}
+    assert passed == {"a", "b", "c", "e", "h", "i", "j", "k", "l"}, verdict.not_applicable()
+    assert result.metrics["sync/grad_rel_l2_err"] == 0.016  # step 0, in the summary and junit
+
+
+@pytest.mark.parametrize(
+    ("step", "check", "words"),
+    [
+        # halved gradients: 0.5 from the reference, 45 x what bf16 costs the reference itself
+        ({"grad_rel_l2_err": 0.5}, "c", "step 1: the engine's gradients differ from the single"),
+        ({"old_logprob_max_abs_diff": 0.5}, "b", "step 1: the old log-probs verl trained with"),
+        ({"update_max_err_lr": 1.0}, "i", "from AdamW in closed form on the engine's own"),
+        ({"update_rel_l2_err": 1.0}, "i", "the update differs from the reference's"),
+        ({"loss_grad_max_rel_err": 0.5}, "l", "the loss was scaled, masked or aggregated"),
+        ({"loss_grad_rows": 3}, "l", "caught the loss gradient of 3 of 4 rows"),
+        ({"reference_grad_norm": 4.0}, "a", "step 1: rank 0's engine reported grad norm 2"),
+        ({"problem": "not captured: grads.pt"}, "a", "step 1: not captured: grads.pt"),
+    ],
+)
+def test_each_reference_check_fails_on_a_later_step_alone(tmp_path, step, check, words):
+    """Every step is judged on its own: a bug on step 1 alone is red, naming the step."""
+    problems = failed(observed_run(tmp_path, replay=replay_of({}, step), reported=(2.0, 2.0)))
+    assert check in problems and words in problems[check].splitlines()[0], problems
+    if "problem" not in step:
+        assert set(problems) == {check}, problems
+
+
+def test_a_declared_reference_without_its_replay_fails_and_a_refusal_says_why(tmp_path):
+    result = observed_run(tmp_path, replay={})
+    assert "the replay wrote no readable record" in failed(result)["c"]
+    refused = "actor_rollout_ref.actor.policy_loss.loss_mode=gspo: only 'vanilla' is modelled"
+    result = observed_run(tmp_path / "r", replay={"refused": refused, "steps": []})
+    said = checks.check_all(result).not_applicable()
+    assert f"c: the reference refuses: {refused}" in said, said
+    result = observed_run(tmp_path / "e", replay={"error": "the harness's reference replay failed"})
+    assert "the harness's reference replay failed" in failed(result)["i"]

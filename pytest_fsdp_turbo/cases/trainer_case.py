@@ -72,10 +72,18 @@ class TrainerCase:
     # the engine class verl must build for the actor (module.Class, or the class's name): a
     # registration that misses runs verl's own engine, and the run is red
     engine_class: str = ""
+    # the single-process reference replays every step (checks b, c, i, l; a against its norm).
+    # Default: on for tiny models; a real model's costs a whole fp32 copy of it on one process
+    # and every parameter gathered to rank 0 each step (docs/verl.md)
+    reference: bool | None = None
 
     @property
     def is_tiny(self) -> bool:
         return self.model.startswith(TINY_PREFIX)
+
+    @property
+    def with_reference(self) -> bool:
+        return self.is_tiny if self.reference is None else self.reference
 
     @property
     def rolls_out_with_vllm(self) -> bool:

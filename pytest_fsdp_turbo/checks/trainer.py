@@ -15,12 +15,16 @@ from outside verl and what verl's resolved config declares (spec.json).
      coefficient min(1, grad_clip / (the harness's global norm + 1e-6)): a clip skipped, or
      gradients changed between the backward and the step, is red
   g  goldens of verl's step metrics per hardware (pytest_fsdp_turbo.checks.goldens, as every case)
+  b, c, i, l and a's reference norm: the single-process reference's replay of every step
+     (trainer_reference.py)
 
 What a trainer run cannot have, and why, is said from the case kind (TRAINER_CANNOT), never from a
 missing measurement: a check that applies and finds its reading missing fails, naming the file.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from pytest_fsdp_turbo.checks.check_sets import CheckSet, register_check_set
 from pytest_fsdp_turbo.checks.gradients import check_grad_norm
@@ -32,7 +36,14 @@ from pytest_fsdp_turbo.checks.sync import (
     check_retained_gradients,
 )
 from pytest_fsdp_turbo.checks.tolerances import NORM_AGREEMENT_REL
-from pytest_fsdp_turbo.checks.verdicts import CheckFailure, judges
+from pytest_fsdp_turbo.checks.trainer_reference import (
+    check_old_logprobs,
+    check_reference_norm,
+    check_trainer_gradients,
+    check_trainer_loss_gradient,
+    check_trainer_update,
+)
+from pytest_fsdp_turbo.checks.verdicts import CheckFailure, NotApplicable, judges
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_records import (
@@ -46,12 +57,8 @@ from pytest_fsdp_turbo_contract.vocab import CaseKindName
 
 # What a trainer run cannot have, and why (docs/verl.md says more). Short: the summary table shows them.
 TRAINER_CANNOT = {
-    "b": "verl's loss: no per-micro-batch log-ratio read",
-    "c": "no reference or twin: verl owns batch, rollout and step",
-    "d": "no HSDP replicas read (rollout replicas: e)",
-    "f": "no memory budget in trainer cases",
-    "i": "verl's optimizer state is the engine's own",
-    "l": "loss gradient inside verl's engine",
+    "d": "verl's FSDP engines shard over one group: no HSDP replicas (rollout replicas: e)",
+    "f": "a trainer case declares no memory budget",
 }
 
 
@@ -71,6 +78,8 @@ def check_trainer_grad_norm(result: RunResult) -> None:
             f"check a: verl's step metric {VERL_GRAD_NORM} = {verl!r}, but rank 0's engine "
             f"reported {reported!r} ({GRAD_NORM.key})"
         )
+    with contextlib.suppress(NotApplicable):  # no reference, or one that refuses
+        check_reference_norm(result)
 
 
 @judges("h")
@@ -153,10 +162,14 @@ TRAINER_CHECKS = CheckSet(
     CaseKindName.VERL_TRAINER,
     (
         ("a", lambda r, _: check_trainer_grad_norm(r)),
+        ("b", lambda r, _: check_old_logprobs(r)),
+        ("c", lambda r, _: check_trainer_gradients(r)),
         ("e", lambda r, _: check_rollout_weights(r)),
         ("h", lambda r, _: check_trainer_sync(r)),
+        ("i", lambda r, _: check_trainer_update(r)),
         ("j", lambda r, _: check_data_rows(r)),
         ("k", lambda r, _: check_clip(r)),
+        ("l", lambda r, _: check_trainer_loss_gradient(r)),
     ),
     TRAINER_CANNOT,
 )

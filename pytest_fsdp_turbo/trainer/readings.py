@@ -17,6 +17,7 @@ from pytest_fsdp_turbo_contract.records import (
     OptimizerRecord,
     PerfRecord,
     RankRecord,
+    ReferenceRecord,
     RolloutRecord,
     StepMetrics,
     TrainRecord,
@@ -28,6 +29,7 @@ from pytest_fsdp_turbo_contract.trainer_records import (
     ObservedStep,
     first_step_metrics,
     read_ranks,
+    read_replay,
 )
 from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
 from pytest_fsdp_turbo_contract.vocab import CaseKindName, Dtype, Rollout
@@ -65,7 +67,7 @@ def _dtype(verl_name: str) -> Dtype:
 
 
 def run_spec_json(
-    declared: TrainerDeclared | None, spec: TrainerSpec, shard: int
+    declared: TrainerDeclared | None, spec: TrainerSpec, shard: int, refused: bool = False
 ) -> dict[str, Any]:
     """spec.json of a trainer run, in the harness's terms: what the case and verl's resolved config
     declare, and nothing else (a key the config does not hold is left out, never defaulted; with
@@ -85,7 +87,9 @@ def run_spec_json(
         "fsdp_size": shard,
         "backend": f"verl:{declared.strategy}",
         "sp_size": declared.sp_size,
-        "dtype": _dtype(declared.model_dtype),
+        # the numerics' dtype, which the tolerances follow: FSDP's mixed-precision compute dtype
+        # (the fp32 master parameters are the model dtype)
+        "dtype": _dtype(declared.compute_dtype),
         "gradient_sync": declared.gradient_sync,
         "grad_clip": declared.grad_clip,
         "lr": declared.lr,
@@ -98,7 +102,8 @@ def run_spec_json(
         "rollout": Rollout.VLLM if declared.rollout == "vllm" else Rollout.HF,
         "rollout_replicas": declared.rollout_replicas,
         "rollout_dtype": declared.rollout_dtype,
-        "reference_checks": False,
+        # what the reference refuses to model (replay.json says) is no reference to hold it to
+        "reference_checks": spec.reference and not refused,
         "n": declared.n,
         "num_prompts": declared.num_prompts,
         "max_new_tokens": declared.max_new_tokens,
@@ -126,7 +131,9 @@ def write_rank_metrics(
     shard = next(
         (r.steps[0].shard_group_size or 1 for r in readings.values() if r.steps), spec.world_size
     )
-    run.spec.write_text(json.dumps(run_spec_json(declared, spec, shard), indent=1))
+    replay = read_replay(folder.replay) if spec.reference else None
+    refused = replay is not None and bool(replay.refused)
+    run.spec.write_text(json.dumps(run_spec_json(declared, spec, shard, refused), indent=1))
     verl = first_step_metrics(folder.step_metrics)
     measured = combined_norm(readings, spec.world_size)
     steps = {rank: reading.steps[0] for rank, reading in readings.items() if reading.steps}
@@ -134,6 +141,7 @@ def write_rank_metrics(
     peaks = [s.advantages_abs_max for s in steps.values() if s.advantages_abs_max is not None]
     clip = None if declared is None else declared.grad_clip
     coef = None if measured is None or clip is None else min(1.0, clip / (measured + 1e-6))
+    first = replay.steps[0] if replay is not None and replay.steps else None
     for rank, reading in readings.items():
         if not reading.steps:
             continue
@@ -163,6 +171,13 @@ def write_rank_metrics(
             clip_max_rel_err=_clip_error(step, coef),
         )
         metrics.rollout.advantages_abs_max = max(peaks) if peaks else None
+        if first is not None:  # the reference's first step, where the case declares it
+            metrics.reference = ReferenceRecord(
+                grad_max_rel_err=first.grad_max_rel_err,
+                grad_max_rel_err_param=first.grad_max_rel_err_param or None,
+                reference_grad_norm=first.reference_grad_norm,
+                grad_rel_l2_err=first.grad_rel_l2_err,
+            )
         for key, (record, name) in FROM_VERL.items():
             if isinstance(verl.get(key), int | float):
                 setattr(metrics.record(record), name, verl[key])

@@ -144,6 +144,7 @@ class TrainerRunner:
                 timeout_s=case.timeout,
                 golden_tier=case.golden_tier,
                 external_modules=(*HarnessEnv.read().verl_external_modules, *case.external_modules),
+                reference=case.with_reference,
             )
             return self._launch(case, spec, out, worker_env)
         finally:

@@ -78,6 +78,10 @@ def main() -> None:
     sys.argv = ["verl.trainer.main_ppo", *argv(spec, folder)]
     print("main_ppo " + " ".join(sys.argv[1:]), flush=True)
     runpy.run_module("verl.trainer.main_ppo", run_name="__main__", alter_sys=True)
+    if spec.reference:  # every step the observer captured, through the harness's own reference
+        from pytest_fsdp_turbo_engine.trainer import replay
+
+        print(replay.run_safely(folder, spec).summary(), flush=True)
 
 
 if __name__ == "__main__":

@@ -56,8 +56,10 @@ def digest(tensor) -> str:
 class TrainerRank:
     """One trainer rank's readings, per optimizer step."""
 
-    def __init__(self, folder: TrainerFolder, rank: int) -> None:
+    def __init__(self, folder: TrainerFolder, rank: int, capture: bool = False) -> None:
         self.folder, self.rank = folder, rank
+        self.capture = capture  # what the reference replays (capture.py), every step
+        self._loss_grads: dict[str, Any] = {}  # row digest -> d loss / d its response log-probs
         self.roots: list = []  # modules fully_shard was applied to, in order
         self.steps: list[ObservedStep] = []
         self.post_step: dict[str, dict[str, str]] = {}
@@ -123,9 +125,62 @@ class TrainerRank:
         self._pass["shard_grad_sq"] = sum(_squares(self._pass["module"]))
 
     def before_clip(self) -> None:
-        """The engine's optimizer_step began: its raw gradients, one sum of squares a shard."""
+        """The engine's optimizer_step began: its raw gradients, one sum of squares a shard (and,
+        for the reference, every gradient gathered whole: a collective, every rank calls it)."""
         if self._pass is not None:
             self._raw_sq = _squares(self._pass["module"])
+            if self.capture:
+                self._gather_whole("grads.pt", self._pass["module"], gradients=True)
+
+    def watch_loss(self, loss_function):
+        """verl's loss, as the actor hands it to the engine: the gradient that reaches each row's
+        response log-probs in the backward (what check l holds to the loss in closed form)."""
+        from pytest_fsdp_turbo_engine.trainer import capture
+
+        def loss(*args, **kwargs):
+            output = kwargs.get("model_output", args[1] if len(args) > 1 else None)
+            data = kwargs.get("data", args[2] if len(args) > 2 else None)
+            logprobs = None if output is None else output.get("log_probs", None)
+            if logprobs is not None and logprobs.requires_grad and data is not None:
+                keys = [digest(row) for row in capture.rows_of(data["input_ids"])]
+                where = capture.response_slices(data)
+
+                values = _flat(logprobs)
+
+                def seen(grad) -> None:
+                    flat = _flat(grad)
+                    for key, (start, end) in zip(keys, where):
+                        self._loss_grads[key] = {
+                            "logprobs": values[start:end].detach().float().cpu(),
+                            "grad": flat[start:end].detach().float().cpu(),
+                        }
+
+                logprobs.register_hook(seen)
+            return loss_function(*args, **kwargs)
+
+        return loss
+
+    def _captured(self, name: str, step: int | None = None) -> Path:
+        """Under the step in progress (the steps counted so far), or `step`."""
+        return self.folder.capture(len(self.steps) if step is None else step) / name
+
+    def _gather_whole(self, name: str, module, gradients: bool, step: int | None = None) -> None:
+        """Every parameter (or gradient) gathered whole, one at a time; rank 0 keeps them."""
+        from pytest_fsdp_turbo_engine.engines.fsdp2 import full_tensor
+        from pytest_fsdp_turbo_engine.step import fsdp_probe
+        from pytest_fsdp_turbo_engine.trainer import capture
+
+        whole = {}
+        for key, param in module.named_parameters():
+            value = param.grad if gradients else param
+            if value is None:
+                continue
+            tensor = full_tensor(value.detach())
+            if self.rank == 0:
+                whole[fsdp_probe._plain_name(key)] = tensor.float().cpu()
+            del tensor
+        if self.rank == 0:
+            capture.save(self._captured(name, step), whole)
 
     def batch_seen(self, data) -> None:
         """train_batch's mini-batch, as the actor hands it: each row's tokens digested (rows
@@ -134,6 +189,11 @@ class TrainerRank:
         advantages = data.get("advantages", None)
         self.batches += 1
         self._batch.setdefault("rows", []).extend(digest(row) for row in rows)
+        if self.capture:
+            from pytest_fsdp_turbo_engine.trainer import capture
+
+            batch = capture.mini_batch(data)
+            capture.save(self._captured(f"batch-rank{self.rank}.pt"), batch)
         if advantages is not None:
             values = advantages.values() if getattr(advantages, "is_nested", False) else advantages
             peak = float(values.detach().abs().max()) if values.numel() else 0.0
@@ -163,6 +223,12 @@ class TrainerRank:
     def before_step(self, optimizer) -> None:
         if self._pass is None:
             return
+        if self.capture:
+            from pytest_fsdp_turbo_engine.trainer import capture
+
+            self._gather_whole("params-before.pt", self._pass["module"], gradients=False)
+            loss_grads, self._loss_grads = self._loss_grads, {}
+            capture.save(self._captured(f"loss-grad-rank{self.rank}.pt"), loss_grads)
         fit = self._stepped_against_raw()
         done = ObservedStep(
             reduce_scatters_by_micro_batch=self._pass["reduce_scatters_by_micro_batch"],
@@ -185,6 +251,8 @@ class TrainerRank:
         if self._pass is None:
             return
         module, self._pass, self._units = self._pass["module"], None, None
+        if self.capture:  # the step is counted already (before_step)
+            self._gather_whole("params-after.pt", module, False, step=len(self.steps) - 1)
         self._digest_parameters(module)
         self._write()
 
@@ -236,6 +304,11 @@ def _rows(ids) -> list:
     return list(ids.unbind()) if getattr(ids, "is_nested", False) else list(ids)
 
 
+def _flat(tensor):
+    """A micro-batch's per-token output as one flat tensor (a nested tensor's values)."""
+    return (tensor.values() if getattr(tensor, "is_nested", False) else tensor).flatten()
+
+
 def _contains(outer, inner) -> bool:
     return any(m is inner for m in outer.modules())
 
@@ -274,7 +347,8 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
         FSDPInternalsChanged,
     )
 
-    rank = TrainerRank(folder, int(os.environ["RANK"]))
+    spec = TrainerSpec.read(folder.spec)
+    rank = TrainerRank(folder, int(os.environ["RANK"]), capture=spec.reference)
 
     def shard_wrapped(original):
         def fully_shard(module, *args, **kwargs):
@@ -352,6 +426,10 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
             def train_batch(data, *a, **k):
                 rank.engine_class = f"{type(engine).__module__}.{type(engine).__qualname__}"
                 rank.batch_seen(data)
+                if rank.capture and "loss_function" in k:
+                    k["loss_function"] = rank.watch_loss(k["loss_function"])
+                elif rank.capture and a:
+                    a = (rank.watch_loss(a[0]), *a[1:])
                 return train(data, *a, **k)
 
             engine.train_batch = train_batch

@@ -1,0 +1,199 @@
+"""The verdicts on a verl trainer run that need the single-process reference (observe/replay.json,
+written by pytest_fsdp_turbo_engine/trainer/replay.py), every step of the run:
+
+  a  the norm the engine reported against the reference gradients' norm
+  b  the old log-probs verl trained with against the reference's forward of the same tokens, on
+     each update's first mini-batch (the one the old log-probs were computed for)
+  c  the engine's raw gradients (after the last backward) against the reference's, per parameter
+     and as a whole
+  i  the parameters after the step against AdamW in closed form on the engine's own clipped
+     gradients, and the update against the reference's
+  l  the gradient verl's loss sent into each row's response log-probs against the loss's in
+     closed form at the engine's own log-probs
+
+In a run that computes in bf16, b, c and i's distances from the fp32 reference are held to a
+multiple of the reference's own distance when it computes in bf16 from the same parameters
+(measured in that run, on that computation); in fp32, to the fp32 tolerances.
+"""
+
+from __future__ import annotations
+
+from pytest_fsdp_turbo.checks.readings import _rel, declared, declares_reference
+from pytest_fsdp_turbo.checks.tolerances import (
+    ADAMW_STEP_TOL_LR,
+    GRAD_NORM_REFERENCE_REL,
+    GRAD_PARITY_L2_TOL,
+    GRAD_PARITY_TOL,
+    LOSS_GRAD_TOL,
+    REFERENCE_NOISE_FACTOR,
+    STEP_L2_TOL,
+    TWIN_OLD_LOGPROB_TOL,
+)
+from pytest_fsdp_turbo.checks.verdicts import CheckFailure, NotApplicable, judges
+from pytest_fsdp_turbo_contract.records import NAMES_DIFFER
+from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+from pytest_fsdp_turbo_contract.trainer_records import ReplayedStep, read_ranks, read_replay
+
+FP32 = "fp32"
+BF16_ROUNDING = 2.0**-7  # bf16's machine epsilon: one rounding, relative to the entry
+
+
+def replayed(result: RunResult, letter: str) -> list[ReplayedStep]:
+    """The reference's steps, when the case declares it: a replay that is missing, failed or
+    skipped a step fails the check; what the reference refuses to model cannot apply."""
+    folder = TrainerFolder(result.artifacts_dir)
+    replay = read_replay(folder.replay)
+    if replay is not None and replay.refused:  # spec.json then declares no reference
+        raise NotApplicable(f"the reference refuses: {replay.refused}")
+    if not declares_reference(result):
+        raise NotApplicable("no reference declared (the trainer case's `reference`)")
+    if replay is None:
+        raise CheckFailure(
+            f"check {letter}: the case declares the single-process reference, but the replay "
+            f"wrote no readable record ({folder.replay}): did the trainer finish?"
+        )
+    if replay.error:
+        raise CheckFailure(f"check {letter}: {replay.error} (its traceback: {folder.log})")
+    if not replay.steps:
+        raise CheckFailure(
+            f"check {letter}: the observer captured no optimizer step to replay "
+            f"({folder.observe / 'capture'})"
+        )
+    for step in replay.steps:
+        if step.problem:
+            raise CheckFailure(f"check {letter}: step {step.step}: {step.problem}")
+    return replay.steps
+
+
+def _compute_dtype(result: RunResult) -> str:
+    return str(declared(result).golden_dtype or FP32)
+
+
+def _tolerance(noise: float | None, fp32: float) -> tuple[float, str]:
+    """fp32's tolerance, or in bf16 the reference's own bf16 distance times the factor."""
+    if noise is None:
+        return fp32, f"tolerance {fp32:g}"
+    tol = max(REFERENCE_NOISE_FACTOR * noise, fp32)
+    return tol, (
+        f"tolerance {tol:.3g} = {REFERENCE_NOISE_FACTOR:g} x the reference's own distance in "
+        f"bf16 ({noise:.3g})"
+    )
+
+
+def _missing(letter: str, step: ReplayedStep, value: float | None, what: str) -> float:
+    if value is None:
+        raise CheckFailure(f"check {letter}: step {step.step}: the replay has no {what}")
+    return value
+
+
+@judges("a")
+def check_reference_norm(result: RunResult) -> None:
+    """a: every step's reported norm (rank 0's engine) against the reference gradients' norm."""
+    steps = replayed(result, "a")
+    folder = TrainerFolder(result.artifacts_dir)
+    first = read_ranks(folder.ranks()).get(0)
+    reported = [s.reported_grad_norm for s in first.steps] if first is not None else []
+    tol = GRAD_NORM_REFERENCE_REL.get(_compute_dtype(result), GRAD_NORM_REFERENCE_REL[FP32])
+    for step in steps:
+        want = _missing("a", step, step.reference_grad_norm, "reference gradient norm")
+        got = reported[step.step] if step.step < len(reported) else None
+        if got is None:
+            raise CheckFailure(
+                f"check a: step {step.step}: rank 0's engine reported no gradient norm "
+                f"({folder.rank(0)})"
+            )
+        if not _rel(got, want) <= tol:
+            raise CheckFailure(
+                f"check a: step {step.step}: rank 0's engine reported grad norm {got:.6g}; the "
+                f"single-process reference's is {want:.6g} (relative difference "
+                f"{_rel(got, want):.3g}, tolerance {tol:g})"
+            )
+
+
+@judges("b")
+def check_old_logprobs(result: RunResult) -> None:
+    """b: verl's old log-probs against the reference's forward at the same parameters."""
+    judged = [s for s in replayed(result, "b") if s.old_logprob_max_abs_diff is not None]
+    if not judged:
+        raise CheckFailure("check b: no replayed step is an update's first mini-batch")
+    fp32 = TWIN_OLD_LOGPROB_TOL[FP32]
+    for step in judged:
+        diff = step.old_logprob_max_abs_diff or 0.0
+        tol, said = _tolerance(step.old_logprob_noise, fp32)
+        if not diff <= tol:
+            raise CheckFailure(
+                f"check b: step {step.step}: the old log-probs verl trained with differ from the "
+                f"reference's forward of the same tokens at the step's parameters by {diff:.3g} "
+                f"({said}): the old policy's forward is not the policy's"
+            )
+
+
+@judges("c")
+def check_trainer_gradients(result: RunResult) -> None:
+    """c: the engine's raw gradients against the reference's, every step."""
+    policy = declared(result).engine.gradient_sync
+    for step in replayed(result, "c"):
+        if step.grad_max_rel_err_param.startswith(NAMES_DIFFER):
+            raise CheckFailure(
+                f"check c: step {step.step}: the engine's {step.grad_max_rel_err_param}"
+            )
+        l2 = _missing("c", step, step.grad_rel_l2_err, "gradient reading")
+        tol, said = _tolerance(step.grad_rel_l2_noise, GRAD_PARITY_L2_TOL[FP32])
+        if not l2 <= tol:
+            raise CheckFailure(
+                f"check c: step {step.step}: the engine's gradients differ from the "
+                f"single-process reference's by relative L2 error {l2:.3g} ({said}) [sync "
+                f"policy {policy}, {step.rows} rows, {step.tokens} response tokens]"
+            )
+        per_param = GRAD_PARITY_TOL[FP32]
+        if step.grad_rel_l2_noise is None and not (step.grad_max_rel_err or 0.0) <= per_param:
+            raise CheckFailure(
+                f"check c: step {step.step}: parameter {step.grad_max_rel_err_param}: its "
+                f"gradient differs from the reference's by {step.grad_max_rel_err:.3g} (relative "
+                f"to its largest entry), tolerance {per_param:g} [sync policy {policy}]"
+            )
+
+
+@judges("i")
+def check_trainer_update(result: RunResult) -> None:
+    """i: the optimizer step in closed form on the engine's gradients, then against the
+    reference's update."""
+    tol_lr = ADAMW_STEP_TOL_LR[FP32]
+    for step in replayed(result, "i"):
+        err = _missing("i", step, step.update_max_err_lr, "update reading")
+        if not err <= tol_lr:
+            raise CheckFailure(
+                f"check i: step {step.step}: parameter {step.update_max_err_param} after the "
+                f"step is {err:.3g} x lr from AdamW in closed form on the engine's own clipped "
+                f"gradients (tolerance {tol_lr:g} x lr): the optimizer did not take the declared "
+                "step"
+            )
+        l2 = _missing("i", step, step.update_rel_l2_err, "update reading")
+        tol, said = _tolerance(step.update_rel_l2_noise, STEP_L2_TOL[FP32])
+        if not l2 <= tol:
+            raise CheckFailure(
+                f"check i: step {step.step}: the update differs from the reference's by relative "
+                f"L2 error {l2:.3g} ({said})"
+            )
+
+
+@judges("l")
+def check_trainer_loss_gradient(result: RunResult) -> None:
+    """l: the gradient reaching each row's log-probs against the loss in closed form."""
+    # the log-probs verl's loss differentiates are in the compute dtype: one rounding of theirs
+    tol = LOSS_GRAD_TOL[FP32] if _compute_dtype(result) == FP32 else BF16_ROUNDING
+    for step in replayed(result, "l"):
+        err = _missing("l", step, step.loss_grad_max_rel_err, "loss gradient reading")
+        if step.loss_grad_rows != step.rows:
+            raise CheckFailure(
+                f"check l: step {step.step}: the observer caught the loss gradient of "
+                f"{step.loss_grad_rows} of {step.rows} rows"
+            )
+        if not err <= tol:
+            raise CheckFailure(
+                f"check l: step {step.step}: the gradient verl's loss sent into the response "
+                f"log-probs differs from the loss's in closed form at the engine's own log-probs "
+                f"by {err:.3g} of its largest entry, tolerance {tol:.3g}: the loss was scaled, "
+                "masked or aggregated otherwise"
+            )
