@@ -94,6 +94,7 @@ def _register(transformer_impl) -> None:
             for module in self.module.modules():
                 if isinstance(module, FSDPModule):
                     module.set_gradient_divide_factor(2.0 * dist.get_world_size())
+                    module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
     engines = {
         "noop_sync": NoopSyncEngine,

@@ -18,7 +18,7 @@ def test_verl_trainer_one_step(
     result = verl_trainer_run(fsdp_turbo_trainer_case)
     verdict = checks.check_all(result)
     expected = {"a", "e", "h", "j", "k"}
-    if fsdp_turbo_trainer_case.with_reference:
+    if fsdp_turbo_trainer_case.case.with_reference:
         expected |= {"b", "c", "i", "l"}
     assert {o.check for o in verdict.with_status(checks.PASSED)} == expected
     golden = fsdp_turbo_golden(result, fsdp_turbo_trainer_case)

@@ -101,6 +101,12 @@ def build_tiny_model(name: str, out_dir: Path, spec_dir: Path | None = None) -> 
     torch.manual_seed(spec.get("seed", 0))
     model = from_config(config, dtype=torch.float32)
     _pin_version_sensitive_init(model)
+    if stops := spec.get("stop_bytes"):
+        # A random tiny model almost never samples its EOS (1 in the vocabulary), so every
+        # response would run to the length limit; these bytes end a response too (a list of EOS
+        # ids, as Qwen's own generation config has), so responses come in varied lengths.
+        ids = [tokenizer.convert_tokens_to_ids(ch) for ch in stops]
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *ids]
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
