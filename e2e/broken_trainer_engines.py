@@ -17,6 +17,11 @@ which bug this run carries.
   the norm it reports is the true norm of what it holds, the clip right, the loss gradient right,
   and AdamW's first update nearly scale-free; only the reference sees it (c, and a's reference
   norm).
+- scaled_lr: the optimizer's lr multiplied by the data-parallel size once more (check i: the
+  update against AdamW at the resolved lr on the engine's own gradients).
+- cold_logprobs: the log-prob pass runs at temperature 1 while the rollout and the loss use the
+  case's (check b: verl's old log-probs against the reference's forward).
+Several bugs may share one run, `a+b`, when the checks they turn red are disjoint.
 """
 
 from __future__ import annotations
@@ -96,18 +101,47 @@ def _register(transformer_impl) -> None:
                     module.set_gradient_divide_factor(2.0 * dist.get_world_size())
                     module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
+    class ScaledLrEngine(base):
+        """The learning rate scaled by the data-parallel size (a linear scaling rule verl's
+        config already applied): the engine steps at twice the resolved lr on 2 ranks."""
+
+        def initialize(self):
+            super().initialize()
+            for group in self.optimizer.param_groups:
+                group["lr"] *= dist.get_world_size()
+
+    class ColdLogprobEngine(base):
+        """The log-prob pass drops the rollout's temperature: the old log-probs are the policy's
+        at temperature 1 while the rollout sampled, and the loss trains, at another."""
+
+        def infer_batch(self, data, loss_function=None):
+            from verl.utils import tensordict_utils as tu
+
+            data = data.copy()  # the caller's batch keeps its temperature
+            tu.assign_non_tensor(data, temperature=1.0)
+            return super().infer_batch(data, loss_function)
+
     engines = {
         "noop_sync": NoopSyncEngine,
         "stale_push": StalePushEngine,
         "skip_clip": SkipClipEngine,
         "zero_loss": ZeroLossEngine,
         "half_grads": HalfGradsEngine,
+        "scaled_lr": ScaledLrEngine,
+        "cold_logprobs": ColdLogprobEngine,
     }
-    if bug not in engines:
-        raise ValueError(f"{BUG}={bug!r}: expected one of {', '.join(engines)}")
+    bugs = bug.split("+")
+    if unknown := [b for b in bugs if b not in engines]:
+        raise ValueError(f"{BUG}={bug!r}: {unknown[0]!r} is none of {', '.join(engines)}")
+    # several bugs, one run (verl's start-up paid once): each on a check of its own
+    engine = engines[bugs[0]]
+    if len(bugs) > 1:
+        engine = type(
+            "_".join(engines[b].__name__ for b in bugs), tuple(engines[b] for b in bugs), {}
+        )
     EngineRegistry.register(
         model_type="language_model", backend=["fsdp", "fsdp2"], device="cuda", vendor="cpu"
-    )(engines[bug])
+    )(engine)
 
 
 after_import("verl.workers.engine.fsdp.transformer_impl", _register)

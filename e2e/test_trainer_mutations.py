@@ -25,20 +25,30 @@ ENGINE = {
     "skip_clip": "SkipClipEngine",
     "zero_loss": "ZeroLossEngine",
     "half_grads": "HalfGradsEngine",
+    "scaled_lr": "ScaledLrEngine",
+    "cold_logprobs": "ColdLogprobEngine",
 }
 
 
-def _broken(verl_trainer_run, request, case_id: str, bug: str, reference: bool = False):
-    """The case with the bug's engine; without the reference unless asked (the checks that need
-    none are proven alone there)."""
+def _broken(
+    verl_trainer_run,
+    request,
+    case_id: str,
+    bug: str,
+    reference: bool = False,
+    overrides: tuple[str, ...] = (),
+):
+    """The case with the bug's engine (`a+b`: several bugs, one engine, one run); without the
+    reference unless asked (the checks that need none are proven alone there)."""
     from pytest_fsdp_turbo.kinds.registry import cases_of
 
     case = cases_of(request.config).get_trainer(case_id)
     broken = dataclasses.replace(
         case,
+        overrides=case.overrides + overrides,
         external_modules=(MODULE,),
         env={**case.env, "PYTEST_FSDP_TURBO_TRAINER_BUG": bug},
-        engine_class=ENGINE[bug],
+        engine_class="_".join(ENGINE[b] for b in bug.split("+")),
         reference=reference,
     )
     result = verl_trainer_run(broken)
@@ -58,11 +68,29 @@ def test_noop_sync_context_under_declared_deferral_fails_h(verl_trainer_run, req
     assert "expected reduce-scatters per micro-batch [0, 5], measured [5, 5]" in first
 
 
-def test_stale_push_into_one_replica_fails_e(verl_trainer_run, request):
-    verdict = _broken(verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2", "stale_push")
-    failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
-    assert set(failed) == {"e"}, failed
-    assert "a stale or wrong push" in failed["e"].splitlines()[0]
+def test_four_bugs_in_one_run_each_fail_their_own_check(verl_trainer_run, request):
+    """One run, verl's start-up paid once, four bugs whose checks are disjoint: a stale push into
+    one replica (e, no reference needed), FSDP2 dividing the gradients twice (c and a's
+    reference norm: its reported norm is the true norm of what it holds, its clip right),
+    the lr scaled by the data-parallel size again (i), and the log-prob pass at temperature 1
+    while the rollout samples at 0.8 (b)."""
+    verdict = _broken(
+        verl_trainer_run,
+        request,
+        "tiny-qwen3-verl-trainer-fsdp2",
+        "stale_push+half_grads+scaled_lr+cold_logprobs",
+        reference=True,
+        overrides=("actor_rollout_ref.rollout.temperature=0.8",),
+    )
+    failed = {o.check: o.detail.splitlines()[0] for o in verdict.with_status(checks.FAILED)}
+    assert set(failed) == {"a", "b", "c", "e", "i"}, failed
+    assert "a stale or wrong push" in failed["e"]
+    assert (
+        "step 0: the engine's gradients differ from the single-process reference's" in (failed["c"])
+    )
+    assert "the single-process reference gradients' norm is" in failed["a"]
+    assert "x lr from AdamW in closed form on the engine's own clipped" in failed["i"]
+    assert "the old log-probs verl trained with differ from the reference's forward" in failed["b"]
 
 
 def test_a_clip_that_ignores_max_norm_fails_k(verl_trainer_run, request):
@@ -77,15 +105,3 @@ def test_a_loss_multiplied_by_zero_fails_a_on_its_advantages(verl_trainer_run, r
     failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
     assert set(failed) == {"a"}, failed
     assert "= 0 on a step whose advantages are not all zero" in failed["a"].splitlines()[0]
-
-
-def test_halved_gradients_fail_c_against_the_reference(verl_trainer_run, request):
-    """The norm it reports is the true norm of what it holds, its clip is right, the loss
-    gradient is right: only the single-process reference sees the gradients are half."""
-    verdict = _broken(
-        verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2", "half_grads", reference=True
-    )
-    failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
-    assert "c" in failed and set(failed) <= {"a", "c"}, failed
-    first = failed["c"].splitlines()[0]
-    assert "step 0: the engine's gradients differ from the single-process reference's" in first

@@ -139,6 +139,20 @@ def test_response_mask_cuts_after_first_eos():
     assert response_mask(ids, eos_id=9).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
 
 
+def test_a_chat_spec_stop_bytes_end_responses_as_eos_ids_do(tmp_path):
+    """vLLM stops at every id of generation_config's eos_token_id: the trainer cases' responses
+    vary in length only because the spec's bytes are there."""
+    from transformers import AutoTokenizer
+
+    out = build_tiny_model("tiny-qwen3-chat", tmp_path / "m")
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert eos[0] == tokenizer.eos_token_id
+    letters = tokenizer("abcdefghijklmnopqrstuvwxyz", add_special_tokens=False).input_ids
+    assert sorted(eos[1:]) == sorted(letters) and len(letters) == 26
+    assert tokenizer("A", add_special_tokens=False).input_ids[0] not in eos
+
+
 def test_tiny_model_builder_saves_hf_format(tmp_path):
     from transformers import AutoTokenizer
 

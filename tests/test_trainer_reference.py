@@ -129,3 +129,19 @@ def test_what_the_reference_does_not_model_is_refused_by_name(actor, named):
         verl_loss.optimizer_settings(config)
     said = str(refused.value)
     assert named in said and "\n" not in said, said
+
+
+def test_an_update_one_rounding_away_passes_and_a_wrong_lr_does_not():
+    """i's closed form: an optimizer that rounds `p - lr * u` the other way (one fp32 spacing,
+    0.12 x lr on a weight near 1.0 at verl's lr 1e-6) is no error; twice the step is."""
+    from pytest_fsdp_turbo_engine.trainer.replay import largest_difference
+
+    lr = 1e-6
+    before = torch.tensor([1.0, 0.01, -0.5])
+    want = before - lr * torch.tensor([1.0, -1.0, 1.0])
+    other_rounding = torch.nextafter(want, torch.full_like(want, 2.0))
+    assert largest_difference({"w": other_rounding}, {"w": want}) == (0.0, "")
+    doubled = before - 2 * lr * torch.tensor([1.0, -1.0, 1.0])
+    err, name = largest_difference({"w": doubled}, {"w": want})
+    assert name == "w" and 0.8 < err / lr <= 1.0
+    assert largest_difference({}, {"w": want})[0] == float("inf")

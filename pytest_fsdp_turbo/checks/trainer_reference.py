@@ -166,8 +166,8 @@ def check_trainer_update(result: RunResult) -> None:
             raise CheckFailure(
                 f"check i: step {step.step}: parameter {step.update_max_err_param} after the "
                 f"step is {err:.3g} x lr from AdamW in closed form on the engine's own clipped "
-                f"gradients (tolerance {tol_lr:g} x lr): the optimizer did not take the declared "
-                "step"
+                f"gradients, beyond one rounding of the parameter (tolerance {tol_lr:g} x lr): "
+                "the optimizer did not take the declared step"
             )
         l2 = _missing("i", step, step.update_rel_l2_err, "update reading")
         tol, said = _tolerance(step.update_rel_l2_noise, STEP_L2_TOL[FP32])

@@ -28,6 +28,9 @@ each vLLM server and engine core), because the observer verl imports there calls
    TransferQueue storage unit instead of eight actors, and the data loaded in the trainer's own
    process (eight loader processes per run otherwise).
 8. Qwen3.5's packed gated delta rule (verl_cpu_platform, shim 4).
+9. verl wraps a forward-only FSDP2 engine (the KL loss's reference policy) in
+   `CPUOffloadPolicy(pin_memory=True)`, and a CPU-only torch cannot pin memory ("Cannot access
+   accelerator device when none is available"): the policy is kept, unpinned.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def overrides(world_size: int, cores: int) -> list[str]:
 
 
 def install() -> None:
-    """Shims 1 and 3 to 6 and 8, in this process; idempotent."""
+    """Shims 1 and 3 to 6, 8 and 9, in this process; idempotent."""
     global _installed
     if _installed:
         return
@@ -81,6 +84,17 @@ def install() -> None:
     _cpu_device_calls()
     _live_cpu_linear()
     after_import("transformers.models.qwen3_5.modeling_qwen3_5", _packed_gated_delta_rule)
+    after_import("verl.workers.engine.fsdp.transformer_impl", _unpinned_offload)
+
+
+def _unpinned_offload(transformer_impl) -> None:
+    """Shim 9."""
+    policy = transformer_impl.CPUOffloadPolicy
+
+    def unpinned(*args, **kwargs):
+        return policy(*args, **{**kwargs, "pin_memory": False})
+
+    transformer_impl.CPUOffloadPolicy = unpinned
 
 
 def _packed_gated_delta_rule(qwen3_5) -> None:

@@ -269,11 +269,16 @@ def logprob_distance(logprobs: list[torch.Tensor], rows: list[dict], against=Non
 def largest_difference(
     got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 ) -> tuple[float, str]:
+    """The largest |difference| beyond one rounding of the parameter: verl's default lr (1e-6)
+    moves a weight near 1.0 by about 8 of its fp32 spacings, so an optimizer that rounds
+    `p - lr * u` the other way (foreach, fused) differs by one spacing, 0.12 x lr there."""
     worst, worst_name = 0.0, ""
     for name, value in want.items():
         if name not in got:
             return math.inf, f"{name} (not captured after the step)"
-        err = float((got[name] - value).abs().max())
+        magnitude = value.abs()
+        spacing = torch.nextafter(magnitude, torch.full_like(magnitude, math.inf)) - magnitude
+        err = float(((got[name] - value).abs() - spacing).clamp(min=0).max())
         if not math.isfinite(err):
             return math.inf, name
         if err > worst:
@@ -306,15 +311,17 @@ def loss_gradient_error(
         path = folder / f"loss-grad-rank{rank}.pt"
         if path.is_file():
             seen.update(torch.load(path))
-    found = [(row, seen.get(digest(row["ids"]))) for row in rows]
-    if not seen or any(got is None for _, got in found):
-        return None, sum(got is not None for _, got in found)
+    looked = [seen.get(digest(row["ids"])) for row in rows]
+    if not seen or any(got is None for got in looked):
+        return None, sum(got is not None for got in looked)
+    found = [(row, got) for row, got in zip(rows, looked) if got is not None]
     width = max(row["response"] for row in rows)
     leaf = padded([got["logprobs"] for _, got in found], width).requires_grad_(True)
     batch = padded_batch(rows, width)
     tokens = float(batch["response_mask"].sum())
     verl_loss.actor_loss(leaf, None, batch, loss, tokens, len(rows)).backward()
-    want = leaf.grad * dp
+    assert leaf.grad is not None
+    want: torch.Tensor = leaf.grad * dp
     scale = float(want.abs().max()) or 1e-30
     worst = 0.0
     for i, (row, got) in enumerate(found):
