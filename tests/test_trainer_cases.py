@@ -70,6 +70,33 @@ def test_a_bad_trainer_case_is_one_line_naming_file_case_and_field(
     assert str(tmp_path / "cases.toml") in message
 
 
+def test_a_tiny_trainer_case_has_its_reference_unless_it_says_no_and_a_real_one_asks(tmp_path):
+    loaded = book(
+        tmp_path,
+        BASE
+        + """
+[[trainer_case]]
+id = "t-off"
+extends = "t"
+reference = false
+
+[[trainer_case]]
+id = "real"
+model = "Qwen3.5-2B"
+overrides = ["trainer.n_gpus_per_node=2"]
+
+[[trainer_case]]
+id = "real-on"
+extends = "real"
+reference = true
+""",
+    )
+    have = {case.id: case.with_reference for case in loaded.trainer_cases}
+    assert have == {"t": True, "t-off": False, "real": False, "real-on": True}
+    with pytest.raises(ConfigError, match="trainer case 't': field 'reference': expected"):
+        book(tmp_path, BASE + 'reference = "yes"\n')
+
+
 @pytest.mark.parametrize("override", ["data.x={modle}", "not an override", "=value"])
 def test_overrides_are_hydra_overrides_with_known_placeholders(tmp_path, override):
     text = BASE.replace('"data.train_files={data}/train.parquet"', json.dumps(override))
