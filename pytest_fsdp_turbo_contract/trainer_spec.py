@@ -66,3 +66,14 @@ class TrainerSpec:
     @classmethod
     def read(cls, path: Path) -> TrainerSpec:
         return cls.from_json(json.loads(path.read_text()))
+
+
+def config_value(config: dict, dotted: str, default: Any = None) -> Any:
+    """A key of verl's resolved config by its dotted path, or `default` where it is absent: the
+    plugin's reading and the replay's read the same config the same way."""
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node

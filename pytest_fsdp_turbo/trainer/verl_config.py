@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
+from pytest_fsdp_turbo_contract.trainer_spec import config_value
 from pytest_fsdp_turbo_contract.vocab import SyncPolicy
 
 ACTOR = "actor_rollout_ref.actor"
@@ -59,13 +60,7 @@ class TrainerDeclared:
         ]
 
 
-def _get(config: dict, dotted: str, default: Any = None) -> Any:
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
+_get = config_value
 
 
 def declared(config: dict, world_size: int) -> TrainerDeclared:

@@ -11,9 +11,10 @@ batch (`loss_agg_mode`), minus the entropy bonus, plus the KL loss against the r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from pytest_fsdp_turbo_contract.trainer_spec import config_value
 
 ACTOR = "actor_rollout_ref.actor"
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -44,13 +45,7 @@ class OptimizerSettings:
     grad_clip: float
 
 
-def _get(config: dict, dotted: str, default: Any = None) -> Any:
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
+_get = config_value
 
 
 def loss_settings(config: dict) -> LossSettings:
