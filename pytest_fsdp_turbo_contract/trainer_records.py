@@ -128,6 +128,7 @@ class Replay:
     refused: str = ""  # one line: the resolved config's setting the reference does not model
     error: str = ""  # the replay itself failed (a harness fault, said as such)
     steps: list[ReplayedStep] = field(default_factory=list)
+    complete: bool = False  # every captured step was replayed (else the replay stopped short)
 
     def summary(self) -> str:
         """One line for the trainer's log."""
@@ -148,7 +149,7 @@ class Replay:
     def from_json(cls, data: dict[str, Any]) -> Replay:
         steps = [ReplayedStep.from_json(s) for s in data.get("steps", [])]
         said = {k: str(data.get(k, "")) for k in ("refused", "error")}
-        return cls(steps=steps, **said)
+        return cls(steps=steps, complete=bool(data.get("complete", False)), **said)
 
 
 def read_replay(path: Path) -> Replay | None:

@@ -77,3 +77,36 @@ def config_value(config: dict, dotted: str, default: Any = None) -> Any:
             return default
         node = node[part]
     return node
+
+
+ACTOR = "actor_rollout_ref.actor"
+
+
+def ulysses_key(config: dict) -> str:
+    """The key that holds the actor's Ulysses group size as verl's engine applies it: the library's
+    own under fsdp_turbo; under FSDP the actor's (deprecated) key where it is over 1, which verl
+    copies into its engine config, else the engine config's."""
+    if config_value(config, f"{ACTOR}.strategy") == "fsdp_turbo":
+        return f"{ACTOR}.fsdp_config.turbo_config.distributed.ulysses_parallel_size"
+    legacy = f"{ACTOR}.ulysses_sequence_parallel_size"
+    value = config_value(config, legacy)
+    if isinstance(value, int) and value > 1:
+        return legacy
+    return f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size"
+
+
+def precision_key(config: dict) -> str:
+    """The key of the dtype the actor's forward and backward run in (mixed precision's parameter
+    dtype); verl's FSDP engines compute in bf16 where it holds none."""
+    if config_value(config, f"{ACTOR}.strategy") == "fsdp_turbo":
+        return f"{ACTOR}.fsdp_config.turbo_config.distributed.fsdp_plan.param_dtype"
+    return f"{ACTOR}.fsdp_config.mixed_precision.param_dtype"
+
+
+def clip_key(config: dict) -> str:
+    """The key of the max norm verl's engine clips at: the optimizer's deprecated `grad_clip`
+    where set (verl copies it over `clip_grad`), else `clip_grad`. The actor's own `grad_clip`
+    is the legacy actor's, unused by the engines."""
+    if config_value(config, f"{ACTOR}.optim.grad_clip") is not None:
+        return f"{ACTOR}.optim.grad_clip"
+    return f"{ACTOR}.optim.clip_grad"

@@ -585,7 +585,8 @@ HEALTHY_STEP = {
 
 
 def replay_of(*steps: dict, **top) -> dict:
-    return {"steps": [{"step": n, **HEALTHY_STEP, **s} for n, s in enumerate(steps)], **top}
+    steps_ = [{"step": n, **HEALTHY_STEP, **s} for n, s in enumerate(steps)]
+    return {"steps": steps_, "complete": True, **top}
 
 
 def test_a_replayed_healthy_run_passes_every_check_on_every_step(tmp_path):
@@ -627,3 +628,15 @@ def test_a_declared_reference_without_its_replay_fails_and_a_refusal_says_why(tm
     assert f"c: the reference refuses: {refused}" in said, said
     result = observed_run(tmp_path / "e", replay={"error": "the harness's reference replay failed"})
     assert "the harness's reference replay failed" in failed(result)["i"]
+
+
+def test_a_replay_that_stopped_short_or_skipped_a_step_fails_every_reference_check(tmp_path):
+    short = observed_run(tmp_path, replay=replay_of({}, {}, complete=False))
+    problems = failed(short)
+    assert {"a", "b", "c", "i", "l"} <= set(problems), problems
+    assert "the replay covers steps [0, 1] of the 2 the observer saw" in problems["c"]
+    assert "stopped short" in problems["c"]
+    skipped = replay_of({}, {})
+    skipped["steps"][1]["step"] = 2  # step 1 never replayed
+    problems = failed(observed_run(tmp_path / "skipped", replay=skipped))
+    assert "covers steps [0, 2] of the 2" in problems["i"], problems

@@ -145,3 +145,135 @@ def test_an_update_one_rounding_away_passes_and_a_wrong_lr_does_not():
     err, name = largest_difference({"w": doubled}, {"w": want})
     assert name == "w" and 0.8 < err / lr <= 1.0
     assert largest_difference({}, {"w": want})[0] == float("inf")
+
+
+def _nested(**dotted) -> dict:
+    """A resolved config from `root.key.key=value` pairs (dots as `__`)."""
+    config: dict = {}
+    for key, value in dotted.items():
+        *parents, last = key.split("__")
+        here = config
+        for part in parents:
+            here = here.setdefault(part, {})
+        here[last] = value
+    return config
+
+
+def test_optimizer_settings_resolve_as_verls_own_config_does():
+    """The deprecated keys win where verl copies them over the new ones (grad_clip over
+    clip_grad), and the override dict reaches AdamW over lr, betas and weight decay, as verl's
+    FSDPOptimizerConfig and build_optimizer resolve them."""
+    from verl.workers.config.optimizer import FSDPOptimizerConfig, build_optimizer
+
+    kwargs = {
+        "lr": 1e-5,
+        "betas": (0.8, 0.95),
+        "weight_decay": 0.1,
+        "clip_grad": 1.0,
+        "grad_clip": 0.3,
+        "override_optimizer_config": {"eps": 1e-6, "amsgrad": True, "weight_decay": 0.2},
+    }
+    ours = verl_loss.optimizer_settings(_config(**{f"optim__{k}": v for k, v in kwargs.items()}))
+    with pytest.warns(DeprecationWarning):
+        theirs = FSDPOptimizerConfig(**kwargs)
+    group = build_optimizer([torch.nn.Parameter(torch.zeros(2))], theirs).param_groups[0]
+    assert ours.grad_clip == theirs.clip_grad == 0.3
+    assert (ours.lr, ours.betas, ours.eps) == (group["lr"], group["betas"], group["eps"])
+    assert (ours.weight_decay, ours.amsgrad) == (group["weight_decay"], group["amsgrad"])
+
+
+@pytest.mark.parametrize(
+    "config, named",
+    [
+        (
+            _nested(
+                actor_rollout_ref__actor__optim__lr=1e-6,
+                actor_rollout_ref__actor__optim__lr_scheduler_type="constant",
+                actor_rollout_ref__actor__optim__warmup_style="cosine",
+            ),
+            "lr_scheduler_type=cosine",
+        ),
+        (
+            _nested(
+                actor_rollout_ref__actor__optim__lr=1e-6,
+                actor_rollout_ref__actor__optim__override_optimizer_config={"nesterov": True},
+            ),
+            "override_optimizer_config: nesterov",
+        ),
+        (_nested(algorithm__rollout_correction__rollout_is="token"), "rollout_is=token"),
+        (_nested(algorithm__rollout_correction__bypass_mode=True), "bypass_mode=true"),
+        (_nested(distillation__enabled=True), "distillation.enabled=true"),
+        (_nested(algorithm__adv_estimator="gae"), "adv_estimator=gae"),
+        (_nested(critic__enable=True, algorithm__adv_estimator="grpo"), "critic.enable=true"),
+    ],
+)
+def test_what_changes_the_step_beyond_the_loss_is_refused_by_name(config, named):
+    with pytest.raises(Unmodelled) as refused:
+        verl_loss.refuse_unmodelled_run(config)
+        verl_loss.optimizer_settings(config)
+    said = str(refused.value)
+    assert named in said and "\n" not in said, said
+
+
+def test_a_grpo_run_without_a_critic_is_modelled():
+    verl_loss.refuse_unmodelled_run(
+        _nested(algorithm__adv_estimator="grpo", critic__enable=None, distillation__enabled=False)
+    )
+
+
+def test_the_actors_layout_is_read_where_verls_engine_reads_it():
+    """Ulysses from the engine config (or the actor's deprecated key where over 1), bf16 where
+    no mixed precision is set, fp16 refused."""
+    from pytest_fsdp_turbo_engine.trainer.replay import compute_dtype, sp_size
+
+    engine = _nested(actor_rollout_ref__actor__fsdp_config__ulysses_sequence_parallel_size=2)
+    assert sp_size(engine) == 2 and compute_dtype(engine) == torch.bfloat16
+    legacy = _nested(
+        actor_rollout_ref__actor__ulysses_sequence_parallel_size=4,
+        actor_rollout_ref__actor__fsdp_config__ulysses_sequence_parallel_size=1,
+    )
+    assert sp_size(legacy) == 4
+    turbo = _nested(
+        actor_rollout_ref__actor__strategy="fsdp_turbo",
+        actor_rollout_ref__actor__fsdp_config__turbo_config__distributed__ulysses_parallel_size=2,
+        actor_rollout_ref__actor__fsdp_config__turbo_config__distributed__fsdp_plan__param_dtype="fp32",
+    )
+    assert sp_size(turbo) == 2 and compute_dtype(turbo) == torch.float32
+    fp16 = _nested(actor_rollout_ref__actor__fsdp_config__mixed_precision__param_dtype="fp16")
+    with pytest.raises(Unmodelled, match="param_dtype=fp16"):
+        compute_dtype(fp16)
+
+
+def test_the_reference_in_bf16_leaves_its_fp32_model_and_buffers_as_they_were(tiny_model):
+    """The bf16 pass that measures the reference's own noise runs on a copy whose parameters
+    alone are cast (FSDP's mixed precision keeps buffers such as the rotary frequencies): the
+    fp32 gradients after it are bit-identical to those before it."""
+    from pytest_fsdp_turbo_engine.trainer.replay import Reference
+
+    path = tiny_model("tiny-qwen3")
+    settings = verl_loss.loss_settings(_config())
+    optim = verl_loss.optimizer_settings(_config(optim__lr=1e-6))
+    ref = Reference(str(path), settings, optim)
+    before = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
+    _, batch = _batch(rows=2, width=5)
+    ids = torch.arange(3, 11)
+    rows = [
+        {
+            "ids": ids,
+            "prompt": 3,
+            "response": 5,
+            "temperature": 1.0,
+            **{k: v[i] for k, v in batch.items()},
+        }
+        for i in range(2)
+    ]
+    first, _ = ref.gradients(before, rows, torch.float32)
+    buffers = {n: b.clone() for n, b in ref.model.named_buffers()}
+    low, _ = ref.gradients(before, rows, torch.bfloat16)
+    again, _ = ref.gradients(before, rows, torch.float32)
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert all(torch.equal(b, buffers[n]) for n, b in ref.model.named_buffers())
+    assert all(b.dtype == buffers[n].dtype for n, b in ref.in_dtype(torch.bfloat16).named_buffers())
+    assert any(
+        not torch.equal(first[n], low[n]) for n in first
+    )  # the bf16 pass did compute in bf16

@@ -60,6 +60,16 @@ def replayed(result: RunResult, letter: str) -> list[ReplayedStep]:
             f"check {letter}: the observer captured no optimizer step to replay "
             f"({folder.observe / 'capture'})"
         )
+    ranks = read_ranks(folder.ranks())
+    stepped = max((len(rank.steps) for rank in ranks.values()), default=0)
+    indices = [step.step for step in replay.steps]
+    if not replay.complete or indices != list(range(stepped)):
+        raise CheckFailure(
+            f"check {letter}: the replay covers steps {indices or 'none'} of the {stepped} the "
+            f"observer saw the optimizer take"
+            + ("" if replay.complete else ", and stopped short")
+            + f" ({folder.replay}; the trainer's log: {folder.log})"
+        )
     for step in replay.steps:
         if step.problem:
             raise CheckFailure(f"check {letter}: step {step.step}: {step.problem}")

@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
-from pytest_fsdp_turbo_contract.trainer_spec import config_value
+from pytest_fsdp_turbo_contract.trainer_spec import (
+    clip_key,
+    config_value,
+    precision_key,
+    ulysses_key,
+)
 from pytest_fsdp_turbo_contract.vocab import SyncPolicy
 
 ACTOR = "actor_rollout_ref.actor"
@@ -67,14 +72,7 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
     """The harness's reading of a resolved verl config (a plain dict)."""
     flag = bool(_get(config, SYNC_FLAG, False))
     strategy = str(_get(config, f"{ACTOR}.strategy", "?"))
-    if strategy == "fsdp_turbo":  # the library's Ulysses group, from verl's turbo_config
-        turbo = f"{ACTOR}.fsdp_config.turbo_config.distributed.ulysses_parallel_size"
-        sp = _count(config, turbo) or 1
-        precision = f"{ACTOR}.fsdp_config.turbo_config.distributed.fsdp_plan.param_dtype"
-    else:
-        sp = _count(config, f"{ACTOR}.ulysses_sequence_parallel_size") or 1
-        # verl's FSDP engines compute in bf16 where no mixed precision is set (transformer_impl)
-        precision = f"{ACTOR}.fsdp_config.mixed_precision.param_dtype"
+    sp = _count(config, ulysses_key(config)) or 1
     n = _count(config, "actor_rollout_ref.rollout.n") or 1
     dp = max(1, world_size // sp)
     micro = _count(config, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
@@ -96,11 +94,9 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
         micro_batches=micro_batches,
         rollout=str(_get(config, f"{rollout}.name", "?")),
         rollout_replicas=max(1, world_size // per_replica),
-        grad_clip=float(
-            _get(config, f"{ACTOR}.optim.clip_grad", _get(config, f"{ACTOR}.grad_clip", 1.0))
-        ),
+        grad_clip=float(_get(config, clip_key(config), 1.0)),
         model_dtype=str(_get(config, f"{ACTOR}.fsdp_config.model_dtype", "?")),
-        compute_dtype=str(_get(config, precision) or "bf16"),
+        compute_dtype=str(_get(config, precision_key(config)) or "bf16"),
         lr=_number(config, f"{ACTOR}.optim.lr", float),
         weight_decay=_number(config, f"{ACTOR}.optim.weight_decay", float),
         betas=_betas(_get(config, f"{ACTOR}.optim.betas")),

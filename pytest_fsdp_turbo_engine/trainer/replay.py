@@ -9,6 +9,7 @@ i and l judge.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import traceback
@@ -19,7 +20,13 @@ import torch
 
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_records import Replay, ReplayedStep, write_record
-from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
+from pytest_fsdp_turbo_contract.trainer_spec import (
+    ACTOR,
+    TrainerSpec,
+    config_value,
+    precision_key,
+    ulysses_key,
+)
 from pytest_fsdp_turbo_engine.step.reference import (
     clip_coefficient,
     gradient_norm,
@@ -35,12 +42,7 @@ PADDED_FIELDS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob")
 
 def sp_size(config: dict) -> int:
     """Ranks that share one data-parallel mini-batch (a Ulysses group), from the resolved config."""
-    actor = verl_loss.ACTOR
-    if verl_loss._get(config, f"{actor}.strategy") == "fsdp_turbo":
-        key = f"{actor}.fsdp_config.turbo_config.distributed.ulysses_parallel_size"
-    else:
-        key = f"{actor}.ulysses_sequence_parallel_size"
-    return int(verl_loss._get(config, key, 1) or 1)
+    return int(config_value(config, ulysses_key(config), 1) or 1)
 
 
 def data_parallel_batches(step: Path, world_size: int, sp: int) -> tuple[list[dict], str]:
@@ -83,6 +85,8 @@ class Stepper:
             betas=optim.betas,
             eps=optim.eps,
             weight_decay=optim.weight_decay,
+            amsgrad=optim.amsgrad,
+            maximize=optim.maximize,
         )
 
     def step(
@@ -107,6 +111,7 @@ class Reference:
 
         self.model = load_pretrained(model_path, dtype=torch.float32)
         self.model.train()
+        self.low: dict[torch.dtype, torch.nn.Module] = {}
         self.loss, self.optim = loss, optim
         self.steppers: dict[str, Stepper] = {}
 
@@ -123,7 +128,7 @@ class Reference:
     ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """The loss's gradients over the global batch from `before`, computed in `dtype` (the
         loss itself in fp32), and each row's response log-probs."""
-        model = self.model.to(dtype)
+        model = self.model if dtype == torch.float32 else self.in_dtype(dtype)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(before[name])
@@ -142,6 +147,16 @@ class Reference:
         model.zero_grad(set_to_none=True)
         # verl hands back log-probs in the dtype it computed them in: one rounding more
         return grads, [lp.detach().to(dtype).float() for lp in logprobs]
+
+    def in_dtype(self, dtype: torch.dtype) -> torch.nn.Module:
+        """A second copy whose parameters alone are in `dtype`, as FSDP's mixed precision casts
+        them: buffers (rotary frequencies) stay fp32, and the fp32 copy is never touched."""
+        if dtype not in self.low:
+            low = copy.deepcopy(self.model)
+            for param in low.parameters():
+                param.data = param.data.to(dtype)
+            self.low[dtype] = low
+        return self.low[dtype]
 
     @staticmethod
     def forward(model, rows: list[dict]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -184,22 +199,22 @@ def mini_batches_per_update(config: dict) -> int:
     """Optimizer steps in one training step: verl splits the step's batch into mini-batches (and
     repeats them ppo_epochs times); only the first trains on the parameters that computed the old
     log-probs."""
-    get, actor = verl_loss._get, verl_loss.ACTOR
+    get, actor = config_value, ACTOR
     prompts = int(get(config, "data.train_batch_size", 1) or 1)
     mini = int(get(config, f"{actor}.ppo_mini_batch_size", prompts) or prompts)
     return max(1, prompts // max(1, mini)) * int(get(config, f"{actor}.ppo_epochs", 1) or 1)
 
 
 def compute_dtype(config: dict) -> torch.dtype:
-    """What the actor's forward and backward run in: FSDP's mixed-precision parameter dtype, bf16
-    where verl's config sets none (its engines' default)."""
-    actor, get = verl_loss.ACTOR, verl_loss._get
-    if get(config, f"{actor}.strategy") == "fsdp_turbo":
-        key = f"{actor}.fsdp_config.turbo_config.distributed.fsdp_plan.param_dtype"
-    else:
-        key = f"{actor}.fsdp_config.mixed_precision.param_dtype"
-    name = str(get(config, key) or "bf16")
-    return torch.float32 if name in ("fp32", "float32") else torch.bfloat16
+    """What the actor's forward and backward run in (bf16 where verl's config sets none, its
+    engines' default); fp16 is refused: its loss scaling is the engine's to choose."""
+    key = precision_key(config)
+    name = str(config_value(config, key) or "bf16")
+    if name in ("fp32", "float32"):
+        return torch.float32
+    if name in ("bf16", "bfloat16"):
+        return torch.bfloat16
+    raise Unmodelled(f"{key}={name}: the reference models fp32 and bf16 compute only")
 
 
 def capture_problem(batches: list[dict], folder: Path, problem: str) -> str:
@@ -208,7 +223,9 @@ def capture_problem(batches: list[dict], folder: Path, problem: str) -> str:
     if problem or absent:
         return problem or f"not captured: {', '.join(absent)} ({folder})"
     if any("rollout_is_weights" in b for b in batches):
-        return "the mini-batch holds rollout_is_weights: importance sampling is not modelled"
+        raise Unmodelled(
+            "the mini-batch holds rollout_is_weights: importance weights are not modelled"
+        )
     return ""
 
 
@@ -342,21 +359,22 @@ def run(folder: TrainerFolder, spec: TrainerSpec) -> Replay:
     record = Replay()
     try:
         config = resolved_config(folder)
+        verl_loss.refuse_unmodelled_run(config)
         loss, optim = verl_loss.loss_settings(config), verl_loss.optimizer_settings(config)
+        how = (spec.world_size, sp_size(config), compute_dtype(config))
+        ref = Reference(spec.model_path, loss, optim)
+        per_update = mini_batches_per_update(config)
+        for step in folder.captured_steps():
+            started = time.perf_counter()
+            out = ReplayedStep(step=int(step.name.removeprefix("step-")))
+            replay_step(ref, step, out, out.step % per_update == 0, how)
+            out.seconds = time.perf_counter() - started
+            record.steps.append(out)
+            write_record(folder.replay, record)
     except Unmodelled as exc:
         record.refused = str(exc)
-        write_record(folder.replay, record)
-        return record
-    ref = Reference(spec.model_path, loss, optim)
-    per_update = mini_batches_per_update(config)
-    how = (spec.world_size, sp_size(config), compute_dtype(config))
-    for step in folder.captured_steps():
-        started = time.perf_counter()
-        out = ReplayedStep(step=int(step.name.removeprefix("step-")))
-        replay_step(ref, step, out, out.step % per_update == 0, how)
-        out.seconds = time.perf_counter() - started
-        record.steps.append(out)
-        write_record(folder.replay, record)
+    else:
+        record.complete = True
     write_record(folder.replay, record)
     return record
 

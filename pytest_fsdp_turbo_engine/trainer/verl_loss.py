@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pytest_fsdp_turbo_contract.trainer_spec import config_value
+from pytest_fsdp_turbo_contract.trainer_spec import ACTOR, clip_key, config_value
 
-ACTOR = "actor_rollout_ref.actor"
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# what verl's `override_optimizer_config` may hand torch's AdamW that the reference applies too;
+# foreach and fused change only how each `p - lr * u` rounds (within one spacing, which i allows)
+ADAMW_OVERRIDES = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "fused")
 
 
 class Unmodelled(Exception):
@@ -43,9 +45,35 @@ class OptimizerSettings:
     eps: float
     weight_decay: float
     grad_clip: float
+    amsgrad: bool = False
+    maximize: bool = False
 
 
 _get = config_value
+
+
+def refuse_unmodelled_run(config: dict) -> None:
+    """What changes the actor's step beyond its loss and optimizer, refused by name: importance
+    weights or a bypassed old policy (rollout correction), a distillation loss, and a critic (its
+    engine trains in the same processes, through the same seams the capture reads)."""
+    correction = "algorithm.rollout_correction"
+    if (weights := _get(config, f"{correction}.rollout_is")) is not None:
+        raise Unmodelled(f"{correction}.rollout_is={weights}: importance weights are not modelled")
+    if _get(config, f"{correction}.bypass_mode", False):
+        raise Unmodelled(
+            f"{correction}.bypass_mode=true: the rollout's log-probs as the old "
+            "policy are not modelled"
+        )
+    if _get(config, "distillation.enabled", False):
+        raise Unmodelled("distillation.enabled=true: the distillation loss is not modelled")
+    critic = _get(config, "critic.enable")
+    gae = _get(config, "algorithm.adv_estimator") == "gae"
+    if critic or (critic is None and gae):
+        said = "critic.enable=true" if critic else "algorithm.adv_estimator=gae (a critic)"
+        raise Unmodelled(
+            f"{said}: the capture reads one engine's steps, and a critic's engine "
+            "steps beside the actor's"
+        )
 
 
 def loss_settings(config: dict) -> LossSettings:
@@ -90,7 +118,8 @@ def optimizer_settings(config: dict) -> OptimizerSettings:
     )
     if name != "AdamW" or impl not in (None, "torch.optim"):
         raise Unmodelled(f"{optim}.optimizer={impl}.{name}: only torch.optim.AdamW is modelled")
-    schedule = _get(config, f"{optim}.lr_scheduler_type") or _get(config, f"{optim}.warmup_style")
+    # verl copies the deprecated warmup_style over lr_scheduler_type where it is set
+    schedule = _get(config, f"{optim}.warmup_style") or _get(config, f"{optim}.lr_scheduler_type")
     warmup = _get(config, f"{optim}.lr_warmup_steps", -1) or -1
     ratio = _get(config, f"{optim}.lr_warmup_steps_ratio", 0.0) or 0.0
     if schedule not in (None, "constant") or warmup > 0 or ratio > 0:
@@ -99,14 +128,28 @@ def optimizer_settings(config: dict) -> OptimizerSettings:
             f"lr_warmup_steps_ratio={ratio}: only a constant learning rate without warmup is "
             "modelled"
         )
-    betas = _get(config, f"{optim}.betas", [0.9, 0.999])
-    clip = _get(config, f"{optim}.clip_grad", _get(config, f"{ACTOR}.grad_clip", 1.0))
+    # verl hands AdamW lr, weight_decay and betas, then its override dict over them
+    args = {
+        "lr": _get(config, f"{optim}.lr"),
+        "weight_decay": _get(config, f"{optim}.weight_decay", 0.01),
+        "betas": _get(config, f"{optim}.betas", [0.9, 0.999]),
+    }
+    overrides = _get(config, f"{optim}.override_optimizer_config") or {}
+    if unknown := sorted(set(overrides) - set(ADAMW_OVERRIDES)):
+        raise Unmodelled(
+            f"{optim}.override_optimizer_config: {', '.join(unknown)}: the reference's AdamW "
+            f"applies only {', '.join(ADAMW_OVERRIDES)}"
+        )
+    args.update(overrides)
+    betas = args["betas"]
     return OptimizerSettings(
-        lr=float(_get(config, f"{optim}.lr")),
+        lr=float(args["lr"]),
         betas=(float(betas[0]), float(betas[1])),
-        eps=float(_get(config, f"{optim}.eps", 1e-8)),
-        weight_decay=float(_get(config, f"{optim}.weight_decay", 0.01)),
-        grad_clip=float(clip),
+        eps=float(args.get("eps", 1e-8)),  # torch's default: verl's config has no eps of its own
+        weight_decay=float(args["weight_decay"]),
+        grad_clip=float(_get(config, clip_key(config), 1.0)),
+        amsgrad=bool(args.get("amsgrad", False)),
+        maximize=bool(args.get("maximize", False)),
     )
 
 
