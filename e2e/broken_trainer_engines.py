@@ -21,6 +21,15 @@ which bug this run carries.
   update against AdamW at the resolved lr on the engine's own gradients).
 - cold_logprobs: the log-prob pass runs at temperature 1 while the rollout and the loss use the
   case's (check b: verl's old log-probs against the reference's forward).
+- never_steps: optimizer_step clips and reports the norm but never calls the optimizer's step
+  (the run's failure, first line: the engine trained and the optimizer never stepped).
+- cold_ref: the same, on the reference policy's pass alone (verl's forward-only engine): the KL
+  loss is taken against the reference policy at temperature 1 (check b: its log-probs against
+  the reference's forward at the checkpoint's parameters).
+- stale_onload: every mini-batch after the first starts from the parameters the engine saved at
+  the first, as an offload that restores a stale copy would: each optimizer step moves the
+  weights from the checkpoint again (check i: the parameters before a step against where the
+  previous step left them).
 Several bugs may share one run, `a+b`, when the checks they turn red are disjoint.
 """
 
@@ -121,6 +130,41 @@ def _register(transformer_impl) -> None:
             tu.assign_non_tensor(data, temperature=1.0)
             return super().infer_batch(data, loss_function)
 
+    class NeverStepsEngine(base):
+        def optimizer_step(self):
+            step = self.optimizer.step
+            self.optimizer.step = lambda *args, **kwargs: None
+            try:
+                return super().optimizer_step()
+            finally:
+                self.optimizer.step = step
+
+    class ColdRefEngine(base):
+        """The reference policy's log-prob pass (the forward-only engine) drops the temperature."""
+
+        def infer_batch(self, data, loss_function=None):
+            from verl.utils import tensordict_utils as tu
+
+            if self.engine_config.forward_only:
+                data = data.copy()
+                tu.assign_non_tensor(data, temperature=1.0)
+            return super().infer_batch(data, loss_function)
+
+    class StaleOnloadEngine(base):
+        """Restores the parameters it saved on its first mini-batch before every later one."""
+
+        def train_batch(self, data, loss_function):
+            import torch
+
+            params = list(self.module.parameters())
+            with torch.no_grad():
+                if not hasattr(self, "_saved"):
+                    self._saved = [p.detach().clone() for p in params]
+                else:
+                    for param, saved in zip(params, self._saved):
+                        param.copy_(saved)
+            return super().train_batch(data, loss_function)
+
     engines = {
         "noop_sync": NoopSyncEngine,
         "stale_push": StalePushEngine,
@@ -129,6 +173,9 @@ def _register(transformer_impl) -> None:
         "half_grads": HalfGradsEngine,
         "scaled_lr": ScaledLrEngine,
         "cold_logprobs": ColdLogprobEngine,
+        "never_steps": NeverStepsEngine,
+        "cold_ref": ColdRefEngine,
+        "stale_onload": StaleOnloadEngine,
     }
     bugs = bug.split("+")
     if unknown := [b for b in bugs if b not in engines]:

@@ -27,10 +27,13 @@ ENGINE = {
     "half_grads": "HalfGradsEngine",
     "scaled_lr": "ScaledLrEngine",
     "cold_logprobs": "ColdLogprobEngine",
+    "never_steps": "NeverStepsEngine",
+    "cold_ref": "ColdRefEngine",
+    "stale_onload": "StaleOnloadEngine",
 }
 
 
-def _broken(
+def _broken_run(
     verl_trainer_run,
     request,
     case_id: str,
@@ -51,21 +54,38 @@ def _broken(
         engine_class="_".join(ENGINE[b] for b in bug.split("+")),
         reference=reference,
     )
-    result = verl_trainer_run(broken)
+    return verl_trainer_run(broken)
+
+
+def _broken(verl_trainer_run, request, case_id: str, bug: str, **how):
+    """The broken run, completed, and its checks' verdicts."""
+    result = _broken_run(verl_trainer_run, request, case_id, bug, **how)
     checks.check_completed(result)
     return checks.evaluate(result)
 
 
-def test_noop_sync_context_under_declared_deferral_fails_h(verl_trainer_run, request):
-    """The seed's bug: deferral declared in verl's config, a sync context that does nothing."""
+def test_three_bugs_on_the_deferred_case_each_fail_their_own_check(verl_trainer_run, request):
+    """The seed's bug (deferral declared in verl's config, a sync context that does nothing: h),
+    the reference policy's pass at temperature 1 while the rollout samples at 0.8 (b: the KL's
+    log-probs), and an onload that restores the first mini-batch's parameters before the second
+    (i: step 1 starts where step 0 began, not where it left the weights). The case's two
+    optimizer steps (ppo_epochs 2) are each judged."""
     verdict = _broken(
-        verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2-deferred", "noop_sync"
+        verl_trainer_run,
+        request,
+        "tiny-qwen3-verl-trainer-fsdp2-deferred",
+        "noop_sync+cold_ref+stale_onload",
+        reference=True,
+        overrides=("actor_rollout_ref.rollout.temperature=0.8",),
     )
-    failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
-    assert set(failed) == {"h"}, failed
-    first = failed["h"].splitlines()[0]
-    assert "declares gradient_sync 'deferred'" in first
-    assert "expected reduce-scatters per micro-batch [0, 5], measured [5, 5]" in first
+    failed = {o.check: o.detail.splitlines()[0] for o in verdict.with_status(checks.FAILED)}
+    assert set(failed) == {"b", "h", "i"}, failed
+    assert "declares gradient_sync 'deferred'" in failed["h"]
+    assert "expected reduce-scatters per micro-batch [0, 5], measured [5, 5]" in failed["h"]
+    assert "step 0: the reference policy's log-probs verl's KL loss used differ" in failed["b"]
+    assert (
+        "step 1: parameter " in failed["i"] and "differs from where step 0 left it" in failed["i"]
+    )
 
 
 def test_four_bugs_in_one_run_each_fail_their_own_check(verl_trainer_run, request):
@@ -100,8 +120,22 @@ def test_a_clip_that_ignores_max_norm_fails_k(verl_trainer_run, request):
     assert "from the raw ones clipped by the global norm and max_norm" in failed["k"]
 
 
-def test_a_loss_multiplied_by_zero_fails_a_on_its_advantages(verl_trainer_run, request):
-    verdict = _broken(verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2", "zero_loss")
+def test_a_loss_multiplied_by_zero_fails_a_on_its_advantages_and_l(verl_trainer_run, request):
+    """No gradient though the advantages are not 0: a says so before it asks the reference, and
+    l sees a loss that sends nothing into the log-probs (c and i, from the reference, too)."""
+    verdict = _broken(
+        verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2", "zero_loss", reference=True
+    )
     failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
-    assert set(failed) == {"a"}, failed
+    assert set(failed) == {"a", "c", "i", "l"}, failed
     assert "= 0 on a step whose advantages are not all zero" in failed["a"].splitlines()[0]
+    assert "the loss was scaled, masked or aggregated otherwise" in failed["l"].splitlines()[0]
+
+
+def test_an_engine_that_never_steps_is_the_runs_failure_with_its_cause_first(
+    verl_trainer_run, request
+):
+    result = _broken_run(verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2", "never_steps")
+    head = result.failure_text().splitlines()[0]
+    assert "trained on the mini-batch the actor handed it (train_batch)" in head, head
+    assert "but the optimizer never stepped: nothing was updated" in head, head

@@ -53,6 +53,17 @@ class TrainerFolder:
         return lambda step: self.observe / "capture" / f"step-{step}"
 
     @property
+    def step_metrics_of(self) -> Callable[[int, int], Path]:
+        """(step, rank) -> the harness's reading of optimizer step N >= 1 (step 0's is the run
+        folder's rankN.metrics.json, as every case's), for the checks that judge every step."""
+        return lambda step, rank: self.path / "steps" / f"step-{step}" / f"rank{rank}.metrics.json"
+
+    def stepped_count(self) -> int:
+        """Optimizer steps whose readings were written (step 0 counted where any step is)."""
+        later = list((self.path / "steps").glob("step-*"))
+        return 1 + max((int(p.name.removeprefix("step-")) for p in later), default=0)
+
+    @property
     def replay(self) -> Path:  # the reference's verdict material, every step
         return self.observe / "replay.json"
 

@@ -39,6 +39,8 @@ class ObservedStep:
     # (largest entry, relative to the largest scaled raw entry)
     stepped_scale: float | None = None
     stepped_residual: float | None = None
+    # what the reference's capture cost this step on this rank, in seconds (None: no capture)
+    capture_seconds: float | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ObservedStep:
@@ -96,6 +98,9 @@ class ReplayedStep:
     reference_grad_norm: float | None = None
     # b: the old log-probs verl trained with, against the reference's forward of the same tokens
     old_logprob_max_abs_diff: float | None = None  # None: not the update's first mini-batch
+    # and the reference policy's log-probs (the KL loss's) against the reference's forward at the
+    # initial parameters (None: the mini-batch holds none)
+    ref_logprob_max_abs_diff: float | None = None
     # l: the gradient verl's loss sent into each row's log-probs (times 1 / data-parallel size,
     # FSDP's average), against the reference loss's, relative to its largest entry
     loss_grad_max_rel_err: float | None = None
@@ -106,10 +111,15 @@ class ReplayedStep:
     update_max_err_lr: float | None = None
     update_max_err_param: str = ""
     update_rel_l2_err: float | None = None
+    # the parameters before this step against those after the previous one (largest |difference|;
+    # None on the first step): nothing may change the weights between optimizer steps
+    continuity_max_abs: float | None = None
+    continuity_param: str = ""
     # in a run that computes in bf16: the same distances for the reference itself computed in
     # bf16 from the same parameters (what the dtype alone costs on this very computation)
     grad_rel_l2_noise: float | None = None
     old_logprob_noise: float | None = None
+    ref_logprob_noise: float | None = None  # in the reference policy's own dtype
     update_rel_l2_noise: float | None = None
     clip_coef: float | None = None  # the reference's
     seconds: float = 0.0  # the replay of this step

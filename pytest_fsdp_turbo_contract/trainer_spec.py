@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.vocab import DeviceKind, GoldenTier
 
 # the run folder, for the observer verl imports in every process of the run (Ray hands the driver's
@@ -80,6 +81,7 @@ def config_value(config: dict, dotted: str, default: Any = None) -> Any:
 
 
 ACTOR = "actor_rollout_ref.actor"
+REF = "actor_rollout_ref.ref"  # the reference policy (the KL loss's)
 
 
 def ulysses_key(config: dict) -> str:
@@ -95,12 +97,13 @@ def ulysses_key(config: dict) -> str:
     return f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size"
 
 
-def precision_key(config: dict) -> str:
-    """The key of the dtype the actor's forward and backward run in (mixed precision's parameter
-    dtype); verl's FSDP engines compute in bf16 where it holds none."""
-    if config_value(config, f"{ACTOR}.strategy") == "fsdp_turbo":
-        return f"{ACTOR}.fsdp_config.turbo_config.distributed.fsdp_plan.param_dtype"
-    return f"{ACTOR}.fsdp_config.mixed_precision.param_dtype"
+def precision_key(config: dict, role: str = ACTOR) -> str:
+    """The key of the dtype a role's forward (and backward) runs in, the actor's or the reference
+    policy's (`actor_rollout_ref.ref`): mixed precision's parameter dtype; verl's FSDP engines
+    compute in bf16 where it holds none."""
+    if config_value(config, f"{role}.strategy") == "fsdp_turbo":
+        return f"{role}.fsdp_config.turbo_config.distributed.fsdp_plan.param_dtype"
+    return f"{role}.fsdp_config.mixed_precision.param_dtype"
 
 
 def clip_key(config: dict) -> str:
@@ -110,3 +113,24 @@ def clip_key(config: dict) -> str:
     if config_value(config, f"{ACTOR}.optim.grad_clip") is not None:
         return f"{ACTOR}.optim.grad_clip"
     return f"{ACTOR}.optim.clip_grad"
+
+
+def updates_per_step(config: dict) -> int:
+    """Optimizer steps in one training step: verl splits the step's prompts into mini-batches of
+    `ppo_mini_batch_size` prompts and runs them `ppo_epochs` times; only the first trains on the
+    parameters that computed the old log-probs."""
+    prompts = whole_number(config, "data.train_batch_size") or 1
+    mini = whole_number(config, f"{ACTOR}.ppo_mini_batch_size") or prompts
+    epochs = whole_number(config, f"{ACTOR}.ppo_epochs") or 1
+    return max(1, prompts // mini) * epochs
+
+
+def whole_number(config: dict, key: str) -> int | None:
+    """A count the config holds (None where it holds none); a word for one is one line naming it."""
+    value = config_value(config, key)
+    if value is None:
+        return None
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if not whole and not (isinstance(value, str) and value.strip().isdigit()):
+        raise ConfigError(f"verl's config: {key}: expected a whole number; got {value!r}")
+    return int(value)

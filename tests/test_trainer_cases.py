@@ -236,6 +236,8 @@ def observed_run(
     engine_class: str = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead",
     expect_engine: str = "",
     replay: dict | None = None,  # observe/replay.json; the case declares its reference with it
+    later: dict | None = None,  # a second optimizer step: what differs from the first
+    batches: int | None = None,  # mini-batches train_batch was handed (default: one a step)
 ):
     """A run folder as the trainer entry and the observer leave it, then read as the plugin does."""
     out = tmp_path / "run"
@@ -263,8 +265,11 @@ def observed_run(
             "stepped_scale": stepped[rank],
             "stepped_residual": 0.0,
         }
-        steps = [step] * max(1, len((replay or {}).get("steps", ()))) if optimizer_steps else []
-        data = {"rank": rank, "pid": 1, "steps": steps, "batches": max(1, len(steps))}
+        steps = [step] * max(1, len((replay or {}).get("steps", ())))
+        if later is not None:
+            steps = [step, {**step, **{k: v[rank] for k, v in later.items()}}]
+        steps = steps if optimizer_steps else []
+        data = {"rank": rank, "pid": 1, "steps": steps, "batches": batches or max(1, len(steps))}
         data["engine_class"] = engine_class
         data["post_step_parameters"] = params if rank == 0 else {}
         folder.rank(rank).write_text(json.dumps(data))
@@ -401,9 +406,11 @@ def test_strict_on_an_8_npu_box_says_the_16_npu_case_cannot_run(pytester):
     listed.stdout.fnmatch_lines(["*qwen3_5-2b-verl-trainer-fsdp_turbo-fsdp4-sp2-npu*"])
 
 
-def test_trainer_runs_on_one_host_take_turns(tmp_path):
+@pytest.mark.parametrize(("kind", "overlap"), [("cuda", [False, False]), ("cpu", [False, True])])
+def test_trainer_runs_on_one_host_take_turns_but_on_cpu(tmp_path, kind, overlap):
     """verl names its weight-sync sockets by Ray job id, the same in every fresh cluster: two
-    trainer runs at once on one host hang each other, so the second waits for the first."""
+    trainer runs at once on one host hang each other, so the second waits for the first; on
+    CPU the harness's shim names each run's sockets apart (cpu.py shim 10), and runs overlap."""
     import threading
     import time
 
@@ -413,18 +420,20 @@ def test_trainer_runs_on_one_host_take_turns(tmp_path):
 
     said: list[str] = []
     runners = [
-        TrainerRunner(Accelerator("cpu", (0, 1)), LeaseBook(tmp_path), tmp_path, say=said.append)
+        TrainerRunner(Accelerator(kind, (0, 1)), LeaseBook(tmp_path), tmp_path, say=said.append)
         for _ in range(2)
     ]
     case = TrainerCase("t", "tiny-qwen3-chat", ("a=b",), timeout=60.0)
     inside: list[int] = []
-    overlap: list[bool] = []
+    seen: list[bool] = []
+    started = threading.Barrier(2)
 
     def run(runner: TrainerRunner) -> None:
+        started.wait()
         with runner.one_trainer_per_host(case):
             inside.append(1)
-            overlap.append(len(inside) > 1)
             time.sleep(0.3)
+            seen.append(len(inside) > 1)
             inside.pop()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in runners]
@@ -432,7 +441,20 @@ def test_trainer_runs_on_one_host_take_turns(tmp_path):
         thread.start()
     for thread in threads:
         thread.join()
-    assert overlap == [False, False]
+    assert sorted(seen) == overlap
+
+
+def test_each_cpu_runs_weight_sync_sockets_carry_its_own_name():
+    pytest.importorskip("torch")
+    from pytest_fsdp_turbo_engine.trainer.cpu import run_name, run_own
+
+    verls = "ipc:///tmp/rl-colocate-zmq-01000000-replica-0-rank-1.sock"
+    names = set()
+    for run in ("/a/run", "/b/run", "/a/run"):
+        named = run_own(verls, run_name(Path(run)))
+        assert named.startswith("ipc:///tmp/rl-colocate-zmq-") and named.endswith(verls[27:])
+        names.add(named)
+    assert len(names) == 2  # one per run, the same at both ends of one run
 
 
 def test_verl_imports_the_observer_first_then_the_users_modules_then_the_cases(tmp_path):
@@ -529,6 +551,13 @@ def test_an_engine_that_never_steps_is_named_with_the_line_that_says_why(tmp_pat
     assert text.count("noise") == 1  # the one trainer log the ranks share, shown once
 
 
+def test_a_mini_batch_trained_without_its_optimizer_step_is_the_runs_failure(tmp_path):
+    result = observed_run(tmp_path, batches=2)
+    head = result.failure_text().splitlines()[0]
+    assert "trained on the mini-batch the actor handed it (train_batch) but the optimizer " in head
+    assert "skipped a step (rank 0: 2 mini-batch(es), 1 step(s), rank 1: 2" in head, head
+
+
 def test_verls_own_push_in_the_parameters_dtype_into_a_bf16_rollout_passes_e(tmp_path):
     """verl pushes fp32 parameters and vLLM casts them to its bf16: e compares in bf16."""
     config = verl_config(False)
@@ -607,7 +636,17 @@ def test_a_replayed_healthy_run_passes_every_check_on_every_step(tmp_path):
         ({"update_rel_l2_err": 1.0}, "i", "the update differs from the reference's"),
         ({"loss_grad_max_rel_err": 0.5}, "l", "the loss was scaled, masked or aggregated"),
         ({"loss_grad_rows": 3}, "l", "caught the loss gradient of 3 of 4 rows"),
-        ({"reference_grad_norm": 4.0}, "a", "step 1: rank 0's engine reported grad norm 2"),
+        ({"reference_grad_norm": 4.0}, "a", "step 1: rank 0: actor/grad_norm = 2, the single-"),
+        (
+            {"ref_logprob_max_abs_diff": 0.3, "ref_logprob_noise": 0.02},
+            "b",
+            "step 1: the reference policy's log-probs verl's KL loss used differ",
+        ),
+        (
+            {"continuity_max_abs": 1e-7, "continuity_param": "w"},
+            "i",
+            "step 1: parameter w before the step differs from where step 0 left it by 1e-07",
+        ),
         ({"problem": "not captured: grads.pt"}, "a", "step 1: not captured: grads.pt"),
     ],
 )
@@ -628,6 +667,29 @@ def test_a_declared_reference_without_its_replay_fails_and_a_refusal_says_why(tm
     assert f"c: the reference refuses: {refused}" in said, said
     result = observed_run(tmp_path / "e", replay={"error": "the harness's reference replay failed"})
     assert "the harness's reference replay failed" in failed(result)["i"]
+
+
+@pytest.mark.parametrize(
+    ("later", "check", "words"),
+    [
+        ({"reduce_scatters_by_micro_batch": ([0, 5], [0, 5])}, "h", "step 1: trainer case t:"),
+        ({"reported_grad_norm": (2.0, 3.0)}, "a", "step 1: rank 1: actor/grad_norm = 3.0"),
+        ({"rows": (("x", "y"), ("x", "y"))}, "j", "step 1: "),  # both ranks handed the same rows
+        ({"stepped_scale": (1.0, 1.0)}, "k", "step 1: "),
+    ],
+)
+def test_a_bug_on_a_later_optimizer_step_alone_is_red_naming_it(tmp_path, later, check, words):
+    """Every optimizer step is judged by the checks every case has (the first training step
+    averages its steps' norms into verl's metric, which the mean of rank 0's matches here)."""
+    config = verl_config(False)
+    config["actor_rollout_ref"]["actor"]["ppo_epochs"] = 2
+    healthy = observed_run(tmp_path / "healthy", later={}, config=json.dumps(config))
+    assert not failed(healthy), failed(healthy)
+    assert healthy.spec().ppo.updates == 2
+    result = observed_run(tmp_path / "broken", later=later, config=json.dumps(config))
+    problems = failed(result)
+    assert set(problems) == {check}, problems
+    assert problems[check].startswith(f"check {check}: {words}"), problems[check]
 
 
 def test_a_replay_that_stopped_short_or_skipped_a_step_fails_every_reference_check(tmp_path):

@@ -277,3 +277,28 @@ def test_the_reference_in_bf16_leaves_its_fp32_model_and_buffers_as_they_were(ti
     assert any(
         not torch.equal(first[n], low[n]) for n in first
     )  # the bf16 pass did compute in bf16
+
+
+def test_continuity_is_exact_and_names_the_parameter_that_moved():
+    from pytest_fsdp_turbo_engine.trainer.replay import continuity
+
+    after = {"a": torch.ones(3), "b": torch.zeros(2)}
+    assert continuity({k: v.clone() for k, v in after.items()}, None) == (None, "")
+    assert continuity({k: v.clone() for k, v in after.items()}, after) == (0.0, "")
+    moved = {"a": torch.ones(3), "b": torch.tensor([0.0, 1e-7])}
+    err, name = continuity(moved, after)
+    assert name == "b" and err == pytest.approx(1e-7)
+    nan = {"a": torch.tensor([1.0, float("nan"), 1.0]), "b": torch.zeros(2)}
+    assert continuity(nan, after)[1] == "a"
+
+
+def test_the_reference_policys_dtype_is_verls_forward_only_default():
+    """verl loads a forward-only model in bf16 where model_dtype is unset, and its YAML's fp32
+    still computes in mixed precision's bf16 unless that is fp32 too."""
+    from pytest_fsdp_turbo_engine.trainer.replay import reference_dtype
+
+    ref = "actor_rollout_ref__ref__fsdp_config__"
+    assert reference_dtype(_nested()) == torch.bfloat16
+    assert reference_dtype(_nested(**{f"{ref}model_dtype": "fp32"})) == torch.bfloat16
+    fp32 = {f"{ref}model_dtype": "fp32", f"{ref}mixed_precision__param_dtype": "fp32"}
+    assert reference_dtype(_nested(**fp32)) == torch.float32

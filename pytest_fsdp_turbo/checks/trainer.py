@@ -1,4 +1,4 @@
-"""The verdicts on a verl trainer run (`main_ppo`, one step), over what the harness's observer read
+"""The verdicts on a verl trainer run (`main_ppo`), every optimizer step of it, over what the harness's observer read
 from outside verl and what verl's resolved config declares (spec.json).
 
   a  the gradient norm each rank's engine reported: finite, the same on every rank, equal to the
@@ -25,6 +25,8 @@ missing measurement: a check that applies and finds its reading missing fails, n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable
 
 from pytest_fsdp_turbo.checks.check_sets import CheckSet, register_check_set
 from pytest_fsdp_turbo.checks.gradients import check_grad_norm
@@ -44,7 +46,7 @@ from pytest_fsdp_turbo.checks.trainer_reference import (
     check_trainer_update,
 )
 from pytest_fsdp_turbo.checks.verdicts import CheckFailure, NotApplicable, judges
-from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.results import RunResult, read_json
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_records import (
     RECEIVED,
@@ -62,21 +64,58 @@ TRAINER_CANNOT = {
 }
 
 
+def each_step(result: RunResult) -> list[tuple[int, RunResult]]:
+    """The run as each optimizer step's readings: step 0's are the run's own (rankN.metrics.json,
+    as every case's), a later step's are written beside them (TrainerFolder.step_metrics_of)."""
+    folder = TrainerFolder(result.artifacts_dir)
+    views = [(0, result)]
+    for index in range(1, folder.stepped_count()):
+        ranks = [
+            dataclasses.replace(rank, metrics=read_json(folder.step_metrics_of(index, rank.rank)))
+            for rank in result.ranks
+        ]
+        views.append((index, dataclasses.replace(result, ranks=ranks)))
+    return views
+
+
+def every_step(check: Callable[[RunResult], None], letter: str, result: RunResult) -> None:
+    """A check every case has, on each optimizer step's readings in turn: a later step's failure
+    names its step."""
+    for index, view in each_step(result):
+        try:
+            check(view)
+        except CheckFailure as exc:
+            if index == 0:
+                raise
+            said = str(exc).removeprefix(f"check {letter}: ")
+            raise CheckFailure(f"check {letter}: step {index}: {said}") from None
+
+
 @judges("a")
 def check_trainer_grad_norm(result: RunResult) -> None:
-    """a, as every case's, then against verl's own step metric."""
-    check_grad_norm(result)
-    verl = first_step_metrics(TrainerFolder(result.artifacts_dir).step_metrics).get(VERL_GRAD_NORM)
-    reported = result.ranks[0].step.optimizer.grad_norm
+    """a, as every case's on every step, then against verl's own step metric: the mean of the
+    norms of the first training step's optimizer steps (verl averages its mini-batches')."""
+    every_step(check_grad_norm, "a", result)
+    folder = TrainerFolder(result.artifacts_dir)
+    verl = first_step_metrics(folder.step_metrics).get(VERL_GRAD_NORM)
     if not isinstance(verl, int | float):
         raise CheckFailure(
-            f"check a: verl's step metrics have no {VERL_GRAD_NORM} "
-            f"({TrainerFolder(result.artifacts_dir).step_metrics})"
+            f"check a: verl's step metrics have no {VERL_GRAD_NORM} ({folder.step_metrics})"
         )
-    if reported is None or not _rel(verl, reported) <= NORM_AGREEMENT_REL:
+    updates = declared(result).ppo.updates
+    views = each_step(result)[:updates]
+    norms = [view.ranks[0].step.optimizer.grad_norm for _, view in views]
+    if len(norms) < updates or any(norm is None for norm in norms):
+        raise CheckFailure(
+            f"check a: verl's resolved config declares {updates} optimizer step(s) per training "
+            f"step; rank 0's engine reported norms {norms} ({GRAD_NORM.key})"
+        )
+    mean = sum(n for n in norms if n is not None) / updates
+    if not _rel(verl, mean) <= NORM_AGREEMENT_REL:
+        said = f"{mean!r}" if updates == 1 else f"a mean of {mean!r} over {updates} steps"
         raise CheckFailure(
             f"check a: verl's step metric {VERL_GRAD_NORM} = {verl!r}, but rank 0's engine "
-            f"reported {reported!r} ({GRAD_NORM.key})"
+            f"reported {said} ({GRAD_NORM.key})"
         )
     with contextlib.suppress(NotApplicable):  # no reference, or one that refuses
         check_reference_norm(result)
@@ -84,7 +123,11 @@ def check_trainer_grad_norm(result: RunResult) -> None:
 
 @judges("h")
 def check_trainer_sync(result: RunResult) -> None:
-    """h: the counts and the held gradients the resolved sync policy promises."""
+    """h: the counts and the held gradients the resolved sync policy promises, every step."""
+    every_step(_trainer_sync, "h", result)
+
+
+def _trainer_sync(result: RunResult) -> None:
     spec = declared(result)
     if spec.golden_dtype is None:  # written with what verl's config declares, and only then
         raise CheckFailure(
@@ -167,8 +210,8 @@ TRAINER_CHECKS = CheckSet(
         ("e", lambda r, _: check_rollout_weights(r)),
         ("h", lambda r, _: check_trainer_sync(r)),
         ("i", lambda r, _: check_trainer_update(r)),
-        ("j", lambda r, _: check_data_rows(r)),
-        ("k", lambda r, _: check_clip(r)),
+        ("j", lambda r, _: every_step(check_data_rows, "j", r)),
+        ("k", lambda r, _: every_step(check_clip, "k", r)),
         ("l", lambda r, _: check_trainer_loss_gradient(r)),
     ),
     TRAINER_CANNOT,

@@ -3,11 +3,14 @@ written by pytest_fsdp_turbo_engine/trainer/replay.py), every step of the run:
 
   a  the norm the engine reported against the reference gradients' norm
   b  the old log-probs verl trained with against the reference's forward of the same tokens, on
-     each update's first mini-batch (the one the old log-probs were computed for)
+     each update's first mini-batch (the one the old log-probs were computed for), and the
+     reference policy's log-probs (the KL loss's) against its forward at the checkpoint's
+     parameters, every step
   c  the engine's raw gradients (after the last backward) against the reference's, per parameter
      and as a whole
   i  the parameters after the step against AdamW in closed form on the engine's own clipped
-     gradients, and the update against the reference's
+     gradients, the update against the reference's, and the parameters before each step
+     against where the previous step left them
   l  the gradient verl's loss sent into each row's response log-probs against the loss's in
      closed form at the engine's own log-probs
 
@@ -123,20 +126,41 @@ def check_reference_norm(result: RunResult) -> None:
 
 @judges("b")
 def check_old_logprobs(result: RunResult) -> None:
-    """b: verl's old log-probs against the reference's forward at the same parameters."""
-    judged = [s for s in replayed(result, "b") if s.old_logprob_max_abs_diff is not None]
+    """b: the log-probs verl trained with against the reference's forward of the same tokens:
+    the old policy's at the step's parameters (each update's first mini-batch), and the reference
+    policy's (the KL loss's) at the checkpoint's, every step that holds them."""
+    steps = replayed(result, "b")
+    judged = [s for s in steps if s.old_logprob_max_abs_diff is not None]
     if not judged:
         raise CheckFailure("check b: no replayed step is an update's first mini-batch")
-    fp32 = TWIN_OLD_LOGPROB_TOL[FP32]
     for step in judged:
-        diff = step.old_logprob_max_abs_diff or 0.0
-        tol, said = _tolerance(step.old_logprob_noise, fp32)
-        if not diff <= tol:
-            raise CheckFailure(
-                f"check b: step {step.step}: the old log-probs verl trained with differ from the "
-                f"reference's forward of the same tokens at the step's parameters by {diff:.3g} "
-                f"({said}): the old policy's forward is not the policy's"
+        _held_to_noise(
+            step,
+            step.old_logprob_max_abs_diff or 0.0,
+            step.old_logprob_noise,
+            "the old log-probs verl trained with differ from the reference's forward of the same "
+            "tokens at the step's parameters",
+            "the old policy's forward is not the policy's",
+        )
+    for step in steps:
+        if step.ref_logprob_max_abs_diff is not None:
+            _held_to_noise(
+                step,
+                step.ref_logprob_max_abs_diff,
+                step.ref_logprob_noise,
+                "the reference policy's log-probs verl's KL loss used differ from the reference's "
+                "forward of the same tokens at the checkpoint's parameters",
+                "the KL is taken against another policy",
             )
+
+
+def _held_to_noise(
+    step: ReplayedStep, diff: float, noise: float | None, what: str, meaning: str
+) -> None:
+    """b's log-probs: fp32's tolerance, or the reference's own distance in bf16 times the factor."""
+    tol, said = _tolerance(noise, TWIN_OLD_LOGPROB_TOL[FP32])
+    if not diff <= tol:
+        raise CheckFailure(f"check b: step {step.step}: {what} by {diff:.3g} ({said}): {meaning}")
 
 
 @judges("c")
@@ -171,6 +195,13 @@ def check_trainer_update(result: RunResult) -> None:
     reference's update."""
     tol_lr = ADAMW_STEP_TOL_LR[FP32]
     for step in replayed(result, "i"):
+        moved = step.continuity_max_abs
+        if moved is not None and not moved == 0.0:
+            raise CheckFailure(
+                f"check i: step {step.step}: parameter {step.continuity_param} before the step "
+                f"differs from where step {step.step - 1} left it by {moved:.3g}: something "
+                "changed the weights between optimizer steps"
+            )
         err = _missing("i", step, step.update_max_err_lr, "update reading")
         if not err <= tol_lr:
             raise CheckFailure(

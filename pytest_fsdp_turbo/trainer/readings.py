@@ -27,6 +27,7 @@ from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_records import (
     ObservedRank,
     ObservedStep,
+    ReplayedStep,
     first_step_metrics,
     read_ranks,
     read_replay,
@@ -52,9 +53,11 @@ def rank_readings(folder: TrainerFolder) -> dict[int, ObservedRank]:
     return read_ranks(folder.ranks())
 
 
-def combined_norm(readings: dict[int, ObservedRank], world_size: int) -> float | None:
+def combined_norm(
+    readings: dict[int, ObservedRank], world_size: int, index: int = 0
+) -> float | None:
     """The global L2 norm from every rank's raw gradient shard (replicas hold the same shards)."""
-    steps = [r.steps[0] for r in readings.values() if r.steps]
+    steps = [r.steps[index] for r in readings.values() if len(r.steps) > index]
     sums = [s.shard_grad_sq for s in steps]
     if len(steps) < world_size or any(v is None for v in sums):
         return None
@@ -104,6 +107,7 @@ def run_spec_json(
         "rollout_dtype": declared.rollout_dtype,
         # what the reference refuses to model (replay.json says) is no reference to hold it to
         "reference_checks": spec.reference and not refused,
+        "updates": declared.updates,
         "n": declared.n,
         "num_prompts": declared.num_prompts,
         "max_new_tokens": declared.max_new_tokens,
@@ -124,8 +128,8 @@ def run_spec(declared: TrainerDeclared | None, spec: TrainerSpec, shard: int) ->
 def write_rank_metrics(
     folder: TrainerFolder, declared: TrainerDeclared | None, spec: TrainerSpec
 ) -> None:
-    """spec.json (always: it names the run's kind), and rankN.metrics.json for each rank the
-    observer read."""
+    """spec.json (always: it names the run's kind), rankN.metrics.json for each rank the observer
+    read (its first optimizer step, as every case's), and each later step's beside it."""
     readings = rank_readings(folder)
     run = RunFolder(folder.path)
     shard = next(
@@ -134,24 +138,43 @@ def write_rank_metrics(
     replay = read_replay(folder.replay) if spec.reference else None
     refused = replay is not None and bool(replay.refused)
     run.spec.write_text(json.dumps(run_spec_json(declared, spec, shard, refused), indent=1))
-    verl = first_step_metrics(folder.step_metrics)
-    measured = combined_norm(readings, spec.world_size)
-    steps = {rank: reading.steps[0] for rank, reading in readings.items() if reading.steps}
+    replayed = {s.step: s for s in replay.steps} if replay is not None else {}
+    clip = None if declared is None else declared.grad_clip
+    stepped = max((len(r.steps) for r in readings.values()), default=0)
+    for index in range(stepped):
+        verl = first_step_metrics(folder.step_metrics) if index == 0 else {}
+        for rank, metrics in step_metrics(readings, index, spec, clip, replayed.get(index)):
+            for key, (record, name) in FROM_VERL.items():
+                if isinstance(verl.get(key), int | float):
+                    setattr(metrics.record(record), name, verl[key])
+            written = {k: v for k, v in metrics.to_json().items() if v is not None}
+            path = run.metrics(rank) if index == 0 else folder.step_metrics_of(index, rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(written, indent=1))
+
+
+def step_metrics(
+    readings: dict[int, ObservedRank],
+    index: int,
+    spec: TrainerSpec,
+    clip: float | None,
+    replayed: ReplayedStep | None,
+) -> list[tuple[int, StepMetrics]]:
+    """Each rank's reading of optimizer step `index`, in the records every case writes."""
+    measured = combined_norm(readings, spec.world_size, index)
+    steps = {rank: r.steps[index] for rank, r in readings.items() if len(r.steps) > index}
     data_rows = _row_ids({rank: step.rows for rank, step in steps.items()})
     peaks = [s.advantages_abs_max for s in steps.values() if s.advantages_abs_max is not None]
-    clip = None if declared is None else declared.grad_clip
     coef = None if measured is None or clip is None else min(1.0, clip / (measured + 1e-6))
-    first = replay.steps[0] if replay is not None and replay.steps else None
-    for rank, reading in readings.items():
-        if not reading.steps:
-            continue
-        step = reading.steps[0]
+    out = []
+    for rank, step in steps.items():
+        shard = step.shard_group_size or 1
         metrics = StepMetrics()
         metrics.rank = RankRecord(
             rank=rank,
             device=str(spec.device_kind),
             replicas=spec.world_size // shard,
-            engine=reading.engine_class or None,
+            engine=readings[rank].engine_class or None,
         )
         calls = step.reduce_scatters_by_micro_batch
         metrics.train = TrainRecord(
@@ -171,18 +194,15 @@ def write_rank_metrics(
             clip_max_rel_err=_clip_error(step, coef),
         )
         metrics.rollout.advantages_abs_max = max(peaks) if peaks else None
-        if first is not None:  # the reference's first step, where the case declares it
+        if replayed is not None:  # the reference's reading of this step, where declared
             metrics.reference = ReferenceRecord(
-                grad_max_rel_err=first.grad_max_rel_err,
-                grad_max_rel_err_param=first.grad_max_rel_err_param or None,
-                reference_grad_norm=first.reference_grad_norm,
-                grad_rel_l2_err=first.grad_rel_l2_err,
+                grad_max_rel_err=replayed.grad_max_rel_err,
+                grad_max_rel_err_param=replayed.grad_max_rel_err_param or None,
+                reference_grad_norm=replayed.reference_grad_norm,
+                grad_rel_l2_err=replayed.grad_rel_l2_err,
             )
-        for key, (record, name) in FROM_VERL.items():
-            if isinstance(verl.get(key), int | float):
-                setattr(metrics.record(record), name, verl[key])
-        written = {k: v for k, v in metrics.to_json().items() if v is not None}
-        run.metrics(rank).write_text(json.dumps(written, indent=1))
+        out.append((rank, metrics))
+    return out
 
 
 def _clip_error(step: ObservedStep, coef: float | None) -> float | None:

@@ -88,8 +88,12 @@ class TrainerRunner:
     def one_trainer_per_host(self, case: TrainerCase):
         """verl's colocated weight sync names its IPC sockets /tmp/rl-colocate-zmq-<Ray job id>-...,
         and every fresh Ray cluster's first job has the same id: two trainer runs on one host
-        (xdist workers) push into each other's sockets and hang (seen here). They take turns."""
-
+        (xdist workers) push into each other's sockets and hang (seen here). They take turns, but
+        on CPU, where the harness's shim gives each run's sockets its own name (trainer/cpu.py,
+        shim 10)."""
+        if self.accelerator.kind == DeviceKind.CPU:
+            yield
+            return
         lock = FileLock(str(self.book.state_dir / "verl-trainer.lock"))
         waited = time.monotonic()
         while True:
@@ -268,25 +272,37 @@ def read_run(
             + "; ".join(f"rank {rank} trained with {cls}" for rank, cls in wrong)
             + " (a registration that missed: verl built another engine)"
         )
+    elif skipped := _skipped_steps(read_ranks(folder.ranks())):
+        why = first_line_with(folder.log, "optimizer.step()")
+        counts = ", ".join(f"rank {r}: {b} mini-batch(es), {s} step(s)" for r, b, s in skipped)
+        never = all(s == 0 for _, _, s in skipped)
+        result.failure = (
+            f"verl's engine on rank(s) {[r for r, _, _ in skipped]} trained on the mini-batch the "
+            "actor handed it (train_batch) but the optimizer "
+            + ("never stepped: nothing was updated" if never else "skipped a step")
+            + f" ({counts})"
+            + (f"; the log says: {why}" if why else "")
+        )
     elif not all(r.metrics for r in ranks):
         lost = [r.rank for r in ranks if not r.metrics]
-        observed = read_ranks(folder.ranks())
-        if any(observed[r].batches for r in lost if r in observed):
-            why = first_line_with(folder.log, "optimizer.step()")
-            result.failure = (
-                f"verl's engine on rank(s) {lost} trained on the mini-batch the actor handed it "
-                "(train_batch) but the optimizer never stepped: nothing was updated"
-                + (f"; the log says: {why}" if why else "")
-            )
-        else:
-            result.failure = (
-                f"verl's engine on rank(s) {lost} never reached train_batch: the harness's "
-                f"observer ({folder.observe}) saw no training mini-batch and no optimizer step"
-            )
+        result.failure = (
+            f"verl's engine on rank(s) {lost} never reached train_batch: the harness's "
+            f"observer ({folder.observe}) saw no training mini-batch and no optimizer step"
+        )
     return result
 
 
 CAUSE_MARKS = ("Error:", "Exception:", "error:")
+
+
+def _skipped_steps(observed: dict) -> list[tuple[int, int, int]]:
+    """(rank, mini-batches trained, optimizer steps) where a mini-batch had no step: verl's
+    train_batch ends each one with the engine's optimizer_step."""
+    return [
+        (rank, got.batches, len(got.steps))
+        for rank, got in sorted(observed.items())
+        if got.batches > len(got.steps)
+    ]
 
 
 def _other_engines(case: TrainerCase, observed: dict) -> list[tuple[int, str]]:

@@ -19,6 +19,8 @@ from pytest_fsdp_turbo_contract.trainer_spec import (
     config_value,
     precision_key,
     ulysses_key,
+    updates_per_step,
+    whole_number,
 )
 from pytest_fsdp_turbo_contract.vocab import SyncPolicy
 
@@ -51,6 +53,7 @@ class TrainerDeclared:
     max_new_tokens: int | None = None  # data.max_response_length
     clip_ratio: float | None = None
     rollout_dtype: str | None = None  # what the rollout serves the weights in (torch's name)
+    updates: int = 1  # optimizer steps per training step (mini-batches x ppo_epochs)
 
     def lines(self) -> list[str]:
         """For `config` and `doctor`: the resolved sync policy first."""
@@ -58,7 +61,8 @@ class TrainerDeclared:
             f"gradient_sync: {self.gradient_sync} ({SYNC_FLAG} = {str(self.sync_flag).lower()})",
             f"strategy: {self.strategy}, world size {self.world_size}, Ulysses SP {self.sp_size}",
             "micro-batches per rank and optimizer step: "
-            + ("dynamic" if self.micro_batches is None else str(self.micro_batches)),
+            + ("dynamic" if self.micro_batches is None else str(self.micro_batches))
+            + f"; optimizer steps per training step: {self.updates}",
             f"rollout: {self.rollout}, {self.rollout_replicas} replica(s)",
             f"grad clip: {self.grad_clip:g}, model dtype: {self.model_dtype}, "
             f"compute dtype: {self.compute_dtype}",
@@ -72,11 +76,11 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
     """The harness's reading of a resolved verl config (a plain dict)."""
     flag = bool(_get(config, SYNC_FLAG, False))
     strategy = str(_get(config, f"{ACTOR}.strategy", "?"))
-    sp = _count(config, ulysses_key(config)) or 1
-    n = _count(config, "actor_rollout_ref.rollout.n") or 1
+    sp = whole_number(config, ulysses_key(config)) or 1
+    n = whole_number(config, "actor_rollout_ref.rollout.n") or 1
     dp = max(1, world_size // sp)
-    micro = _count(config, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
-    mini = _count(config, f"{ACTOR}.ppo_mini_batch_size")
+    micro = whole_number(config, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
+    mini = whole_number(config, f"{ACTOR}.ppo_mini_batch_size")
     dynamic = bool(_get(config, f"{ACTOR}.use_dynamic_bsz", False))
     micro_batches = None
     if not dynamic and micro and mini:
@@ -84,7 +88,7 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
     rollout = "actor_rollout_ref.rollout"
     per_replica = 1
     for key in ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size"):
-        per_replica *= _count(config, f"{rollout}.{key}") or 1
+        per_replica *= whole_number(config, f"{rollout}.{key}") or 1
     return TrainerDeclared(
         gradient_sync=SyncPolicy.DEFERRED if flag else SyncPolicy.EVERY_MICRO_BATCH,
         sync_flag=flag,
@@ -105,18 +109,8 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
         max_new_tokens=_number(config, "data.max_response_length", int),
         clip_ratio=_number(config, f"{ACTOR}.clip_ratio", float),
         rollout_dtype=_torch_dtype(_get(config, f"{rollout}.dtype")),
+        updates=updates_per_step(config),
     )
-
-
-def _count(config: dict, dotted: str) -> int | None:
-    """A count the config holds (None where it holds none); a word for one is one line naming it."""
-    value = _get(config, dotted)
-    if value is None:
-        return None
-    whole = isinstance(value, int) and not isinstance(value, bool)
-    if not whole and not (isinstance(value, str) and value.strip().isdigit()):
-        raise ConfigError(f"verl's config: {dotted}: expected a whole number; got {value!r}")
-    return int(value)
 
 
 def _number(config: dict, dotted: str, kind: type) -> Any:

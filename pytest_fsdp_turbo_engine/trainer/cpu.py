@@ -31,11 +31,17 @@ each vLLM server and engine core), because the observer verl imports there calls
 9. verl wraps a forward-only FSDP2 engine (the KL loss's reference policy) in
    `CPUOffloadPolicy(pin_memory=True)`, and a CPU-only torch cannot pin memory ("Cannot access
    accelerator device when none is available"): the policy is kept, unpinned.
+10. verl's weight sync names its IPC sockets /tmp/rl-colocate-zmq-<Ray job id>-replica-R-rank-K,
+   and every fresh Ray cluster's first job has the same id, so two runs on one host push into
+   each other's sockets and hang: each run's sockets carry the run's own name too (both ends,
+   the trainer's ServerAdapter and vLLM's worker extension), so CPU runs may overlap.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+from pathlib import Path
 
 import torch
 
@@ -72,8 +78,8 @@ def overrides(world_size: int, cores: int) -> list[str]:
     ]
 
 
-def install() -> None:
-    """Shims 1 and 3 to 6, 8 and 9, in this process; idempotent."""
+def install(run: Path) -> None:
+    """Shims 1 and 3 to 6 and 8 to 10, in this process, for the run in folder `run`; idempotent."""
     global _installed
     if _installed:
         return
@@ -85,6 +91,49 @@ def install() -> None:
     _live_cpu_linear()
     after_import("transformers.models.qwen3_5.modeling_qwen3_5", _packed_gated_delta_rule)
     after_import("verl.workers.engine.fsdp.transformer_impl", _unpinned_offload)
+    name = run_name(run)
+    after_import(
+        "verl.workers.rollout.vllm_rollout.vllm_rollout",
+        lambda module: _run_own_sockets_trainer(module, name),
+    )
+    after_import(
+        "verl.workers.rollout.vllm_rollout.utils",
+        lambda module: _run_own_sockets_rollout(module, name),
+    )
+
+
+SOCKETS = "ipc:///tmp/rl-colocate-zmq-"
+
+
+def run_name(run: Path) -> str:
+    """Shim 10: a short name for the run, the same in each of its processes (its folder's)."""
+    return hashlib.sha1(str(run).encode()).hexdigest()[:12]
+
+
+def run_own(handle: str, name: str) -> str:
+    """Shim 10: the socket path with the run's name in it."""
+    return handle.replace(SOCKETS, f"{SOCKETS}{name}-", 1)
+
+
+def _run_own_sockets_trainer(vllm_rollout, name: str) -> None:
+    adapter = vllm_rollout.ServerAdapter
+    init = adapter.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.zmq_handle = run_own(self.zmq_handle, name)
+
+    adapter.__init__ = __init__
+
+
+def _run_own_sockets_rollout(utils, name: str) -> None:
+    extension = utils.vLLMColocateWorkerExtension
+    handle = extension._get_zmq_handle
+
+    def _get_zmq_handle(self) -> str:
+        return run_own(handle(self), name)
+
+    extension._get_zmq_handle = _get_zmq_handle
 
 
 def _unpinned_offload(transformer_impl) -> None:

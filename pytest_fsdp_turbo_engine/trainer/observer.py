@@ -22,9 +22,11 @@ Each file is rewritten whole after each event, so what was measured survives a f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ class TrainerRank:
         # gradients, before its clip), until the step
         self._raw_sq: list[float] = []
         self._inner: set[int] | None = None  # ids of the units inside another unit
+        self._capture_s = 0.0  # the reference's capture, since the last step (seconds)
 
     # -- the trained model ---------------------------------------------------------------------
     def sharded(self, module) -> None:
@@ -130,7 +133,8 @@ class TrainerRank:
         if self._pass is not None:
             self._raw_sq = _squares(self._pass["module"])
             if self.capture:
-                self._gather_whole("grads.pt", self._pass["module"], gradients=True)
+                with self._timed():
+                    self._gather_whole("grads.pt", self._pass["module"], gradients=True)
 
     def watch_loss(self, loss_function):
         """verl's loss, as the actor hands it to the engine: the gradient that reaches each row's
@@ -148,17 +152,28 @@ class TrainerRank:
                 values = _flat(logprobs)
 
                 def seen(grad) -> None:
+                    started = time.perf_counter()
                     flat = _flat(grad)
                     for key, (start, end) in zip(keys, where):
                         self._loss_grads[key] = {
                             "logprobs": values[start:end].detach().float().cpu(),
                             "grad": flat[start:end].detach().float().cpu(),
                         }
+                    self._capture_s += time.perf_counter() - started
 
                 logprobs.register_hook(seen)
             return loss_function(*args, **kwargs)
 
         return loss
+
+    @contextlib.contextmanager
+    def _timed(self):
+        """What the capture costs the step, taken by the harness on its own work."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._capture_s += time.perf_counter() - started
 
     def _captured(self, name: str, step: int | None = None) -> Path:
         """Under the step in progress (the steps counted so far), or `step`."""
@@ -192,8 +207,9 @@ class TrainerRank:
         if self.capture:
             from pytest_fsdp_turbo_engine.trainer import capture
 
-            batch = capture.mini_batch(data)
-            capture.save(self._captured(f"batch-rank{self.rank}.pt"), batch)
+            with self._timed():
+                batch = capture.mini_batch(data)
+                capture.save(self._captured(f"batch-rank{self.rank}.pt"), batch)
         if advantages is not None:
             values = advantages.values() if getattr(advantages, "is_nested", False) else advantages
             peak = float(values.detach().abs().max()) if values.numel() else 0.0
@@ -226,9 +242,10 @@ class TrainerRank:
         if self.capture:
             from pytest_fsdp_turbo_engine.trainer import capture
 
-            self._gather_whole("params-before.pt", self._pass["module"], gradients=False)
-            loss_grads, self._loss_grads = self._loss_grads, {}
-            capture.save(self._captured(f"loss-grad-rank{self.rank}.pt"), loss_grads)
+            with self._timed():
+                self._gather_whole("params-before.pt", self._pass["module"], gradients=False)
+                loss_grads, self._loss_grads = self._loss_grads, {}
+                capture.save(self._captured(f"loss-grad-rank{self.rank}.pt"), loss_grads)
         fit = self._stepped_against_raw()
         done = ObservedStep(
             reduce_scatters_by_micro_batch=self._pass["reduce_scatters_by_micro_batch"],
@@ -240,8 +257,9 @@ class TrainerRank:
             advantages_abs_max=self._batch.get("advantages_abs_max"),
             stepped_scale=fit.get("stepped_scale"),
             stepped_residual=fit.get("stepped_residual"),
+            capture_seconds=self._capture_s if self.capture else None,
         )
-        self._batch, self._raw_sq = {}, []
+        self._batch, self._raw_sq, self._capture_s = {}, [], 0.0
         if self._units is not None:
             self._units.__exit__(None, None, None)
         self.steps.append(done)
@@ -252,7 +270,12 @@ class TrainerRank:
             return
         module, self._pass, self._units = self._pass["module"], None, None
         if self.capture:  # the step is counted already (before_step)
-            self._gather_whole("params-after.pt", module, False, step=len(self.steps) - 1)
+            with self._timed():
+                self._gather_whole("params-after.pt", module, False, step=len(self.steps) - 1)
+            self.steps[-1].capture_seconds = (
+                self.steps[-1].capture_seconds or 0.0
+            ) + self._capture_s
+        self._capture_s = 0.0
         self._digest_parameters(module)
         self._write()
 
@@ -494,7 +517,7 @@ def install() -> None:
     if spec.device_kind == DeviceKind.CPU:
         from pytest_fsdp_turbo_engine.trainer import cpu
 
-        cpu.install()
+        cpu.install(folder.path)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # verl's trainer workers set both
         _observe_trainer_rank(folder)
     _observe_replica(folder)

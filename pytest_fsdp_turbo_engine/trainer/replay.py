@@ -22,10 +22,12 @@ from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_records import Replay, ReplayedStep, write_record
 from pytest_fsdp_turbo_contract.trainer_spec import (
     ACTOR,
+    REF,
     TrainerSpec,
     config_value,
     precision_key,
     ulysses_key,
+    updates_per_step,
 )
 from pytest_fsdp_turbo_engine.step.reference import (
     clip_coefficient,
@@ -111,6 +113,8 @@ class Reference:
 
         self.model = load_pretrained(model_path, dtype=torch.float32)
         self.model.train()
+        # the reference policy of the KL loss: the checkpoint as loaded, whatever the steps do
+        self.initial = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         self.low: dict[torch.dtype, torch.nn.Module] = {}
         self.loss, self.optim = loss, optim
         self.steppers: dict[str, Stepper] = {}
@@ -147,6 +151,17 @@ class Reference:
         model.zero_grad(set_to_none=True)
         # verl hands back log-probs in the dtype it computed them in: one rounding more
         return grads, [lp.detach().to(dtype).float() for lp in logprobs]
+
+    def logprobs(
+        self, params: dict[str, torch.Tensor], rows: list[dict], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """Each row's response log-probs at `params`, computed in `dtype`, without a backward."""
+        model = self.model if dtype == torch.float32 else self.in_dtype(dtype)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(params[name])
+            logprobs, _ = self.forward(model, rows)
+        return [lp.to(dtype).float() for lp in logprobs]
 
     def in_dtype(self, dtype: torch.dtype) -> torch.nn.Module:
         """A second copy whose parameters alone are in `dtype`, as FSDP's mixed precision casts
@@ -195,26 +210,26 @@ def rows_of(batches: list[dict]) -> list[dict]:
     return rows
 
 
-def mini_batches_per_update(config: dict) -> int:
-    """Optimizer steps in one training step: verl splits the step's batch into mini-batches (and
-    repeats them ppo_epochs times); only the first trains on the parameters that computed the old
-    log-probs."""
-    get, actor = config_value, ACTOR
-    prompts = int(get(config, "data.train_batch_size", 1) or 1)
-    mini = int(get(config, f"{actor}.ppo_mini_batch_size", prompts) or prompts)
-    return max(1, prompts // max(1, mini)) * int(get(config, f"{actor}.ppo_epochs", 1) or 1)
-
-
-def compute_dtype(config: dict) -> torch.dtype:
-    """What the actor's forward and backward run in (bf16 where verl's config sets none, its
+def compute_dtype(config: dict, role: str = ACTOR) -> torch.dtype:
+    """What a role's forward (and backward) runs in (bf16 where verl's config sets none, its
     engines' default); fp16 is refused: its loss scaling is the engine's to choose."""
-    key = precision_key(config)
+    key = precision_key(config, role)
     name = str(config_value(config, key) or "bf16")
     if name in ("fp32", "float32"):
         return torch.float32
     if name in ("bf16", "bfloat16"):
         return torch.bfloat16
     raise Unmodelled(f"{key}={name}: the reference models fp32 and bf16 compute only")
+
+
+def reference_dtype(config: dict) -> torch.dtype:
+    """The reference policy's: bf16 where it computes in bf16 or verl loads its weights in bf16
+    (the casting copy models both), else fp32."""
+    # verl loads a forward-only model in bf16 where its model_dtype is unset
+    stored = str(config_value(config, f"{REF}.fsdp_config.model_dtype") or "bf16")
+    if stored in ("bf16", "bfloat16"):
+        return torch.bfloat16
+    return compute_dtype(config, REF)
 
 
 def capture_problem(batches: list[dict], folder: Path, problem: str) -> str:
@@ -229,21 +244,25 @@ def capture_problem(batches: list[dict], folder: Path, problem: str) -> str:
     return ""
 
 
-def replay_step(ref: Reference, folder: Path, out: ReplayedStep, on_policy: bool, how) -> None:
+def replay_step(
+    ref: Reference, folder: Path, out: ReplayedStep, on_policy: bool, how, previous: dict | None
+) -> dict | None:
     """One step: c, b and the reference's norm from the reference's gradients; l from the
-    engine's own log-probs; i in closed form on the engine's gradients and against the
-    reference's update. `how`: (world size, Ulysses size, compute dtype)."""
-    world_size, sp, dtype = how
+    engine's own log-probs; i in closed form on the engine's gradients, against the reference's
+    update, and from where the `previous` step left the parameters. `how`: (world size, Ulysses
+    size, compute dtype, the reference policy's dtype). Returns the parameters after the step."""
+    world_size, sp, dtype, ref_dtype = how
     batches, problem = data_parallel_batches(folder, world_size, sp)
     if problem := capture_problem(batches, folder, problem):
         out.problem = problem
-        return
+        return None
     before = torch.load(folder / "params-before.pt")
     engine_grads = torch.load(folder / "grads.pt")
     after = torch.load(folder / "params-after.pt")
     if mismatch := name_mismatch(list(before), ref.names()):
         out.problem = f"the engine's {mismatch}"
-        return
+        return None
+    out.continuity_max_abs, out.continuity_param = continuity(before, previous)
     rows = rows_of(batches)
     grads, logprobs = ref.gradients(before, rows, torch.float32)
     out.rows, out.tokens = len(rows), int(sum(float(r["response_mask"].sum()) for r in rows))
@@ -267,20 +286,52 @@ def replay_step(ref: Reference, folder: Path, out: ReplayedStep, on_policy: bool
         out.update_rel_l2_noise = update_distance(before, low_after, reference_after)
         if on_policy:
             out.old_logprob_noise = logprob_distance(low_logprobs, rows, logprobs)
+    if "ref_log_prob" in rows[0]:
+        reference_policy_distance(ref, rows, ref_dtype, out)
     out.loss_grad_max_rel_err, out.loss_grad_rows = loss_gradient_error(
         folder, world_size, rows, ref.loss, world_size // sp
     )
+    return after
 
 
-def logprob_distance(logprobs: list[torch.Tensor], rows: list[dict], against=None) -> float:
-    """Largest |difference| over the response tokens: from verl's old log-probs, or `against`."""
+def logprob_distance(
+    logprobs: list[torch.Tensor], rows: list[dict], against=None, field: str = "old_log_probs"
+) -> float:
+    """Largest |difference| over the response tokens: from the rows' `field`, or `against`."""
     worst = 0.0
     for i, (lp, row) in enumerate(zip(logprobs, rows)):
-        other = row["old_log_probs"] if against is None else against[i]
+        other = row[field] if against is None else against[i]
         mask = row["response_mask"] > 0
         if mask.any():
             worst = max(worst, float((lp - other.float())[mask].abs().max()))
     return worst
+
+
+def reference_policy_distance(ref: Reference, rows: list[dict], dtype: torch.dtype, out) -> None:
+    """The reference policy's log-probs verl's KL loss used, against the fp32 forward at the
+    checkpoint's parameters; and in the reference policy's dtype, what that dtype alone costs."""
+    exact = ref.logprobs(ref.initial, rows, torch.float32)
+    out.ref_logprob_max_abs_diff = logprob_distance(exact, rows, field="ref_log_prob")
+    if dtype != torch.float32:
+        low = ref.logprobs(ref.initial, rows, dtype)
+        out.ref_logprob_noise = logprob_distance(low, rows, against=exact)
+
+
+def continuity(before: dict, previous_after: dict | None) -> tuple[float | None, str]:
+    """The largest |difference| between this step's parameters before it and the previous
+    step's after (exact: nothing may touch the weights in between), and where."""
+    if previous_after is None:
+        return None, ""
+    worst, worst_name = 0.0, ""
+    for name, value in before.items():
+        if name not in previous_after:
+            return math.inf, f"{name} (not captured after the previous step)"
+        err = float((value - previous_after[name]).abs().max())
+        if not math.isfinite(err):
+            return math.inf, name
+        if err > worst:
+            worst, worst_name = err, name
+    return worst, worst_name
 
 
 def largest_difference(
@@ -361,13 +412,14 @@ def run(folder: TrainerFolder, spec: TrainerSpec) -> Replay:
         config = resolved_config(folder)
         verl_loss.refuse_unmodelled_run(config)
         loss, optim = verl_loss.loss_settings(config), verl_loss.optimizer_settings(config)
-        how = (spec.world_size, sp_size(config), compute_dtype(config))
+        how = (spec.world_size, sp_size(config), compute_dtype(config), reference_dtype(config))
         ref = Reference(spec.model_path, loss, optim)
-        per_update = mini_batches_per_update(config)
+        per_update = updates_per_step(config)
+        after = None
         for step in folder.captured_steps():
             started = time.perf_counter()
             out = ReplayedStep(step=int(step.name.removeprefix("step-")))
-            replay_step(ref, step, out, out.step % per_update == 0, how)
+            after = replay_step(ref, step, out, out.step % per_update == 0, how, after)
             out.seconds = time.perf_counter() - started
             record.steps.append(out)
             write_record(folder.replay, record)

@@ -1,0 +1,77 @@
+"""What the single-process reference costs a verl trainer run, beside the step it judges.
+
+Runs one tiny trainer case (reference on) through pytest in the vLLM and trainer environment, then
+reads from its run folder, for every optimizer step: the capture's own seconds on each rank (the
+observer times its own work: the batch, the loss gradients, the parameters and gradients
+gathered whole), the replay's seconds (replay.json), and verl's own `timing_s/step` and
+`timing_s/update_actor` for the training step. Target: capture and replay together at most the
+step's own time.
+Usage: .venv-vllm/bin/python benchmarks/trainer_capture.py [--case ID]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
+from pytest_fsdp_turbo_contract.trainer_records import first_step_metrics, read_ranks, read_replay
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", default="tiny-qwen3-verl-trainer-fsdp2-deferred")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--fsdp-turbo-artifacts={tmp}",
+            "-m",
+            "verl_trainer",
+            "-k",
+            f"{args.case}-cpu",
+            "e2e/test_verl_trainer.py",
+        ]
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        runs = [path.parent for path in Path(tmp).glob("*/trainer_spec.json")]
+        if done.returncode != 0 or len(runs) != 1:
+            raise SystemExit(f"the trainer run failed ({done.returncode}):\n{done.stdout[-3000:]}")
+        report(TrainerFolder(runs[0]), args.case)
+
+
+def report(folder: TrainerFolder, case: str) -> None:
+    ranks = read_ranks(folder.ranks())
+    replay = read_replay(folder.replay)
+    verl = first_step_metrics(folder.step_metrics)
+    step, update = verl.get("timing_s/step"), verl.get("timing_s/update_actor")
+    if replay is None or not isinstance(step, int | float):
+        raise SystemExit(f"{folder.path}: no replay record or no timing_s/step")
+    count = max(len(rank.steps) for rank in ranks.values())
+    capture = [
+        max(rank.steps[i].capture_seconds or 0.0 for rank in ranks.values() if len(rank.steps) > i)
+        for i in range(count)
+    ]
+    replayed = [s.seconds for s in replay.steps]
+    print(f"case {case}: {count} optimizer step(s) in one training step")
+    print(f"  verl's training step: {step:.2f} s (its actor update {update or 0:.2f} s)")
+    for i in range(count):
+        said = f"{replayed[i]:.2f} s" if i < len(replayed) else "-"
+        print(f"  optimizer step {i}: capture {capture[i]:.3f} s (slowest rank), replay {said}")
+    total = sum(capture) + sum(replayed)
+    print(f"  capture and replay together: {total:.2f} s = {total / step:.2f} x the step (<= 1)")
+    print(json.dumps({"step_s": step, "capture_s": capture, "replay_s": replayed}))
+
+
+if __name__ == "__main__":
+    main()
