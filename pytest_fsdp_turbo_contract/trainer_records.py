@@ -111,8 +111,9 @@ class ReplayedStep:
     update_max_err_lr: float | None = None
     update_max_err_param: str = ""
     update_rel_l2_err: float | None = None
-    # the parameters before this step against those after the previous one (largest |difference|;
-    # None on the first step): nothing may change the weights between optimizer steps
+    # the parameters before this step against those after the previous one, or for the first
+    # step the checkpoint as the engine loads it (largest |difference|; None where the run
+    # resumes another): nothing may change the weights between them
     continuity_max_abs: float | None = None
     continuity_param: str = ""
     # in a run that computes in bf16: the same distances for the reference itself computed in
@@ -139,6 +140,7 @@ class Replay:
     error: str = ""  # the replay itself failed (a harness fault, said as such)
     steps: list[ReplayedStep] = field(default_factory=list)
     complete: bool = False  # every captured step was replayed (else the replay stopped short)
+    kl_loss: bool = False  # the resolved config declares a KL loss: its steps hold ref log-probs
 
     def summary(self) -> str:
         """One line for the trainer's log."""
@@ -158,8 +160,13 @@ class Replay:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Replay:
         steps = [ReplayedStep.from_json(s) for s in data.get("steps", [])]
-        said = {k: str(data.get(k, "")) for k in ("refused", "error")}
-        return cls(steps=steps, complete=bool(data.get("complete", False)), **said)
+        return cls(
+            refused=str(data.get("refused", "")),
+            error=str(data.get("error", "")),
+            steps=steps,
+            complete=bool(data.get("complete", False)),
+            kl_loss=bool(data.get("kl_loss", False)),
+        )
 
 
 def read_replay(path: Path) -> Replay | None:

@@ -106,6 +106,24 @@ def precision_key(config: dict, role: str = ACTOR) -> str:
     return f"{role}.fsdp_config.mixed_precision.param_dtype"
 
 
+# verl's precision names (verl.utils.torch_dtypes: HALF_LIST, FLOAT_LIST, BFLOAT_LIST), as read from
+# its config (a YAML number stays a number)
+PRECISIONS: dict[int | str, str] = {
+    **dict.fromkeys((16, "16", "fp16", "float16"), "fp16"),
+    **dict.fromkeys((32, "32", "fp32", "float32"), "fp32"),
+    **dict.fromkeys(("bf16", "bfloat16"), "bf16"),
+}
+
+
+def precision(config: dict, key: str, unset: str = "bf16") -> str:
+    """The dtype a key of verl's config names, as verl reads it: "fp32", "bf16" or "fp16" (`unset`
+    where the config holds none; the name as written where verl would refuse it)."""
+    value = config_value(config, key)
+    if value is None:
+        return unset
+    return PRECISIONS.get(value, str(value))
+
+
 def clip_key(config: dict) -> str:
     """The key of the max norm verl's engine clips at: the optimizer's deprecated `grad_clip`
     where set (verl copies it over `clip_grad`), else `clip_grad`. The actor's own `grad_clip`

@@ -239,9 +239,13 @@ def test_the_actors_layout_is_read_where_verls_engine_reads_it():
         actor_rollout_ref__actor__fsdp_config__turbo_config__distributed__fsdp_plan__param_dtype="fp32",
     )
     assert sp_size(turbo) == 2 and compute_dtype(turbo) == torch.float32
-    fp16 = _nested(actor_rollout_ref__actor__fsdp_config__mixed_precision__param_dtype="fp16")
-    with pytest.raises(Unmodelled, match="param_dtype=fp16"):
-        compute_dtype(fp16)
+    for name in ("fp16", 16, "float16"):
+        fp16 = _nested(actor_rollout_ref__actor__fsdp_config__mixed_precision__param_dtype=name)
+        with pytest.raises(Unmodelled, match="param_dtype=fp16"):
+            compute_dtype(fp16)
+    for name in (32, "32", "float32"):  # verl's FLOAT_LIST
+        fp32 = _nested(actor_rollout_ref__actor__fsdp_config__mixed_precision__param_dtype=name)
+        assert compute_dtype(fp32) == torch.float32
 
 
 def test_the_reference_in_bf16_leaves_its_fp32_model_and_buffers_as_they_were(tiny_model):

@@ -65,8 +65,9 @@ def combined_norm(
     return math.sqrt(sum(v for v in sums if v is not None) / replicas)
 
 
-def _dtype(verl_name: str) -> Dtype:
-    return Dtype.FP32 if verl_name in ("fp32", "float32") else Dtype.BF16
+def _dtype(precision: str) -> Dtype:
+    """verl's precision (trainer_spec.precision) as the tolerances know it: fp16 held to bf16's."""
+    return Dtype.FP32 if precision == "fp32" else Dtype.BF16
 
 
 def run_spec_json(

@@ -90,8 +90,11 @@ class TrainerRunner:
         and every fresh Ray cluster's first job has the same id: two trainer runs on one host
         (xdist workers) push into each other's sockets and hang (seen here). They take turns, but
         on CPU, where the harness's shim gives each run's sockets its own name (trainer/cpu.py,
-        shim 10)."""
-        if self.accelerator.kind == DeviceKind.CPU:
+        shim 10, vLLM's rollout only)."""
+        rollout = next(
+            (o.split("=", 1)[1] for o in case.overrides if o.startswith(f"{ROLLOUT_NAME}=")), ""
+        )
+        if self.accelerator.kind == DeviceKind.CPU and rollout == "vllm":
             yield
             return
         lock = FileLock(str(self.book.state_dir / "verl-trainer.lock"))
@@ -273,7 +276,10 @@ def read_run(
             + " (a registration that missed: verl built another engine)"
         )
     elif skipped := _skipped_steps(read_ranks(folder.ranks())):
-        why = first_line_with(folder.log, "optimizer.step()")
+        # verl's own reason (a norm that is not finite), else torch's warning that names it
+        why = first_line_with(folder.log, "grad_norm is not finite") or first_line_with(
+            folder.log, "optimizer.step()"
+        )
         counts = ", ".join(f"rank {r}: {b} mini-batch(es), {s} step(s)" for r, b, s in skipped)
         never = all(s == 0 for _, _, s in skipped)
         result.failure = (
@@ -293,6 +299,7 @@ def read_run(
 
 
 CAUSE_MARKS = ("Error:", "Exception:", "error:")
+ROLLOUT_NAME = "actor_rollout_ref.rollout.name"
 
 
 def _skipped_steps(observed: dict) -> list[tuple[int, int, int]]:

@@ -15,8 +15,10 @@ from typing import Any
 
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.trainer_spec import (
+    ACTOR,
     clip_key,
     config_value,
+    precision,
     precision_key,
     ulysses_key,
     updates_per_step,
@@ -24,7 +26,6 @@ from pytest_fsdp_turbo_contract.trainer_spec import (
 )
 from pytest_fsdp_turbo_contract.vocab import SyncPolicy
 
-ACTOR = "actor_rollout_ref.actor"
 SYNC_FLAG = f"{ACTOR}.fsdp_config.use_no_sync_for_gradient_accumulation"
 CONFIG_NAME = "ppo_trainer"  # main_ppo's @hydra.main config
 
@@ -99,8 +100,8 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
         rollout=str(_get(config, f"{rollout}.name", "?")),
         rollout_replicas=max(1, world_size // per_replica),
         grad_clip=float(_get(config, clip_key(config), 1.0)),
-        model_dtype=str(_get(config, f"{ACTOR}.fsdp_config.model_dtype", "?")),
-        compute_dtype=str(_get(config, precision_key(config)) or "bf16"),
+        model_dtype=precision(config, f"{ACTOR}.fsdp_config.model_dtype", unset="fp32"),
+        compute_dtype=precision(config, precision_key(config)),
         lr=_number(config, f"{ACTOR}.optim.lr", float),
         weight_decay=_number(config, f"{ACTOR}.optim.weight_decay", float),
         betas=_betas(_get(config, f"{ACTOR}.optim.betas")),

@@ -111,8 +111,14 @@ def run_name(run: Path) -> str:
 
 
 def run_own(handle: str, name: str) -> str:
-    """Shim 10: the socket path with the run's name in it."""
-    return handle.replace(SOCKETS, f"{SOCKETS}{name}-", 1)
+    """Shim 10: the socket path with the run's name in it; a path of another form is refused,
+    since two runs would collide on it again."""
+    if not handle.startswith(SOCKETS):
+        raise RuntimeError(
+            f"pytest-fsdp-turbo's CPU shim 10: verl's weight-sync socket {handle!r} no longer "
+            f"starts {SOCKETS!r}: its run name cannot be put in (trainer/cpu.py)"
+        )
+    return f"{SOCKETS}{name}-{handle.removeprefix(SOCKETS)}"
 
 
 def _run_own_sockets_trainer(vllm_rollout, name: str) -> None:

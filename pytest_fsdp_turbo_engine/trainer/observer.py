@@ -76,6 +76,7 @@ class TrainerRank:
         self._raw_sq: list[float] = []
         self._inner: set[int] | None = None  # ids of the units inside another unit
         self._capture_s = 0.0  # the reference's capture, since the last step (seconds)
+        self._steps_at_clip = 0  # steps taken when optimizer_step began
 
     # -- the trained model ---------------------------------------------------------------------
     def sharded(self, module) -> None:
@@ -130,6 +131,7 @@ class TrainerRank:
     def before_clip(self) -> None:
         """The engine's optimizer_step began: its raw gradients, one sum of squares a shard (and,
         for the reference, every gradient gathered whole: a collective, every rank calls it)."""
+        self._steps_at_clip = len(self.steps)
         if self._pass is not None:
             self._raw_sq = _squares(self._pass["module"])
             if self.capture:
@@ -280,8 +282,10 @@ class TrainerRank:
         self._write()
 
     def reported(self, norm) -> None:
+        """The norm optimizer_step returned, on the step it took (none where it skipped the
+        optimizer's step, as verl does for a norm that is not finite: the run then fails)."""
         value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if self.steps:
+        if len(self.steps) > self._steps_at_clip:
             self.steps[-1].reported_grad_norm = value
         self._write()
 

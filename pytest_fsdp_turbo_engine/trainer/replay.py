@@ -13,6 +13,7 @@ import copy
 import math
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from pytest_fsdp_turbo_contract.trainer_spec import (
     REF,
     TrainerSpec,
     config_value,
+    precision,
     precision_key,
     ulysses_key,
     updates_per_step,
@@ -163,6 +165,10 @@ class Reference:
             logprobs, _ = self.forward(model, rows)
         return [lp.to(dtype).float() for lp in logprobs]
 
+    def loaded(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The checkpoint's parameters as an engine that loads them in `dtype` holds them."""
+        return {n: p.to(dtype).float() for n, p in self.initial.items()}
+
     def in_dtype(self, dtype: torch.dtype) -> torch.nn.Module:
         """A second copy whose parameters alone are in `dtype`, as FSDP's mixed precision casts
         them: buffers (rotary frequencies) stay fp32, and the fp32 copy is never touched."""
@@ -214,22 +220,29 @@ def compute_dtype(config: dict, role: str = ACTOR) -> torch.dtype:
     """What a role's forward (and backward) runs in (bf16 where verl's config sets none, its
     engines' default); fp16 is refused: its loss scaling is the engine's to choose."""
     key = precision_key(config, role)
-    name = str(config_value(config, key) or "bf16")
-    if name in ("fp32", "float32"):
-        return torch.float32
-    if name in ("bf16", "bfloat16"):
-        return torch.bfloat16
-    raise Unmodelled(f"{key}={name}: the reference models fp32 and bf16 compute only")
+    return _modelled(key, precision(config, key))
 
 
 def reference_dtype(config: dict) -> torch.dtype:
     """The reference policy's: bf16 where it computes in bf16 or verl loads its weights in bf16
-    (the casting copy models both), else fp32."""
-    # verl loads a forward-only model in bf16 where its model_dtype is unset
-    stored = str(config_value(config, f"{REF}.fsdp_config.model_dtype") or "bf16")
-    if stored in ("bf16", "bfloat16"):
+    (the casting copy models both), else fp32. verl loads a forward-only model in bf16 where its
+    model_dtype is unset."""
+    key = f"{REF}.fsdp_config.model_dtype"
+    if _modelled(key, precision(config, key)) == torch.bfloat16:
         return torch.bfloat16
     return compute_dtype(config, REF)
+
+
+def model_dtype(config: dict) -> torch.dtype:
+    """What verl loads the actor's parameters in (fp32 where unset, for a trained model)."""
+    key = f"{ACTOR}.fsdp_config.model_dtype"
+    return _modelled(key, precision(config, key, unset="fp32"))
+
+
+def _modelled(key: str, name: str) -> torch.dtype:
+    if name in ("fp32", "bf16"):
+        return torch.float32 if name == "fp32" else torch.bfloat16
+    raise Unmodelled(f"{key}={name}: the reference models fp32 and bf16 only")
 
 
 def capture_problem(batches: list[dict], folder: Path, problem: str) -> str:
@@ -244,14 +257,33 @@ def capture_problem(batches: list[dict], folder: Path, problem: str) -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class RunLayout:
+    """What the replay reads of the run: its ranks, Ulysses size, compute dtype and config."""
+
+    world_size: int
+    sp: int
+    dtype: torch.dtype
+    config: dict
+
+    @classmethod
+    def of(cls, spec: TrainerSpec, config: dict) -> RunLayout:
+        return cls(spec.world_size, sp_size(config), compute_dtype(config), config)
+
+
 def replay_step(
-    ref: Reference, folder: Path, out: ReplayedStep, on_policy: bool, how, previous: dict | None
+    ref: Reference,
+    folder: Path,
+    out: ReplayedStep,
+    on_policy: bool,
+    how: RunLayout,
+    previous: dict | None,
 ) -> dict | None:
     """One step: c, b and the reference's norm from the reference's gradients; l from the
     engine's own log-probs; i in closed form on the engine's gradients, against the reference's
-    update, and from where the `previous` step left the parameters. `how`: (world size, Ulysses
-    size, compute dtype, the reference policy's dtype). Returns the parameters after the step."""
-    world_size, sp, dtype, ref_dtype = how
+    update, and from where the `previous` step left the parameters (the checkpoint, before the
+    first). Returns the parameters after the step."""
+    world_size, sp, dtype = how.world_size, how.sp, how.dtype
     batches, problem = data_parallel_batches(folder, world_size, sp)
     if problem := capture_problem(batches, folder, problem):
         out.problem = problem
@@ -287,7 +319,7 @@ def replay_step(
         if on_policy:
             out.old_logprob_noise = logprob_distance(low_logprobs, rows, logprobs)
     if "ref_log_prob" in rows[0]:
-        reference_policy_distance(ref, rows, ref_dtype, out)
+        reference_policy_distance(ref, rows, reference_dtype(how.config), out)
     out.loss_grad_max_rel_err, out.loss_grad_rows = loss_gradient_error(
         folder, world_size, rows, ref.loss, world_size // sp
     )
@@ -412,10 +444,13 @@ def run(folder: TrainerFolder, spec: TrainerSpec) -> Replay:
         config = resolved_config(folder)
         verl_loss.refuse_unmodelled_run(config)
         loss, optim = verl_loss.loss_settings(config), verl_loss.optimizer_settings(config)
-        how = (spec.world_size, sp_size(config), compute_dtype(config), reference_dtype(config))
+        how = RunLayout.of(spec, config)
         ref = Reference(spec.model_path, loss, optim)
         per_update = updates_per_step(config)
-        after = None
+        record.kl_loss = loss.kl_coef != 0
+        # the first step starts from the checkpoint as verl loads it, unless it resumes another
+        resumes = config_value(config, "trainer.resume_mode", "auto") == "resume_path"
+        after = None if resumes else ref.loaded(model_dtype(config))
         for step in folder.captured_steps():
             started = time.perf_counter()
             out = ReplayedStep(step=int(step.name.removeprefix("step-")))
