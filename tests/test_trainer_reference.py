@@ -16,14 +16,8 @@ ACTOR = verl_loss.ACTOR
 
 
 def _config(**actor) -> dict:
-    node: dict = {}
-    for dotted, value in actor.items():
-        parts = dotted.split("__")
-        here = node
-        for part in parts[:-1]:
-            here = here.setdefault(part, {})
-        here[parts[-1]] = value
-    return {"actor_rollout_ref": {"actor": node}}
+    """A resolved config holding the actor's keys (dots as `__`)."""
+    return _nested(**{f"actor_rollout_ref__actor__{key}": value for key, value in actor.items()})
 
 
 def _batch(rows: int = 6, width: int = 9, seed: int = 0):

@@ -76,10 +76,12 @@ def each_step(result: RunResult) -> list[tuple[int, RunResult]]:
     return views
 
 
-def every_step(check: Callable[[RunResult], None], letter: str, result: RunResult) -> None:
-    """A check every case has, on each optimizer step's readings in turn: a later step's failure
-    names its step."""
-    for index, view in each_step(result):
+def every_step(
+    check: Callable[[RunResult], None], letter: str, views: list[tuple[int, RunResult]]
+) -> None:
+    """A check every case has, on each optimizer step's readings in turn (each_step): a later
+    step's failure names its step."""
+    for index, view in views:
         try:
             check(view)
         except CheckFailure as exc:
@@ -93,7 +95,8 @@ def every_step(check: Callable[[RunResult], None], letter: str, result: RunResul
 def check_trainer_grad_norm(result: RunResult) -> None:
     """a, as every case's on every step, then against verl's own step metric: the mean of the
     norms of the first training step's optimizer steps (verl averages its mini-batches')."""
-    every_step(check_grad_norm, "a", result)
+    views = each_step(result)
+    every_step(check_grad_norm, "a", views)
     folder = TrainerFolder(result.artifacts_dir)
     verl = first_step_metrics(folder.step_metrics).get(VERL_GRAD_NORM)
     if not isinstance(verl, int | float):
@@ -101,8 +104,7 @@ def check_trainer_grad_norm(result: RunResult) -> None:
             f"check a: verl's step metrics have no {VERL_GRAD_NORM} ({folder.step_metrics})"
         )
     updates = declared(result).ppo.updates
-    views = each_step(result)[:updates]
-    norms = [view.ranks[0].step.optimizer.grad_norm for _, view in views]
+    norms = [view.ranks[0].step.optimizer.grad_norm for _, view in views[:updates]]
     if len(norms) < updates or any(norm is None for norm in norms):
         raise CheckFailure(
             f"check a: verl's resolved config declares {updates} optimizer step(s) per training "
@@ -120,10 +122,10 @@ def check_trainer_grad_norm(result: RunResult) -> None:
 @judges("h")
 def check_trainer_sync(result: RunResult) -> None:
     """h: the counts and the held gradients the resolved sync policy promises, every step."""
-    every_step(_trainer_sync, "h", result)
+    every_step(_trainer_sync, "h", each_step(result))
 
 
-def _trainer_sync(result: RunResult) -> None:
+def _trainer_sync(result: RunResult) -> None:  # one step's readings
     spec = declared(result)
     if spec.golden_dtype is None:  # written with what verl's config declares, and only then
         raise CheckFailure(
@@ -206,8 +208,8 @@ TRAINER_CHECKS = CheckSet(
         ("e", lambda r, _: check_rollout_weights(r)),
         ("h", lambda r, _: check_trainer_sync(r)),
         ("i", lambda r, _: check_trainer_update(r)),
-        ("j", lambda r, _: every_step(check_data_rows, "j", r)),
-        ("k", lambda r, _: every_step(check_clip, "k", r)),
+        ("j", lambda r, _: every_step(check_data_rows, "j", each_step(r))),
+        ("k", lambda r, _: every_step(check_clip, "k", each_step(r))),
         ("l", lambda r, _: check_trainer_loss_gradient(r)),
     ),
     TRAINER_CANNOT,

@@ -36,14 +36,19 @@ from pytest_fsdp_turbo.checks.verdicts import CheckFailure, NotApplicable, judge
 from pytest_fsdp_turbo_contract.records import NAMES_DIFFER
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
-from pytest_fsdp_turbo_contract.trainer_records import ReplayedStep, read_ranks, read_replay
+from pytest_fsdp_turbo_contract.trainer_records import (
+    Replay,
+    ReplayedStep,
+    read_ranks,
+    read_replay,
+)
 
 FP32 = "fp32"
 BF16_ROUNDING = 2.0**-7  # bf16's machine epsilon: one rounding, relative to the entry
 
 
-def replayed(result: RunResult, letter: str) -> list[ReplayedStep]:
-    """The reference's steps, when the case declares it: a replay that is missing, failed or
+def replayed(result: RunResult, letter: str) -> Replay:
+    """The reference's replay, when the case declares it: a replay that is missing, failed or
     skipped a step fails the check; what the reference refuses to model cannot apply."""
     folder = TrainerFolder(result.artifacts_dir)
     replay = read_replay(folder.replay)
@@ -76,7 +81,7 @@ def replayed(result: RunResult, letter: str) -> list[ReplayedStep]:
     for step in replay.steps:
         if step.problem:
             raise CheckFailure(f"check {letter}: step {step.step}: {step.problem}")
-    return replay.steps
+    return replay
 
 
 def _compute_dtype(result: RunResult) -> str:
@@ -105,7 +110,8 @@ def check_old_logprobs(result: RunResult) -> None:
     """b: the log-probs verl trained with against the reference's forward of the same tokens:
     the old policy's at the step's parameters (each update's first mini-batch), and the reference
     policy's (the KL loss's) at the checkpoint's, every step that holds them."""
-    steps = replayed(result, "b")
+    replay = replayed(result, "b")
+    steps = replay.steps
     judged = [s for s in steps if s.old_logprob_max_abs_diff is not None]
     if not judged:
         raise CheckFailure("check b: no replayed step is an update's first mini-batch")
@@ -118,12 +124,7 @@ def check_old_logprobs(result: RunResult) -> None:
             "tokens at the step's parameters",
             "the old policy's forward is not the policy's",
         )
-    replay = read_replay(TrainerFolder(result.artifacts_dir).replay)
-    if (
-        replay is not None
-        and replay.kl_loss
-        and all(s.ref_logprob_max_abs_diff is None for s in steps)
-    ):
+    if replay.kl_loss and all(s.ref_logprob_max_abs_diff is None for s in steps):
         raise CheckFailure(
             "check b: verl's resolved config declares a KL loss, but no replayed step holds the "
             "reference policy's log-probs (ref_log_prob in the mini-batch train_batch got)"
@@ -153,7 +154,7 @@ def _held_to_noise(
 def check_trainer_gradients(result: RunResult) -> None:
     """c: the engine's raw gradients against the reference's, every step."""
     policy = declared(result).engine.gradient_sync
-    for step in replayed(result, "c"):
+    for step in replayed(result, "c").steps:
         if step.grad_max_rel_err_param.startswith(NAMES_DIFFER):
             raise CheckFailure(
                 f"check c: step {step.step}: the engine's {step.grad_max_rel_err_param}"
@@ -180,7 +181,7 @@ def check_trainer_update(result: RunResult) -> None:
     """i: the optimizer step in closed form on the engine's gradients, then against the
     reference's update."""
     tol_lr = ADAMW_STEP_TOL_LR[FP32]
-    for step in replayed(result, "i"):
+    for step in replayed(result, "i").steps:
         moved = step.continuity_max_abs
         if moved is not None and moved != 0.0:
             where = f"where step {step.step - 1} left it" if step.step else "the checkpoint"
@@ -211,7 +212,7 @@ def check_trainer_loss_gradient(result: RunResult) -> None:
     """l: the gradient reaching each row's log-probs against the loss in closed form."""
     # the log-probs verl's loss differentiates are in the compute dtype: one rounding of theirs
     tol = LOSS_GRAD_TOL[FP32] if _compute_dtype(result) == FP32 else BF16_ROUNDING
-    for step in replayed(result, "l"):
+    for step in replayed(result, "l").steps:
         err = _missing("l", step, step.loss_grad_max_rel_err, "loss gradient reading")
         if step.loss_grad_rows != step.rows:
             raise CheckFailure(

@@ -134,10 +134,7 @@ class Reference:
     ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """The loss's gradients over the global batch from `before`, computed in `dtype` (the
         loss itself in fp32), and each row's response log-probs."""
-        model = self.model if dtype == torch.float32 else self.in_dtype(dtype)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(before[name])
+        model = self.at(before, dtype)
         logprobs, entropies = self.forward(model, rows)
         width = max(row["response"] for row in rows)
         batch = padded_batch(rows, width)
@@ -158,10 +155,8 @@ class Reference:
         self, params: dict[str, torch.Tensor], rows: list[dict], dtype: torch.dtype
     ) -> list[torch.Tensor]:
         """Each row's response log-probs at `params`, computed in `dtype`, without a backward."""
-        model = self.model if dtype == torch.float32 else self.in_dtype(dtype)
+        model = self.at(params, dtype)
         with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(params[name])
             logprobs, _ = self.forward(model, rows)
         return [lp.to(dtype).float() for lp in logprobs]
 
@@ -169,9 +164,20 @@ class Reference:
         """The checkpoint's parameters as an engine that loads them in `dtype` holds them."""
         return {n: p.to(dtype).float() for n, p in self.initial.items()}
 
+    def at(self, params: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.nn.Module:
+        """The model in `dtype` (in_dtype), holding `params`."""
+        model = self.in_dtype(dtype)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(params[name])
+        return model
+
     def in_dtype(self, dtype: torch.dtype) -> torch.nn.Module:
-        """A second copy whose parameters alone are in `dtype`, as FSDP's mixed precision casts
-        them: buffers (rotary frequencies) stay fp32, and the fp32 copy is never touched."""
+        """The fp32 model, or a second copy whose parameters alone are in `dtype`, as FSDP's mixed
+        precision casts them: buffers (rotary frequencies) stay fp32, and the fp32 copy is never
+        touched."""
+        if dtype == torch.float32:
+            return self.model
         if dtype not in self.low:
             low = copy.deepcopy(self.model)
             for param in low.parameters():
