@@ -55,6 +55,13 @@ def _one_warm_parent_for_every_worker(config) -> None:
 # that time (249 s with four against 277 s with three, 2026-12-04, same code; the box was busy
 # 494 of 498 CPU-seconds with four).
 LONGEST_FIRST = (
+    # CI's stage 2 (-m vllm, two workers, each taking a contiguous half first): the 4-rank trainer
+    # run, which holds the box's memory alone (trainer/run.py, cpu_rank_slots), then the other
+    # trainer runs, all in the first worker's half: the second worker runs the vLLM engine cases
+    # beside them instead of waiting for memory
+    "e2e/test_verl_trainer.py::test_verl_trainer_one_step[tiny-qwen3-verl-trainer-fsdp_turbo",
+    "e2e/test_trainer_mutations.py",
+    "e2e/test_verl_trainer.py",
     "tests/test_ray_multinode.py",
     "tests/test_session_safety.py::test_faults_end_tests_never_the_session",
     "tests/test_warm_ranks.py::test_forked_and_spawned_ranks_give_identical_results",

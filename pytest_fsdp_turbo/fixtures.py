@@ -284,6 +284,7 @@ def verl_trainer_run(
         tiny_models=settings.tiny_models,
         pythonpath=(str(config.rootpath),),
         say=progress_lines(config),
+        checkout=lambda: request.getfixturevalue("fsdp_turbo_checkout"),
     )
     return TrainerRun(request, runner, lambda: cases_of(config), settings.strict)
 

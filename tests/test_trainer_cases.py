@@ -18,7 +18,7 @@ from pytest_fsdp_turbo.kinds.registry import load_book
 from pytest_fsdp_turbo.trainer.run import first_cause, read_run
 from pytest_fsdp_turbo.trainer.verl_config import SYNC_FLAG, declared
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
-from pytest_fsdp_turbo_contract.errors import ConfigError
+from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind, SyncPolicy
@@ -406,31 +406,53 @@ def test_strict_on_an_8_npu_box_says_the_16_npu_case_cannot_run(pytester):
     listed.stdout.fnmatch_lines(["*qwen3_5-2b-verl-trainer-fsdp_turbo-fsdp4-sp2-npu*"])
 
 
-@pytest.mark.parametrize(("kind", "overlap"), [("cuda", [False, False]), ("cpu", [False, True])])
-def test_trainer_runs_on_one_host_take_turns_but_on_cpu(tmp_path, kind, overlap):
+@pytest.mark.parametrize(
+    ("kind", "sizes", "overlap"),
+    [
+        ("cuda", (2, 2), [False, False]),
+        ("cpu", (2, 2), [False, True]),
+        ("cpu", (4, 2), [False, False]),
+        ("cpu", (8, 2), [False, False]),
+    ],
+)
+def test_trainer_runs_on_one_host_take_turns_but_on_cpu_as_memory_holds(
+    tmp_path, monkeypatch, kind, sizes, overlap
+):
     """verl names its weight-sync sockets by Ray job id, the same in every fresh cluster: two
     trainer runs at once on one host hang each other, so the second waits for the first; on
-    CPU the harness's shim names each run's sockets apart (cpu.py shim 10), and runs overlap."""
+    CPU the harness's shim names each run's sockets apart (cpu.py shim 10), and runs overlap as
+    far as the host's memory holds their ranks (here 5: two 2-rank runs, a 4-rank run alone, a
+    run larger than the host alone, never refused)."""
     import threading
     import time
 
     from pytest_fsdp_turbo.devices import Accelerator
     from pytest_fsdp_turbo.leases import LeaseBook
-    from pytest_fsdp_turbo.trainer.run import TrainerRunner
+    from pytest_fsdp_turbo.trainer import run as trainer_run
 
+    monkeypatch.setattr(trainer_run, "cpu_rank_slots", lambda: 5)
     said: list[str] = []
     runners = [
-        TrainerRunner(Accelerator(kind, (0, 1)), LeaseBook(tmp_path), tmp_path, say=said.append)
-        for _ in range(2)
+        trainer_run.TrainerRunner(
+            Accelerator(kind, tuple(range(8))), LeaseBook(tmp_path), tmp_path, say=said.append
+        )
+        for _ in sizes
     ]
-    case = TrainerCase(
-        "t", "tiny-qwen3-chat", ("actor_rollout_ref.rollout.name=vllm",), timeout=60.0
-    )
+    cases = [
+        TrainerCase(
+            "t",
+            "tiny-qwen3-chat",
+            ("actor_rollout_ref.rollout.name=vllm",),
+            world_size=n,
+            timeout=60.0,
+        )
+        for n in sizes
+    ]
     inside: list[int] = []
     seen: list[bool] = []
     started = threading.Barrier(2)
 
-    def run(runner: TrainerRunner) -> None:
+    def run(runner, case: TrainerCase) -> None:
         started.wait()
         with runner.one_trainer_per_host(case):
             inside.append(1)
@@ -438,7 +460,7 @@ def test_trainer_runs_on_one_host_take_turns_but_on_cpu(tmp_path, kind, overlap)
             seen.append(len(inside) > 1)
             inside.pop()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in runners]
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(runners, cases)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -752,3 +774,33 @@ def test_a_replay_that_stopped_short_or_skipped_a_step_fails_every_reference_che
     skipped["steps"][1]["step"] = 2  # step 1 never replayed
     problems = failed(observed_run(tmp_path / "skipped", replay=skipped))
     assert "covers steps [0, 2] of the 2" in problems["i"], problems
+
+
+def test_an_fsdp_turbo_trainer_case_puts_the_checkout_on_the_trainers_path_and_only_it(tmp_path):
+    """verl's FSDP-Turbo engine imports `fsdp_turbo` in every worker: the checkout goes on the
+    trainer's PYTHONPATH (Ray's workers inherit it); a case on another engine never asks for one,
+    and a turbo case where none is given says what to set."""
+    from pytest_fsdp_turbo.devices import Accelerator
+    from pytest_fsdp_turbo.leases import LeaseBook
+    from pytest_fsdp_turbo.trainer.run import TrainerRunner
+    from pytest_fsdp_turbo.turbo.checkout import Checkout
+
+    layout = tmp_path / "FSDPTurbo"
+    layout.mkdir()
+    (layout / "requirements.txt").write_text("torch\n")
+    asked: list[int] = []
+
+    def checkout():
+        asked.append(1)
+        return Checkout(layout, None, "a test's checkout")
+
+    runner = TrainerRunner(Accelerator("cpu", (0,)), LeaseBook(tmp_path), tmp_path)
+    turbo = TrainerCase("t", "tiny-qwen3-chat", ("actor_rollout_ref.actor.strategy=fsdp_turbo",))
+    fsdp2 = TrainerCase("f", "tiny-qwen3-chat", ("actor_rollout_ref.actor.strategy=fsdp2",))
+    with pytest.raises(
+        Unavailable, match="t: verl's FSDP-Turbo engine needs an FSDPTurbo checkout"
+    ):
+        runner.library_paths(turbo)
+    runner.checkout = checkout
+    assert runner.library_paths(fsdp2) == () and not asked
+    assert runner.library_paths(turbo) == (str(layout),) and asked == [1]

@@ -89,6 +89,11 @@ class TrainerCase:
     def rolls_out_with_vllm(self) -> bool:
         return self.override("actor_rollout_ref.rollout.name") in (None, "vllm")
 
+    @property
+    def runs_fsdp_turbo(self) -> bool:
+        """The actor runs verl's FSDP-Turbo engine: the run needs the library (a checkout)."""
+        return self.override("actor_rollout_ref.actor.strategy") == "fsdp_turbo"
+
     def override(self, key: str) -> str | None:
         """The value the case's overrides give `key` (the last one wins, as in Hydra)."""
         found = None

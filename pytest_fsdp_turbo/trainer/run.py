@@ -18,7 +18,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import psutil
 from filelock import FileLock, Timeout
 
 from pytest_fsdp_turbo.cases.trainer_case import TrainerCase
@@ -30,6 +32,7 @@ from pytest_fsdp_turbo.processes.supervisor import CASE_TOKEN_VAR, LocalRank, re
 from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo.trainer.readings import write_rank_metrics
 from pytest_fsdp_turbo.trainer.verl_config import declared, read_resolved
+from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
@@ -67,22 +70,44 @@ class TrainerRunner:
     tiny_models: Path | None = None
     pythonpath: tuple[str, ...] = ()
     say: Callable[[str], None] | None = None  # live progress lines (the terminal reporter)
+    # the FSDPTurbo checkout (the `fsdp_turbo_checkout` fixture), asked only by a case whose
+    # actor runs verl's FSDP-Turbo engine: its `fsdp_turbo` goes on the trainer's PYTHONPATH
+    checkout: Callable[[], Checkout | None] = lambda: None
 
-    def gate(self, case: TrainerCase) -> Path:
-        """The model's folder, or Unavailable naming what is missing here."""
+    def gate(self, case: TrainerCase) -> tuple[Path, tuple[str, ...]]:
+        """The model's folder and what the trainer's PYTHONPATH needs beyond the session's (the
+        FSDPTurbo checkout of an FSDP-Turbo case, inside the library's torch range), or
+        Unavailable naming what is missing here."""
 
         missing = missing_needs()
         if missing:
             raise Unavailable(f"trainer case {case.id}: verl's trainer needs " + "; ".join(missing))
         try:
-            return resolve_model(case.model, self.models, tiny_models=self.tiny_models)
+            model = resolve_model(case.model, self.models, tiny_models=self.tiny_models)
         except ModelUnavailable as exc:
             raise Unavailable(f"trainer case {case.id}: {exc}") from None
+        return model, self.library_paths(case)
+
+    def library_paths(self, case: TrainerCase) -> tuple[str, ...]:
+        """The FSDPTurbo checkout's import path for a case whose actor runs verl's FSDP-Turbo
+        engine (asked of `checkout` only then), inside the library's torch range."""
+        if not case.runs_fsdp_turbo:
+            return ()
+        from pytest_fsdp_turbo.turbo.library import torch_gate  # only turbo cases load packaging
+
+        checkout = self.checkout()
+        if checkout is None:
+            raise Unavailable(
+                f"trainer case {case.id}: verl's FSDP-Turbo engine needs an FSDPTurbo checkout "
+                "(--fsdp-turbo-path or FSDP_TURBO_PATH)"
+            )
+        torch_gate(case.id, checkout)
+        return (checkout.pythonpath,)
 
     def run(self, case: TrainerCase, name: str) -> RunResult:
-        model = self.gate(case)
+        model, paths = self.gate(case)
         with self.one_trainer_per_host(case):
-            return self._run(case, name, model)
+            return self._run(case, name, model, paths)
 
     @contextlib.contextmanager
     def one_trainer_per_host(self, case: TrainerCase):
@@ -90,33 +115,49 @@ class TrainerRunner:
         and every fresh Ray cluster's first job has the same id: two trainer runs on one host
         (xdist workers) push into each other's sockets and hang (seen here). They take turns, but
         on CPU, where the harness's shim gives each run's sockets its own name (trainer/cpu.py,
-        shim 10, vLLM's rollout only)."""
-        rollout = next(
-            (o.split("=", 1)[1] for o in case.overrides if o.startswith(f"{ROLLOUT_NAME}=")), ""
-        )
-        if self.accelerator.kind == DeviceKind.CPU and rollout == "vllm":
-            yield
+        shim 10, vLLM's rollout only): there runs overlap as far as the host's memory holds their
+        ranks (`cpu_rank_slots`)."""
+        if self.accelerator.kind == DeviceKind.CPU and case.rolls_out_with_vllm:
+            slots = cpu_rank_slots()
+            lease = self._wait(
+                case,
+                lambda s: self.book.devices(
+                    CPU_RANK_SLOT, range(slots), min(case.world_size, slots), timeout_s=s
+                ),
+                LeaseTimeout,
+                "for host memory other verl trainer runs here hold",
+            )
+            try:
+                yield
+            finally:
+                self.book.release(lease)
             return
         lock = FileLock(str(self.book.state_dir / "verl-trainer.lock"))
-        waited = time.monotonic()
-        while True:
-            try:
-                lock.acquire(timeout=PROGRESS_S)
-                break
-            except Timeout:
-                if time.monotonic() - waited > case.timeout:
-                    raise LeaseTimeout(
-                        f"trainer case {case.id}: another verl trainer run held this host for "
-                        f"more than the case's timeout ({case.timeout:g}s)"
-                    ) from None
-                if self.say:
-                    self.say(f"trainer case {case.id}: waiting for another verl trainer run here")
+        self._wait(case, lambda s: lock.acquire(timeout=s), Timeout, "for another verl trainer run")
         try:
             yield
         finally:
             lock.release()
 
-    def _run(self, case: TrainerCase, name: str, model: Path) -> RunResult:
+    def _wait(
+        self, case: TrainerCase, take: Callable[[float], Any], busy: type[Exception], what: str
+    ) -> Any:
+        """`take` retried every PROGRESS_S (a line each time) until the case's timeout has passed
+        in waiting: the case's own timeout starts when its trainer does."""
+        waited = time.monotonic()
+        while True:
+            try:
+                return take(PROGRESS_S)
+            except busy:
+                if time.monotonic() - waited > case.timeout:
+                    raise LeaseTimeout(
+                        f"trainer case {case.id}: waited more than the case's timeout "
+                        f"({case.timeout:g}s) {what}"
+                    ) from None
+                if self.say:
+                    self.say(f"trainer case {case.id}: waiting {what}")
+
+    def _run(self, case: TrainerCase, name: str, model: Path, paths: tuple[str, ...]) -> RunResult:
         out = self.artifacts_root / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
@@ -153,14 +194,19 @@ class TrainerRunner:
                 external_modules=(*HarnessEnv.read().verl_external_modules, *case.external_modules),
                 reference=case.with_reference,
             )
-            return self._launch(case, spec, out, worker_env)
+            return self._launch(case, spec, out, worker_env, paths)
         finally:
             self.book.release(lease)
             if slot is not None:
                 self.book.release_port_ranges(slot)
 
     def _launch(
-        self, case: TrainerCase, spec: TrainerSpec, out: Path, worker_env: dict
+        self,
+        case: TrainerCase,
+        spec: TrainerSpec,
+        out: Path,
+        worker_env: dict,
+        case_paths: tuple[str, ...],
     ) -> RunResult:
         """verl's trainer as one supervised process tree: started, followed, stopped at the
         case's timeout (its stacks dumped into trainer.log), and reaped whole (the entry, Ray's
@@ -173,7 +219,7 @@ class TrainerRunner:
         env.update(worker_env)
         env[RUN_DIR_VARIABLE] = str(out)
         env[CASE_TOKEN_VAR] = token
-        paths = [*self.pythonpath, HarnessEnv.read().pythonpath]
+        paths = [*self.pythonpath, *case_paths, HarnessEnv.read().pythonpath]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
         start = time.monotonic()
@@ -299,7 +345,17 @@ def read_run(
 
 
 CAUSE_MARKS = ("Error:", "Exception:", "error:")
-ROLLOUT_NAME = "actor_rollout_ref.rollout.name"
+CPU_RANK_SLOT = "cpu-trainer-rank"  # the lease book's name for a CPU trainer rank's memory
+# What one rank of a CPU trainer run holds, its actor and its vLLM replica together: measured
+# 3.6 GB (three 2-rank runs at once, when Ray's OOM killer fired at 22.4 of 23.5 GB) to 3.9 GB
+# (the 4-rank FSDP-Turbo case alone, 16.3 GB), tiny models, 2026-12-06
+CPU_RANK_BYTES = 4 * 2**30
+
+
+def cpu_rank_slots() -> int:
+    """How many CPU trainer ranks this host's memory holds at once (at least 1: a run larger than
+    the host runs alone, never refused)."""
+    return max(1, psutil.virtual_memory().total // CPU_RANK_BYTES)
 
 
 def _skipped_steps(observed: dict) -> list[tuple[int, int, int]]:
