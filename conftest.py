@@ -56,7 +56,7 @@ def _one_warm_parent_for_every_worker(config) -> None:
 # 494 of 498 CPU-seconds with four).
 LONGEST_FIRST = (
     # CI's stage 2 (-m vllm, two workers, each taking a contiguous half first): the 4-rank trainer
-    # run, which holds the box's memory alone (trainer/run.py, cpu_rank_slots), then the other
+    # run, which holds the box's memory alone (pytest_fsdp_turbo/trainer/host_turns.py), then the other
     # trainer runs, all in the first worker's half: the second worker runs the vLLM engine cases
     # beside them instead of waiting for memory
     "e2e/test_verl_trainer.py::test_verl_trainer_one_step[tiny-qwen3-verl-trainer-fsdp_turbo",

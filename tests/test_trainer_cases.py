@@ -426,18 +426,11 @@ def test_trainer_runs_on_one_host_take_turns_but_on_cpu_as_memory_holds(
     import threading
     import time
 
-    from pytest_fsdp_turbo.devices import Accelerator
     from pytest_fsdp_turbo.leases import LeaseBook
-    from pytest_fsdp_turbo.trainer import run as trainer_run
+    from pytest_fsdp_turbo.trainer import host_turns
 
-    monkeypatch.setattr(trainer_run, "cpu_rank_slots", lambda: 5)
-    said: list[str] = []
-    runners = [
-        trainer_run.TrainerRunner(
-            Accelerator(kind, tuple(range(8))), LeaseBook(tmp_path), tmp_path, say=said.append
-        )
-        for _ in sizes
-    ]
+    monkeypatch.setattr(host_turns, "cpu_rank_slots", lambda: 5)
+    books = [LeaseBook(tmp_path) for _ in sizes]  # one per xdist worker, one state folder
     cases = [
         TrainerCase(
             "t",
@@ -452,15 +445,15 @@ def test_trainer_runs_on_one_host_take_turns_but_on_cpu_as_memory_holds(
     seen: list[bool] = []
     started = threading.Barrier(2)
 
-    def run(runner, case: TrainerCase) -> None:
+    def run(book: LeaseBook, case: TrainerCase) -> None:
         started.wait()
-        with runner.one_trainer_per_host(case):
+        with host_turns.one_trainer_per_host(book, kind, case):
             inside.append(1)
             time.sleep(0.3)
             seen.append(len(inside) > 1)
             inside.pop()
 
-    threads = [threading.Thread(target=run, args=pair) for pair in zip(runners, cases)]
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(books, cases)]
     for thread in threads:
         thread.start()
     for thread in threads:

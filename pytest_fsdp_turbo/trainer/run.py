@@ -6,7 +6,6 @@ the same way. Torch-free: the trainer runs in its own process tree, which the ha
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -18,10 +17,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import psutil
-from filelock import FileLock, Timeout
 
 from pytest_fsdp_turbo.cases.trainer_case import TrainerCase
 from pytest_fsdp_turbo.devices import Accelerator
@@ -30,12 +25,13 @@ from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
 from pytest_fsdp_turbo.processes.supervisor import CASE_TOKEN_VAR, LocalRank, reap_case, supervise
 from pytest_fsdp_turbo.settings import HarnessEnv
+from pytest_fsdp_turbo.trainer.host_turns import PROGRESS_S, one_trainer_per_host
 from pytest_fsdp_turbo.trainer.readings import write_rank_metrics
 from pytest_fsdp_turbo.trainer.verl_config import declared, read_resolved
 from pytest_fsdp_turbo.turbo.checkout import Checkout
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.device_profiles import profile_of
-from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
+from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.results import RankResult, RunResult
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_records import read_ranks, read_replicas
@@ -52,7 +48,6 @@ NEEDS = {
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 KILL_GRACE_S = 10.0
 PROGRESS_POLL_S = 2.0
-PROGRESS_S = 30.0  # at least one progress line this often, and one on every change
 
 
 def missing_needs() -> list[str]:
@@ -106,56 +101,8 @@ class TrainerRunner:
 
     def run(self, case: TrainerCase, name: str) -> RunResult:
         model, paths = self.gate(case)
-        with self.one_trainer_per_host(case):
+        with one_trainer_per_host(self.book, self.accelerator.kind, case, self.say):
             return self._run(case, name, model, paths)
-
-    @contextlib.contextmanager
-    def one_trainer_per_host(self, case: TrainerCase):
-        """verl's colocated weight sync names its IPC sockets /tmp/rl-colocate-zmq-<Ray job id>-...,
-        and every fresh Ray cluster's first job has the same id: two trainer runs on one host
-        (xdist workers) push into each other's sockets and hang (seen here). They take turns, but
-        on CPU, where the harness's shim gives each run's sockets its own name (trainer/cpu.py,
-        shim 10, vLLM's rollout only): there runs overlap as far as the host's memory holds their
-        ranks (`cpu_rank_slots`)."""
-        if self.accelerator.kind == DeviceKind.CPU and case.rolls_out_with_vllm:
-            slots = cpu_rank_slots()
-            lease = self._wait(
-                case,
-                lambda s: self.book.devices(
-                    CPU_RANK_SLOT, range(slots), min(case.world_size, slots), timeout_s=s
-                ),
-                LeaseTimeout,
-                "for host memory other verl trainer runs here hold",
-            )
-            try:
-                yield
-            finally:
-                self.book.release(lease)
-            return
-        lock = FileLock(str(self.book.state_dir / "verl-trainer.lock"))
-        self._wait(case, lambda s: lock.acquire(timeout=s), Timeout, "for another verl trainer run")
-        try:
-            yield
-        finally:
-            lock.release()
-
-    def _wait(
-        self, case: TrainerCase, take: Callable[[float], Any], busy: type[Exception], what: str
-    ) -> Any:
-        """`take` retried every PROGRESS_S (a line each time) until the case's timeout has passed
-        in waiting: the case's own timeout starts when its trainer does."""
-        waited = time.monotonic()
-        while True:
-            try:
-                return take(PROGRESS_S)
-            except busy:
-                if time.monotonic() - waited > case.timeout:
-                    raise LeaseTimeout(
-                        f"trainer case {case.id}: waited more than the case's timeout "
-                        f"({case.timeout:g}s) {what}"
-                    ) from None
-                if self.say:
-                    self.say(f"trainer case {case.id}: waiting {what}")
 
     def _run(self, case: TrainerCase, name: str, model: Path, paths: tuple[str, ...]) -> RunResult:
         out = self.artifacts_root / name
@@ -345,17 +292,6 @@ def read_run(
 
 
 CAUSE_MARKS = ("Error:", "Exception:", "error:")
-CPU_RANK_SLOT = "cpu-trainer-rank"  # the lease book's name for a CPU trainer rank's memory
-# What one rank of a CPU trainer run holds, its actor and its vLLM replica together: measured
-# 3.6 GB (three 2-rank runs at once, when Ray's OOM killer fired at 22.4 of 23.5 GB) to 3.9 GB
-# (the 4-rank FSDP-Turbo case alone, 16.3 GB), tiny models, 2026-12-06
-CPU_RANK_BYTES = 4 * 2**30
-
-
-def cpu_rank_slots() -> int:
-    """How many CPU trainer ranks this host's memory holds at once (at least 1: a run larger than
-    the host runs alone, never refused)."""
-    return max(1, psutil.virtual_memory().total // CPU_RANK_BYTES)
 
 
 def _skipped_steps(observed: dict) -> list[tuple[int, int, int]]:
