@@ -476,6 +476,41 @@ def test_each_cpu_runs_weight_sync_sockets_carry_its_own_name():
         run_own("ipc:///var/run/verl-sync.sock", "x")
 
 
+def test_each_sample_of_a_cpu_trainer_step_gets_its_own_seed_on_any_replica():
+    """Shim 11 seeds every request from verl's rollout seed and the sample's place in the step
+    (verl's AgentLoopWorker._run_agent_loop gets both), not from the replica that serves it: the
+    same sample draws the same tokens run after run; a seed verl gives is kept."""
+    pytest.importorskip("torch")
+    import asyncio
+    from types import SimpleNamespace
+
+    from pytest_fsdp_turbo_engine.trainer import cpu
+
+    class AgentLoopWorker:  # verl's (experimental/agent_loop/agent_loop.py), its seed and call
+        rollout_config = SimpleNamespace(seed=42)
+
+        async def _run_agent_loop(self, sampling_params, trajectory, *, agent_name, trace=True):
+            return sampling_params.get("seed")
+
+    cpu._seed_each_sample(SimpleNamespace(AgentLoopWorker=AgentLoopWorker))
+    worker = AgentLoopWorker()
+
+    def seed_of(params, step, index, n):
+        where = {"step": step, "sample_index": index, "rollout_n": n, "validate": False}
+        return asyncio.run(worker._run_agent_loop(params, where, agent_name="single_turn_agent"))
+
+    # verl repeats the batch for n responses without interleaving: a prompt's rows are apart,
+    # and its rollout_n is 0 on each; the response number counts them
+    rows = [(1, i, 0) for i in range(3)] * 2 + [(2, 0, 0)]
+    seeds = [seed_of({"temperature": 1.0}, *where) for where in rows]
+    assert len(set(seeds)) == len(rows) and all(0 <= s < 2**31 for s in seeds)
+    assert seeds[0] == cpu.sample_seed(42, 1, 0, 0) and seeds[3] == cpu.sample_seed(42, 1, 0, 1)
+    cpu._seed_each_sample(SimpleNamespace(AgentLoopWorker=AgentLoopWorker))  # the next run
+    again = [seed_of({"temperature": 1.0}, *where) for where in rows]
+    assert again == seeds
+    assert seed_of({"seed": 7}, 1, 0, 0) == 7
+
+
 def test_both_ends_of_verls_weight_sync_get_the_runs_socket(tmp_path):
     """Shim 10 wraps the trainer's ServerAdapter (its zmq_handle, set in __init__) and vLLM's
     worker extension (_get_zmq_handle): both ends name the same socket, with the run's name."""

@@ -35,6 +35,11 @@ each vLLM server and engine core), because the observer verl imports there calls
    and every fresh Ray cluster's first job has the same id, so two runs on one host push into
    each other's sockets and hang: each run's sockets carry the run's own name too (both ends,
    the trainer's ServerAdapter and vLLM's worker extension), so CPU runs may overlap.
+11. verl seeds vLLM's requests only under `rollout.full_determinism`, which needs vLLM's Triton
+   batch-invariant kernels (none on CPU), and routes each request to the least-loaded replica:
+   unseeded, sampling follows the timing. Each sample's request gets its own seed from verl's
+   rollout seed and the sample's place in the step (step, prompt index, its response number
+   among that prompt's rows), so it draws the same tokens on any replica, run after run.
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ def overrides(world_size: int, cores: int) -> list[str]:
 
 
 def install(run: Path) -> None:
-    """Shims 1 and 3 to 6 and 8 to 10, in this process, for the run in folder `run`; idempotent."""
+    """Shims 1, 3 to 6 and 8 to 11, in this process, for the run in folder `run`; idempotent."""
     global _installed
     if _installed:
         return
@@ -100,6 +105,32 @@ def install(run: Path) -> None:
         "verl.workers.rollout.vllm_rollout.utils",
         lambda module: _run_own_sockets_rollout(module, name),
     )
+    after_import("verl.experimental.agent_loop.agent_loop", _seed_each_sample)
+
+
+def sample_seed(seed: int, step: int, prompt: object, response: int) -> int:
+    """Shim 11: one seed per sample of a step, the same on every replica and in every run."""
+    where = f"{seed}/{step}/{prompt}/{response}"
+    return int.from_bytes(hashlib.sha1(where.encode()).digest()[:4], "big") >> 1
+
+
+def _seed_each_sample(agent_loop) -> None:
+    """verl starts one agent loop per row, in the batch's order; a prompt's responses share its
+    index (and verl's `rollout_n` counts only adjacent repeats): the k-th row of a prompt in a
+    step is its response k."""
+    worker = agent_loop.AgentLoopWorker
+    run = worker._run_agent_loop
+    seen: dict[tuple, int] = {}
+
+    async def _run_agent_loop(self, sampling_params, trajectory, *args, **kwargs):
+        if "seed" not in sampling_params:  # verl's own, where it gives one
+            prompt = (trajectory["step"], trajectory["validate"], trajectory["sample_index"])
+            response = seen[prompt] = seen.get(prompt, -1) + 1
+            seed = sample_seed(self.rollout_config.seed, prompt[0], prompt[2], response)
+            sampling_params = {**sampling_params, "seed": seed}
+        return await run(self, sampling_params, trajectory, *args, **kwargs)
+
+    worker._run_agent_loop = _run_agent_loop
 
 
 SOCKETS = "ipc:///tmp/rl-colocate-zmq-"
