@@ -461,6 +461,21 @@ def test_trainer_runs_on_one_host_take_turns_but_on_cpu_as_memory_holds(
     assert sorted(seen) == overlap
 
 
+@pytest.mark.parametrize(
+    ("cores", "gib", "slots"), [(2, 24, 2), (16, 24, 6), (16, 128, 16), (1, 1, 1), (8, 3, 1)]
+)
+def test_cpu_trainer_ranks_share_a_host_by_cores_and_memory(monkeypatch, cores, gib, slots):
+    """One core and 4 GiB per CPU trainer rank; a host smaller than one rank still runs one."""
+    from types import SimpleNamespace
+
+    from pytest_fsdp_turbo.trainer import host_turns
+
+    monkeypatch.setattr(host_turns.os, "cpu_count", lambda: cores)
+    memory = SimpleNamespace(total=gib * 2**30)
+    monkeypatch.setattr(host_turns.psutil, "virtual_memory", lambda: memory)
+    assert host_turns.cpu_rank_slots() == slots
+
+
 def test_each_cpu_runs_weight_sync_sockets_carry_its_own_name():
     pytest.importorskip("torch")
     from pytest_fsdp_turbo_engine.trainer.cpu import run_name, run_own

@@ -3,11 +3,12 @@ IPC sockets /tmp/rl-colocate-zmq-<Ray job id>-..., and every fresh Ray cluster's
 same id: two trainer runs on one host (xdist workers) push into each other's sockets and hang (seen
 here), so they take turns; but on CPU, where the harness's shim gives each run's sockets its own
 name (pytest_fsdp_turbo_engine/trainer/cpu.py, shim 10, vLLM's rollout only), runs overlap as far
-as the host's memory holds their ranks."""
+as the host's cores and memory hold their ranks."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,7 +22,7 @@ from pytest_fsdp_turbo_contract.errors import LeaseTimeout
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
 PROGRESS_S = 30.0  # at least one progress line this often, and one on every change
-CPU_RANK_SLOT = "cpu-trainer-rank"  # the lease book's name for a CPU trainer rank's memory
+CPU_RANK_SLOT = "cpu-trainer-rank"  # the lease book's name for a CPU trainer rank's share
 # What one rank of a CPU trainer run holds, its actor and its vLLM replica together: measured
 # 3.6 GB (three 2-rank runs at once, when Ray's OOM killer fired at 22.4 of 23.5 GB) to 3.9 GB
 # (the 4-rank FSDP-Turbo case alone, 16.3 GB), tiny models, 2026-12-06
@@ -29,9 +30,12 @@ CPU_RANK_BYTES = 4 * 2**30
 
 
 def cpu_rank_slots() -> int:
-    """How many CPU trainer ranks this host's memory holds at once (at least 1: a run larger than
-    the host runs alone, never refused)."""
-    return max(1, psutil.virtual_memory().total // CPU_RANK_BYTES)
+    """How many CPU trainer ranks this host holds at once: one core each (a rank's actor and its
+    vLLM replica each run threads over every core they see: on 2 cores, two 2-rank runs at once
+    took 220-320 s each in CI against 104-117 s alone, 2026-12-07) and 4 GiB each. At least 1: a
+    run larger than the host runs alone, never refused."""
+    memory = psutil.virtual_memory().total // CPU_RANK_BYTES
+    return max(1, min(memory, os.cpu_count() or 1))
 
 
 @contextlib.contextmanager
