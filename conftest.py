@@ -55,10 +55,10 @@ def _one_warm_parent_for_every_worker(config) -> None:
 # that time (249 s with four against 277 s with three, 2026-12-04, same code; the box was busy
 # 494 of 498 CPU-seconds with four).
 LONGEST_FIRST = (
-    # CI's stage 2 (-m vllm, two workers, each taking a contiguous half first): the 4-rank trainer
-    # run, which holds the box's memory alone (pytest_fsdp_turbo/trainer/host_turns.py), then the other
-    # trainer runs, all in the first worker's half: the second worker runs the vLLM engine cases
-    # beside them instead of waiting for memory
+    # CI's stage 2 (-m vllm, two workers): the trainer runs first, the 4-rank one at their head,
+    # so the vLLM engine cases on the other worker run beside them. Trainer runs take turns
+    # (pytest_fsdp_turbo/trainer/host_turns.py); in CI the 4-rank run did not always start first
+    # (2026-12-07: a 2-rank run started before it twice)
     "e2e/test_verl_trainer.py::test_verl_trainer_one_step[tiny-qwen3-verl-trainer-fsdp_turbo",
     "e2e/test_trainer_mutations.py",
     "e2e/test_verl_trainer.py",

@@ -514,8 +514,8 @@ def test_each_sample_of_a_cpu_trainer_step_gets_its_own_seed_on_any_replica():
         where = {"step": step, "sample_index": index, "rollout_n": n, "validate": False}
         return asyncio.run(worker._run_agent_loop(params, where, agent_name="single_turn_agent"))
 
-    # verl repeats the batch for n responses without interleaving: a prompt's rows are apart,
-    # and its rollout_n is 0 on each; the response number counts them
+    # measured through main_ppo: verl's rollout_n gave both responses of a prompt one seed (0 on
+    # each), so the shim counts a prompt's rows itself; here they arrive apart
     rows = [(1, i, 0) for i in range(3)] * 2 + [(2, 0, 0)]
     seeds = [seed_of({"temperature": 1.0}, *where) for where in rows]
     assert len(set(seeds)) == len(rows) and all(0 <= s < 2**31 for s in seeds)

@@ -42,8 +42,8 @@ def cpu_rank_slots() -> int:
 def one_trainer_per_host(
     book: LeaseBook, kind: str, case: TrainerCase, say: Callable[[str], None] | None = None
 ) -> Iterator[None]:
-    """Held while the case's trainer runs: CPU rank slots of the host's memory for a CPU run with
-    vLLM's rollout (`cpu_rank_slots`), else the host's one trainer lock."""
+    """Held while the case's trainer runs: CPU rank slots of the host's cores and memory for a
+    CPU run with vLLM's rollout (`cpu_rank_slots`), else the host's one trainer lock."""
     if kind == DeviceKind.CPU and case.rolls_out_with_vllm:
         slots = cpu_rank_slots()
         lease = _wait(
@@ -52,7 +52,7 @@ def one_trainer_per_host(
                 CPU_RANK_SLOT, range(slots), min(case.world_size, slots), timeout_s=s
             ),
             LeaseTimeout,
-            "for host memory other verl trainer runs here hold",
+            "for the cores and memory other verl trainer runs here hold",
             say,
         )
         try:
