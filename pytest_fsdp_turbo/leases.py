@@ -2,16 +2,18 @@
 
 One JSON state file guarded by a filelock records each holder's PID and process start time; an entry
 whose holder is gone (or whose PID was reused) is free again, so a killed worker never strands a GPU.
+Waiters that must not starve take a turn in a queue first and are served in the order they came.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +29,8 @@ STATE_DIR_VAR = Env.STATE_DIR
 HCCL_RANGE_BASE = 61000  # above Linux's default ephemeral range (32768-60999)
 HCCL_RANGE_SPAN = 64
 HCCL_RANGE_SLOTS = (65535 - HCCL_RANGE_BASE + 1) // (2 * HCCL_RANGE_SPAN)
-LEASE_TABLES = ("ports", "devices", "ranges")
+LEASE_TABLES = ("ports", "devices", "ranges", "turns")
+TURN_DIGITS = 12  # a turn's number, zero-padded so that the keys sort in the order they were taken
 
 
 def default_state_dir() -> Path:
@@ -66,6 +69,17 @@ def _port_bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _turn_number(key: str) -> int:
+    number = key.rpartition(":")[2]
+    return int(number) if number.isdigit() else 0
+
+
+def _turns_ahead(turns: dict[str, dict], kind: str, turn: str) -> list[str]:
+    """The live turns of kind's queue taken before `turn` (the keys sort in the order taken)."""
+    prefix = f"{kind}:"
+    return [key for key in turns if key.startswith(prefix) and key < turn]
 
 
 class LeaseBook:
@@ -157,6 +171,24 @@ class LeaseBook:
     def release_port(self, port: int) -> None:
         self._release("ports", [str(port)])
 
+    @contextlib.contextmanager
+    def turn(self, kind: str) -> Iterator[str]:
+        """A place in kind's queue, kept while the caller waits for `devices(..., turn=...)`.
+        Polling alone lets a holder that releases and asks again win every time: in CI a 4-rank
+        run waited 900 s while another worker's 2-rank runs took the same slots back to back."""
+        prefix = f"{kind}:"
+        with self._lock:
+            state = self._read()
+            taken = [key for key in state["turns"] if key.startswith(prefix)]
+            last = max((_turn_number(key) for key in taken), default=0)
+            turn = f"{prefix}{last + 1:0{TURN_DIGITS}d}"
+            state["turns"][turn] = _owner(self.owner_pid)
+            self._write(state)
+        try:
+            yield turn
+        finally:
+            self._release("turns", [turn])  # a granted turn is gone already
+
     def devices(
         self,
         kind: str,
@@ -165,8 +197,10 @@ class LeaseBook:
         *,
         timeout_s: float = 300.0,
         poll_s: float = 0.1,
+        turn: str | None = None,
     ) -> DeviceLease:
-        """n ids from pool that no live holder has; waits while others hold them."""
+        """n ids from pool that no live holder has; waits while others hold them and, with a
+        `turn`, while a live waiter that came earlier to kind's queue is still waiting."""
         if n > len(pool):
             raise LeaseTimeout(
                 f"asked for {n} {kind} devices; only {len(pool)} exist: {list(pool)}"
@@ -176,17 +210,21 @@ class LeaseBook:
             with self._lock:
                 state = self._read()
                 free = [i for i in pool if f"{kind}:{i}" not in state["devices"]]
-                if len(free) >= n:
+                ahead = [] if turn is None else _turns_ahead(state["turns"], kind, turn)
+                if len(free) >= n and not ahead:
                     chosen = tuple(free[:n])
                     for i in chosen:
                         state["devices"][f"{kind}:{i}"] = _owner(self.owner_pid)
+                    if turn is not None:
+                        state["turns"].pop(turn, None)
                     self._write(state)
                     return DeviceLease(kind, chosen, self.owner_pid)
             if time.monotonic() >= deadline:
                 held = {k: v["pid"] for k, v in state["devices"].items() if k.startswith(kind)}
+                queued = f"; {len(ahead)} waiter(s) ahead in the queue" if ahead else ""
                 raise LeaseTimeout(
                     f"waited {timeout_s:g}s for {n} {kind} devices from {list(pool)}; "
-                    f"held by live owners: {held}"
+                    f"held by live owners: {held}{queued}"
                 )
             time.sleep(poll_s)
 

@@ -1,5 +1,6 @@
 import json
 import multiprocessing
+import os
 import socket
 import subprocess
 import sys
@@ -58,6 +59,46 @@ def test_dead_holder_is_reclaimed(tmp_path):
     book = LeaseBook(tmp_path)
     assert book.devices("npu", range(2), 2, timeout_s=1).ids == (0, 1)
     assert book.holders()["ports"] == {}
+
+
+def test_a_waiter_in_the_queue_is_served_before_a_holder_that_asks_again(tmp_path):
+    """Polling alone let a worker that released and asked again win every time (CI: a 4-rank
+    trainer run starved 900 s); a turn taken while waiting is served first."""
+    holder, waiter = LeaseBook(tmp_path), LeaseBook(tmp_path)
+    held = holder.devices("slot", range(2), 2)
+    with waiter.turn("slot") as waiting:
+        with pytest.raises(LeaseTimeout, match=r"held by live owners"):
+            waiter.devices("slot", range(2), 2, timeout_s=0.2, turn=waiting)
+        holder.release(held)
+        with holder.turn("slot") as again:
+            with pytest.raises(LeaseTimeout, match=r"1 waiter\(s\) ahead in the queue"):
+                holder.devices("slot", range(2), 1, timeout_s=0.2, turn=again)
+            first = waiter.devices("slot", range(2), 2, timeout_s=0.2, turn=waiting)
+            assert first.ids == (0, 1)
+            waiter.release(first)
+            assert holder.devices("slot", range(2), 1, timeout_s=0.2, turn=again).ids == (0,)
+    assert holder.holders()["turns"] == {}
+
+
+def _queue_and_die(state_dir, ready):
+    waiting = LeaseBook(state_dir).turn("slot")
+    waiting.__enter__()
+    ready.set()
+    os._exit(0)  # a killed worker that was waiting: its turn is never given back
+
+
+def test_a_dead_waiters_turn_is_skipped(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_queue_and_die, args=(str(tmp_path), ready))
+    proc.start()
+    proc.join(30)
+    assert ready.is_set()
+    assert len(json.loads((tmp_path / "leases.json").read_text())["turns"]) == 1
+    book = LeaseBook(tmp_path)
+    with book.turn("slot") as turn:
+        assert turn == "slot:000000000001"  # numbered after the live turns only
+        assert book.devices("slot", range(1), 1, timeout_s=0.5, turn=turn).ids == (0,)
 
 
 def test_hccl_port_range_slots_are_disjoint(tmp_path):
@@ -140,7 +181,12 @@ def test_leases_are_released_when_the_test_fails(pytester, tmp_path, monkeypatch
     )
     result = pytester.runpytest("--fsdp-turbo-device=cpu:4", "-p", "no:randomly")
     result.assert_outcomes(passed=1, failed=1)
-    assert LeaseBook(tmp_path / "state").holders() == {"ports": {}, "devices": {}, "ranges": {}}
+    assert LeaseBook(tmp_path / "state").holders() == {
+        "ports": {},
+        "devices": {},
+        "ranges": {},
+        "turns": {},
+    }
 
 
 @pytest.mark.parametrize(

@@ -461,6 +461,52 @@ def test_trainer_runs_on_one_host_take_turns_but_on_cpu_as_memory_holds(
     assert sorted(seen) == overlap
 
 
+def test_a_large_cpu_trainer_run_is_not_starved_by_smaller_runs_that_ask_again(
+    tmp_path, monkeypatch
+):
+    """Seen in CI: a 4-rank run waited 900 s while another worker's 2-rank runs took the slots
+    back to back. Here two workers each run 2-rank cases one after another on 4 slots, which are
+    never all free at once; a 4-rank run that asks while both hold goes next."""
+    import threading
+    import time
+
+    from pytest_fsdp_turbo.leases import LeaseBook
+    from pytest_fsdp_turbo.trainer import host_turns
+
+    monkeypatch.setattr(host_turns, "cpu_rank_slots", lambda: 4)
+    vllm = ("actor_rollout_ref.rollout.name=vllm",)
+    small = TrainerCase("small", "tiny-qwen3-chat", vllm, world_size=2, timeout=60.0)
+    large = TrainerCase("large", "tiny-qwen3-chat", vllm, world_size=4, timeout=60.0)
+    entered: list[str] = []
+    first_runs = threading.Barrier(3)
+
+    def small_runs(name: str) -> None:
+        book = LeaseBook(tmp_path)
+        for run in range(3):
+            with host_turns.one_trainer_per_host(book, "cpu", small):
+                entered.append(f"{name}{run}")
+                if run == 0:
+                    first_runs.wait(timeout=30)  # both small runs hold their slots
+                    deadline = time.monotonic() + 30
+                    while not book.holders()["turns"] and time.monotonic() < deadline:
+                        time.sleep(0.01)  # until the large run has asked
+                time.sleep(0.02)
+
+    def large_run() -> None:
+        first_runs.wait(timeout=30)
+        with host_turns.one_trainer_per_host(LeaseBook(tmp_path), "cpu", large):
+            entered.append("large")
+
+    threads = [threading.Thread(target=small_runs, args=(name,)) for name in "ab"]
+    threads.append(threading.Thread(target=large_run))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(entered) == 7  # the two first small runs together, then the large run first
+    assert sorted(entered[:2]) == ["a0", "b0"] and entered[2] == "large", entered
+
+
 @pytest.mark.parametrize(
     ("cores", "gib", "slots"), [(2, 24, 2), (16, 24, 6), (16, 128, 16), (1, 1, 1), (8, 3, 1)]
 )

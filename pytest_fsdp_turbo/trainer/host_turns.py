@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
-from filelock import FileLock, Timeout
 
 from pytest_fsdp_turbo.cases.trainer_case import TrainerCase
 from pytest_fsdp_turbo.leases import LeaseBook
@@ -23,6 +22,7 @@ from pytest_fsdp_turbo_contract.vocab import DeviceKind
 
 PROGRESS_S = 30.0  # at least one progress line this often, and one on every change
 CPU_RANK_SLOT = "cpu-trainer-rank"  # the lease book's name for a CPU trainer rank's share
+HOST_TRAINER_SLOT = "verl-trainer"  # the one trainer run a host with verl's own sockets holds
 # What one rank of a CPU trainer run holds, its actor and its vLLM replica together: measured
 # 3.6 GB (three 2-rank runs at once, when Ray's OOM killer fired at 22.4 of 23.5 GB) to 3.9 GB
 # (the 4-rank FSDP-Turbo case alone, 16.3 GB), tiny models, 2026-12-06
@@ -43,37 +43,28 @@ def one_trainer_per_host(
     book: LeaseBook, kind: str, case: TrainerCase, say: Callable[[str], None] | None = None
 ) -> Iterator[None]:
     """Held while the case's trainer runs: CPU rank slots of the host's cores and memory for a
-    CPU run with vLLM's rollout (`cpu_rank_slots`), else the host's one trainer lock."""
+    CPU run with vLLM's rollout (`cpu_rank_slots`), else the host's one trainer slot. Runs are
+    served in the order they asked, so a large run is never starved by smaller ones."""
     if kind == DeviceKind.CPU and case.rolls_out_with_vllm:
-        slots = cpu_rank_slots()
+        name, slots, what = CPU_RANK_SLOT, cpu_rank_slots(), "the cores and memory"
+    else:
+        name, slots, what = HOST_TRAINER_SLOT, 1, "the host"
+    ranks = min(case.world_size, slots)
+    with book.turn(name) as turn:
         lease = _wait(
             case,
-            lambda s: book.devices(
-                CPU_RANK_SLOT, range(slots), min(case.world_size, slots), timeout_s=s
-            ),
-            LeaseTimeout,
-            "for the cores and memory other verl trainer runs here hold",
+            lambda s: book.devices(name, range(slots), ranks, timeout_s=s, turn=turn),
+            f"for {what} that other verl trainer runs here hold or asked for first",
             say,
         )
-        try:
-            yield
-        finally:
-            book.release(lease)
-        return
-    lock = FileLock(str(book.state_dir / "verl-trainer.lock"))
-    _wait(case, lambda s: lock.acquire(timeout=s), Timeout, "for another verl trainer run", say)
     try:
         yield
     finally:
-        lock.release()
+        book.release(lease)
 
 
 def _wait(
-    case: TrainerCase,
-    take: Callable[[float], Any],
-    busy: type[Exception],
-    what: str,
-    say: Callable[[str], None] | None,
+    case: TrainerCase, take: Callable[[float], Any], what: str, say: Callable[[str], None] | None
 ) -> Any:
     """`take` retried every PROGRESS_S (a line each time) until the case's timeout has passed in
     waiting: the case's own timeout starts when its trainer does."""
@@ -81,7 +72,7 @@ def _wait(
     while True:
         try:
             return take(PROGRESS_S)
-        except busy:
+        except LeaseTimeout:
             if time.monotonic() - waited > case.timeout:
                 raise LeaseTimeout(
                     f"trainer case {case.id}: waited more than the case's timeout "
