@@ -12,7 +12,8 @@ which bug this run carries.
 - skip_clip: the clip runs with max_norm = inf, so the engine reports the true norm and steps on
   the raw gradients (check k; a still holds: the norm is true).
 - zero_loss: the loss verl hands the engine is multiplied by 0 before backward: no gradient,
-  though the advantages are not 0 (check a).
+  though the advantages are not 0 (check a). `zero_loss@N`: on optimizer step N alone (the N-th
+  mini-batch, from 0), so the steps before it are judged on other bugs.
 - half_grads: FSDP2's gradient divide factor is twice the world size (an average taken twice):
   the norm it reports is the true norm of what it holds, the clip right, the loss gradient right,
   and AdamW's first update nearly scale-free; only the reference sees it (c, and a's reference
@@ -30,6 +31,10 @@ which bug this run carries.
   the first, as an offload that restores a stale copy would: each optimizer step moves the
   weights from the checkpoint again (check i: the parameters before a step against where the
   previous step left them).
+- last_micro_batch_only: the gradients zeroed as each micro-batch begins (a zero_grad moved into
+  the micro-batch loop): only the last micro-batch's reach the step, whose norm is reported,
+  clipped and stepped on faithfully (check h: the micro-batch pair, one pass of the same
+  mini-batch against its k micro-batches).
 Several bugs may share one run, `a+b`, when the checks they turn red are disjoint.
 """
 
@@ -86,8 +91,16 @@ def _register(transformer_impl) -> None:
                 transformer_impl.fsdp2_clip_grad_norm_ = clip
 
     class ZeroLossEngine(base):
+        only_at: int | None = None  # the mini-batch whose loss it zeroes (None: every one)
+        _mini_batches = -1
+
+        def train_batch(self, data, loss_function):
+            self._mini_batches += 1
+            return super().train_batch(data, loss_function)
+
         def forward_backward_batch(self, data, loss_function, forward_only=False):
-            if forward_only or loss_function is None:
+            later = self.only_at is not None and self._mini_batches != self.only_at
+            if forward_only or loss_function is None or later:
                 return super().forward_backward_batch(data, loss_function, forward_only)
 
             def zeroed(**kwargs):
@@ -165,6 +178,13 @@ def _register(transformer_impl) -> None:
                         param.copy_(saved)
             return super().train_batch(data, loss_function)
 
+    class LastMicroBatchOnlyEngine(base):
+        @contextlib.contextmanager
+        def _gradient_sync_context(self, *, is_last_micro_batch: bool):
+            self.optimizer_zero_grad()
+            with super()._gradient_sync_context(is_last_micro_batch=is_last_micro_batch):
+                yield
+
     engines = {
         "noop_sync": NoopSyncEngine,
         "stale_push": StalePushEngine,
@@ -176,16 +196,23 @@ def _register(transformer_impl) -> None:
         "never_steps": NeverStepsEngine,
         "cold_ref": ColdRefEngine,
         "stale_onload": StaleOnloadEngine,
+        "last_micro_batch_only": LastMicroBatchOnlyEngine,
     }
-    bugs = bug.split("+")
-    if unknown := [b for b in bugs if b not in engines]:
-        raise ValueError(f"{BUG}={bug!r}: {unknown[0]!r} is none of {', '.join(engines)}")
+    chosen = []
+    for each in bug.split("+"):
+        name, at, step = each.partition("@")
+        if name not in engines:
+            raise ValueError(f"{BUG}={bug!r}: {name!r} is none of {', '.join(engines)}")
+        if at and (name != "zero_loss" or not step.isdigit()):
+            raise ValueError(f"{BUG}={bug!r}: only zero_loss takes @STEP (a number), not {each!r}")
+        found = engines[name]
+        if at:  # the same class name: the run names the engines it built
+            found = type(found.__name__, (found,), {"only_at": int(step)})
+        chosen.append(found)
     # several bugs, one run (verl's start-up paid once): each on a check of its own
-    engine = engines[bugs[0]]
-    if len(bugs) > 1:
-        engine = type(
-            "_".join(engines[b].__name__ for b in bugs), tuple(engines[b] for b in bugs), {}
-        )
+    engine = chosen[0]
+    if len(chosen) > 1:
+        engine = type("_".join(b.__name__ for b in chosen), tuple(chosen), {})
     EngineRegistry.register(
         model_type="language_model", backend=["fsdp", "fsdp2"], device="cuda", vendor="cpu"
     )(engine)

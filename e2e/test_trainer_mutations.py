@@ -30,6 +30,7 @@ ENGINE = {
     "never_steps": "NeverStepsEngine",
     "cold_ref": "ColdRefEngine",
     "stale_onload": "StaleOnloadEngine",
+    "last_micro_batch_only": "LastMicroBatchOnlyEngine",
 }
 
 
@@ -51,7 +52,7 @@ def _broken_run(
         overrides=case.overrides + overrides,
         external_modules=(MODULE,),
         env={**case.env, "PYTEST_FSDP_TURBO_TRAINER_BUG": bug},
-        engine_class="_".join(ENGINE[b] for b in bug.split("+")),
+        engine_class="_".join(ENGINE[b.partition("@")[0]] for b in bug.split("+")),
         reference=reference,
     )
     return verl_trainer_run(broken)
@@ -64,47 +65,56 @@ def _broken(verl_trainer_run, request, case_id: str, bug: str, **how):
     return checks.evaluate(result)
 
 
-def test_three_bugs_on_the_deferred_case_each_fail_their_own_check(verl_trainer_run, request):
-    """The seed's bug (deferral declared in verl's config, a sync context that does nothing: h),
-    the reference policy's pass at temperature 1 while the rollout samples at 0.8 (b: the KL's
-    log-probs), and an onload that restores the first mini-batch's parameters before the second
-    (i: step 1 starts where step 0 began, not where it left the weights). The case's two
-    optimizer steps (ppo_epochs 2) are each judged."""
+def test_four_bugs_on_the_deferred_case_each_fail_their_own_check(verl_trainer_run, request):
+    """The case's two optimizer steps (ppo_epochs 2), each judged on its own. The seed's bug
+    (deferral declared in verl's config, a sync context that does nothing: h), the reference
+    policy's pass at temperature 1 while the rollout samples at 0.8 (b: the KL's log-probs), an
+    onload that restores the first mini-batch's parameters before the second (i: step 1 starts
+    where step 0 began, not where it left the weights), and, on step 1 alone, the loss multiplied
+    by 0 before backward: no gradient though the advantages are not 0 (a says so before it asks
+    the reference; l sees a loss that sends nothing into the log-probs; c, from the reference)."""
     verdict = _broken(
         verl_trainer_run,
         request,
         "tiny-qwen3-verl-trainer-fsdp2-deferred",
-        "noop_sync+cold_ref+stale_onload",
+        "noop_sync+cold_ref+stale_onload+zero_loss@1",
         reference=True,
         overrides=("actor_rollout_ref.rollout.temperature=0.8",),
     )
     failed = {o.check: o.detail.splitlines()[0] for o in verdict.with_status(checks.FAILED)}
-    assert set(failed) == {"b", "h", "i"}, failed
+    assert set(failed) == {"a", "b", "c", "h", "i", "l"}, failed
     assert "declares gradient_sync 'deferred'" in failed["h"]
     assert "expected reduce-scatters per micro-batch [0, 5], measured [5, 5]" in failed["h"]
     assert "step 0: the reference policy's log-probs verl's KL loss used differ" in failed["b"]
     assert (
         "step 1: parameter " in failed["i"] and "differs from where step 0 left it" in failed["i"]
     )
+    assert "step 1: " in failed["a"], failed["a"]
+    assert "= 0 on a step whose advantages are not all zero" in failed["a"]
+    assert "step 1: " in failed["c"], failed["c"]
+    assert "step 1: " in failed["l"], failed["l"]
+    assert "the loss was scaled, masked or aggregated otherwise" in failed["l"]
 
 
-def test_five_bugs_in_one_run_each_fail_their_own_check(verl_trainer_run, request):
-    """One run, verl's start-up paid once, five bugs whose checks are disjoint: a stale push into
+def test_six_bugs_in_one_run_each_fail_their_own_check(verl_trainer_run, request):
+    """One run, verl's start-up paid once, six bugs whose checks are disjoint: a stale push into
     one replica (e, no reference needed), FSDP2 dividing the gradients twice (c and a's
     reference norm: its reported norm is the true norm of what it holds, its clip right),
     the lr scaled by the data-parallel size again (i), the log-prob pass at temperature 1 while
-    the rollout samples at 0.8 (b), and a clip that ignores max_norm (k: the norm it reports is
-    true, the gradients it steps on unclipped; the halved norm, 1.8, still engages the clip)."""
+    the rollout samples at 0.8 (b), a clip that ignores max_norm (k: the norm it reports is
+    true, the gradients it steps on unclipped; the norm it holds still engages the clip), and
+    gradients zeroed as each micro-batch begins (h: the micro-batch pair, no reference needed;
+    every count of reduce-scatters as declared)."""
     verdict = _broken(
         verl_trainer_run,
         request,
         "tiny-qwen3-verl-trainer-fsdp2",
-        "stale_push+half_grads+scaled_lr+cold_logprobs+skip_clip",
+        "stale_push+half_grads+scaled_lr+cold_logprobs+skip_clip+last_micro_batch_only",
         reference=True,
         overrides=("actor_rollout_ref.rollout.temperature=0.8",),
     )
     failed = {o.check: o.detail.splitlines()[0] for o in verdict.with_status(checks.FAILED)}
-    assert set(failed) == {"a", "b", "c", "e", "i", "k"}, failed
+    assert set(failed) == {"a", "b", "c", "e", "h", "i", "k"}, failed
     assert "a stale or wrong push" in failed["e"]
     assert (
         "step 0: the engine's gradients differ from the single-process reference's" in (failed["c"])
@@ -113,18 +123,7 @@ def test_five_bugs_in_one_run_each_fail_their_own_check(verl_trainer_run, reques
     assert "x lr from AdamW in closed form on the engine's own clipped" in failed["i"]
     assert "the old log-probs verl trained with differ from the reference's forward" in failed["b"]
     assert "from the raw ones clipped by the global norm and max_norm" in failed["k"]
-
-
-def test_a_loss_multiplied_by_zero_fails_a_on_its_advantages_and_l(verl_trainer_run, request):
-    """No gradient though the advantages are not 0: a says so before it asks the reference, and
-    l sees a loss that sends nothing into the log-probs (c and i, from the reference, too)."""
-    verdict = _broken(
-        verl_trainer_run, request, "tiny-qwen3-verl-trainer-fsdp2", "zero_loss", reference=True
-    )
-    failed = {o.check: o.detail for o in verdict.with_status(checks.FAILED)}
-    assert set(failed) == {"a", "c", "i", "l"}, failed
-    assert "= 0 on a step whose advantages are not all zero" in failed["a"].splitlines()[0]
-    assert "the loss was scaled, masked or aggregated otherwise" in failed["l"].splitlines()[0]
+    assert "the micro-batch pair: parameter " in failed["h"], failed["h"]
 
 
 def test_an_engine_that_never_steps_is_the_runs_failure_with_its_cause_first(

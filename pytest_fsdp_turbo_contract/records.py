@@ -144,6 +144,10 @@ class TrainRecord(Record):
     )  # unsharded gradient bytes held between micro-batches
     # relative to its largest entry; worst over updates and micro-batches (inf: never arrived)
     loss_grad_max_rel_err: float | None = metric(over_updates=WORST)
+    # a verl trainer run's micro-batch pair: the relative L2 distance between a parameter's
+    # gradient over the k micro-batches and over one pass of the same mini-batch, worst parameter
+    micro_batch_pair_rel_l2: float | None = metric(optional=True, over_updates=WORST)
+    micro_batch_pair_param: str | None = metric(optional=True)
 
 
 @dataclass

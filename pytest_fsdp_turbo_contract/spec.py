@@ -151,6 +151,9 @@ class PPOSpec:
     # rollout replicas that receive the trainer's weights (a verl trainer run's resolved config)
     rollout_replicas: int | None = run_field(None)
     rollout_dtype: str | None = run_field(None)  # what the rollout serves the weights in (torch's)
+    # a verl trainer run's: each mini-batch's gradients in its k micro-batches against one pass of
+    # it through the same engine (check h)
+    micro_batch_pair: bool | None = run_field(None)
 
 
 @dataclass(frozen=True)

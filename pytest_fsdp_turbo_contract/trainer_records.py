@@ -41,6 +41,11 @@ class ObservedStep:
     stepped_residual: float | None = None
     # what the reference's capture cost this step on this rank, in seconds (None: no capture)
     capture_seconds: float | None = None
+    # the micro-batch pair: the same engine's gradients of the same mini-batch in one pass against
+    # the k micro-batches it trained on, this rank's shard of each parameter as [sum of squared
+    # differences, the k-pass gradient's sum of squares] (None: not paired), and what it cost
+    micro_batch_pair: dict[str, list[float]] | None = None
+    pair_seconds: float | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ObservedStep:

@@ -45,6 +45,8 @@ class TrainerSpec:
     external_modules: tuple[str, ...] = ()
     # the case declares the single-process reference: the observer captures what it replays
     reference: bool = False
+    # the case declares the micro-batch pair: the observer runs each mini-batch again in one pass
+    micro_batch_pair: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -71,6 +71,7 @@ def test_a_bad_trainer_case_is_one_line_naming_file_case_and_field(
 
 
 def test_a_tiny_trainer_case_has_its_reference_unless_it_says_no_and_a_real_one_asks(tmp_path):
+    """The reference and the micro-batch pair alike: on for tiny models, asked for by a real one."""
     loaded = book(
         tmp_path,
         BASE
@@ -79,6 +80,7 @@ def test_a_tiny_trainer_case_has_its_reference_unless_it_says_no_and_a_real_one_
 id = "t-off"
 extends = "t"
 reference = false
+micro_batch_pair = false
 
 [[trainer_case]]
 id = "real"
@@ -89,12 +91,17 @@ overrides = ["trainer.n_gpus_per_node=2"]
 id = "real-on"
 extends = "real"
 reference = true
+micro_batch_pair = true
 """,
     )
     have = {case.id: case.with_reference for case in loaded.trainer_cases}
     assert have == {"t": True, "t-off": False, "real": False, "real-on": True}
+    pairs = {case.id: case.with_micro_batch_pair for case in loaded.trainer_cases}
+    assert pairs == have
     with pytest.raises(ConfigError, match="trainer case 't': field 'reference': expected"):
         book(tmp_path, BASE + 'reference = "yes"\n')
+    with pytest.raises(ConfigError, match="trainer case 't': field 'micro_batch_pair': expected"):
+        book(tmp_path, BASE + "micro_batch_pair = 2\n")
 
 
 @pytest.mark.parametrize("override", ["data.x={modle}", "not an override", "=value"])
@@ -238,13 +245,21 @@ def observed_run(
     replay: dict | None = None,  # observe/replay.json; the case declares its reference with it
     later: dict | None = None,  # a second optimizer step: what differs from the first
     batches: int | None = None,  # mini-batches train_batch was handed (default: one a step)
+    pair: tuple | None = None,  # each rank's micro-batch pair; the case declares it with it
 ):
     """A run folder as the trainer entry and the observer leave it, then read as the plugin does."""
     out = tmp_path / "run"
     folder = TrainerFolder(out)
     folder.observe.mkdir(parents=True)
     spec = TrainerSpec(
-        "t", DeviceKind.CPU, 2, "/model", ("a=b",), timeout_s=600.0, reference=replay is not None
+        "t",
+        DeviceKind.CPU,
+        2,
+        "/model",
+        ("a=b",),
+        timeout_s=600.0,
+        reference=replay is not None,
+        micro_batch_pair=pair is not None,
     )
     spec.write(folder.spec)
     if replay:
@@ -264,6 +279,7 @@ def observed_run(
             "advantages_abs_max": advantages[rank],
             "stepped_scale": stepped[rank],
             "stepped_residual": 0.0,
+            "micro_batch_pair": None if pair is None else pair[rank],
         }
         steps = [step] * max(1, len((replay or {}).get("steps", ())))
         if later is not None:
@@ -375,6 +391,41 @@ def test_each_trainer_check_fails_on_the_bug_it_claims(tmp_path, changes, check,
     problems = failed(observed_run(tmp_path, **changes))
     assert set(problems) == {check}, problems
     assert words in problems[check]
+
+
+def test_the_micro_batch_pair_holds_each_parameter_to_its_one_pass_gradient(tmp_path):
+    """Each rank's shard sums, added up per parameter: the worst parameter's relative L2
+    distance, judged by h against the dtype's tolerance; declared and not measured is red."""
+    from pytest_fsdp_turbo.checks.tolerances import MICRO_BATCH_PAIR_TOL
+
+    tolerance = MICRO_BATCH_PAIR_TOL["bf16"]
+    healthy = ({"w": [0.0, 4.0], "b": [0.0, 1.0]}, {"w": [0.0, 4.0], "b": [0.0, 1.0]})
+    result = observed_run(tmp_path / "healthy", pair=healthy)
+    assert "h" not in failed(result)
+    assert result.metrics["sync/micro_batch_pair_rel_l2"] == 0.0
+    # b: sqrt((x + x) / (1 + 1)) = 2 tolerances off, on two ranks' shards together
+    off = (2 * tolerance) ** 2
+    broken = ({"w": [0.0, 4.0], "b": [off, 1.0]}, {"w": [0.0, 4.0], "b": [off, 1.0]})
+    problem = failed(observed_run(tmp_path / "broken", pair=broken))["h"]
+    assert (
+        "the micro-batch pair: parameter b's gradient over the 2 micro-batches differs from one "
+        f"pass of the same mini-batch through the same engine by {2 * tolerance:.3g}"
+    ) in problem, problem
+    unpaired = failed(observed_run(tmp_path / "unpaired", pair=(healthy[0], None)))["h"]
+    assert "metric 'sync/micro_batch_pair_rel_l2' missing" in unpaired, unpaired
+
+
+def test_the_pairs_distance_is_per_parameter_over_every_ranks_shard():
+    from pytest_fsdp_turbo.trainer.readings import pair_distance
+
+    # a parameter no gradient reached in either pass is equal; one reached in one pass only is not
+    assert pair_distance([{"w": [0.0, 0.0]}, {"w": [0.0, 0.0]}], 2) == (0.0, "w")
+    assert pair_distance([{"w": [1.0, 0.0]}, {"w": [0.0, 0.0]}], 2) == (math.inf, "w")
+    assert pair_distance([{"a": [1.0, 4.0], "b": [0.0, 4.0]}, {"a": [0.0, 0.0]}], 2) == (0.5, "a")
+    nan = pair_distance([{"a": [math.nan, 1.0], "b": [1.0, 1.0]}, {}], 2)
+    assert nan is not None and math.isnan(nan[0]) and nan[1] == "a"
+    assert pair_distance([{"w": [0.0, 1.0]}, None], 2) is None  # a rank that did not pair
+    assert pair_distance([{"w": [0.0, 1.0]}], 2) is None
 
 
 def test_a_failed_trainer_shows_its_cause_first(tmp_path):

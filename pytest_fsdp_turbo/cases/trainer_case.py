@@ -76,6 +76,11 @@ class TrainerCase:
     # Default: on for tiny models; a real model's costs a whole fp32 copy of it on one process
     # and every parameter gathered to rank 0 each step (docs/verl.md)
     reference: bool | None = None
+    # the micro-batch pair (check h): each mini-batch run again in one pass through the same
+    # engine before its step, the gradients held to the k micro-batches'. Default: on for tiny
+    # models; a real model's costs one more forward and backward of each mini-batch and one more
+    # set of gradient shards (docs/verl.md)
+    micro_batch_pair: bool | None = None
 
     @property
     def is_tiny(self) -> bool:
@@ -84,6 +89,10 @@ class TrainerCase:
     @property
     def with_reference(self) -> bool:
         return self.is_tiny if self.reference is None else self.reference
+
+    @property
+    def with_micro_batch_pair(self) -> bool:
+        return self.is_tiny if self.micro_batch_pair is None else self.micro_batch_pair
 
     @property
     def rolls_out_with_vllm(self) -> bool:

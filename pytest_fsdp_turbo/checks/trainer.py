@@ -8,7 +8,9 @@ from outside verl and what verl's resolved config declares (spec.json).
   e  every rollout replica's last weight push equals the trainer's parameters after the step,
      tensor by tensor, in the dtype the rollout declares (exact bytes), and every replica got one
   h  the resolved sync policy (`use_no_sync_for_gradient_accumulation`) proven by reduce-scatters
-     per micro-batch and by the unsharded gradients held between micro-batches
+     per micro-batch and by the unsharded gradients held between micro-batches; and, where the
+     case declares the micro-batch pair, each parameter's gradient over the k micro-batches equal
+     to its gradient in one pass of the same mini-batch through the same engine
   j  the data-parallel ranks' mini-batches (each row's tokens, as `train_batch` got them) are
      disjoint
   k  the optimizer stepped on the raw gradients after the last backward times the clip
@@ -30,13 +32,20 @@ from collections.abc import Callable
 from pytest_fsdp_turbo.checks.check_sets import CheckSet, register_check_set
 from pytest_fsdp_turbo.checks.gradients import check_grad_norm
 from pytest_fsdp_turbo.checks.optimizer import check_clip
-from pytest_fsdp_turbo.checks.readings import GRAD_NORM, _rel, declared
+from pytest_fsdp_turbo.checks.readings import (
+    GRAD_NORM,
+    MICRO_BATCH_PAIR_REL_L2,
+    _dtype,
+    _rel,
+    _value,
+    declared,
+)
 from pytest_fsdp_turbo.checks.sync import (
     check_data_rows,
     check_reduce_scatters,
     check_retained_gradients,
 )
-from pytest_fsdp_turbo.checks.tolerances import NORM_AGREEMENT_REL
+from pytest_fsdp_turbo.checks.tolerances import MICRO_BATCH_PAIR_TOL, NORM_AGREEMENT_REL
 from pytest_fsdp_turbo.checks.trainer_reference import (
     check_old_logprobs,
     check_trainer_gradients,
@@ -143,6 +152,20 @@ def _trainer_sync(result: RunResult) -> None:  # one step's readings
         raise CheckFailure(f"{head}: the harness saw {measured} training micro-batches on rank 0")
     check_reduce_scatters(result, str(spec.engine.gradient_sync), micro_batches, head)
     check_retained_gradients(result, str(spec.engine.gradient_sync), micro_batches, head)
+    if spec.ppo.micro_batch_pair and micro_batches > 1:  # one micro-batch is its own pair
+        _micro_batch_pair(result, micro_batches, head)
+
+
+def _micro_batch_pair(result: RunResult, micro_batches: int, head: str) -> None:
+    tolerance = MICRO_BATCH_PAIR_TOL[_dtype(result)]
+    distance = _value(result, 0, MICRO_BATCH_PAIR_REL_L2)
+    if not distance <= tolerance:
+        param = result.ranks[0].step.train.micro_batch_pair_param
+        raise CheckFailure(
+            f"{head}: the micro-batch pair: parameter {param}'s gradient over the "
+            f"{micro_batches} micro-batches differs from one pass of the same mini-batch through "
+            f"the same engine by {distance:.3g} (relative L2), tolerance {tolerance:g}"
+        )
 
 
 @judges("e")

@@ -108,6 +108,7 @@ def run_spec_json(
         "rollout_dtype": declared.rollout_dtype,
         # what the reference refuses to model (replay.json says) is no reference to hold it to
         "reference_checks": spec.reference and not refused,
+        "micro_batch_pair": spec.micro_batch_pair,
         "updates": declared.updates,
         "n": declared.n,
         "num_prompts": declared.num_prompts,
@@ -167,6 +168,7 @@ def step_metrics(
     data_rows = _row_ids({rank: step.rows for rank, step in steps.items()})
     peaks = [s.advantages_abs_max for s in steps.values() if s.advantages_abs_max is not None]
     coef = None if measured is None or clip is None else min(1.0, clip / (measured + 1e-6))
+    pair = pair_distance([step.micro_batch_pair for step in steps.values()], spec.world_size)
     out = []
     for rank, step in steps.items():
         shard = step.shard_group_size or 1
@@ -186,6 +188,9 @@ def step_metrics(
             retained_grad_bytes=max(step.retained_grad_bytes or [0]),
             data_rows=data_rows.get(rank),
         )
+        if pair is not None:
+            metrics.train.micro_batch_pair_rel_l2 = pair[0]
+            metrics.train.micro_batch_pair_param = pair[1] or None
         reported = step.reported_grad_norm
         metrics.optimizer = OptimizerRecord(
             grad_norm=reported,
@@ -204,6 +209,28 @@ def step_metrics(
             )
         out.append((rank, metrics))
     return out
+
+
+def pair_distance(
+    shards: list[dict[str, list[float]] | None], world_size: int
+) -> tuple[float, str] | None:
+    """The micro-batch pair's worst parameter: the relative L2 distance between its gradient in
+    one pass and over the k micro-batches, from every rank's shard sums (a replica's shards add
+    to both sums alike). None unless every rank paired."""
+    if len(shards) < world_size or any(shard is None for shard in shards):
+        return None
+    sums: dict[str, list[float]] = {}
+    for shard in shards:
+        for name, (diff, norm) in (shard or {}).items():
+            total = sums.setdefault(name, [0.0, 0.0])
+            total[0] += diff
+            total[1] += norm
+    distances = [
+        (math.sqrt(diff / norm) if norm > 0 else (math.inf if diff > 0 else 0.0), name)
+        for name, (diff, norm) in sorted(sums.items())
+    ]
+    # NaN counts as the worst
+    return max(distances, key=lambda d: math.inf if d[0] != d[0] else d[0], default=(0.0, ""))
 
 
 def _clip_error(step: ObservedStep, coef: float | None) -> float | None:

@@ -140,6 +140,7 @@ class TrainerRunner:
                 golden_tier=case.golden_tier,
                 external_modules=(*HarnessEnv.read().verl_external_modules, *case.external_modules),
                 reference=case.with_reference,
+                micro_batch_pair=case.with_micro_batch_pair,
             )
             return self._launch(case, spec, out, worker_env, paths)
         finally:

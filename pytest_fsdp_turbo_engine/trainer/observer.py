@@ -7,7 +7,8 @@ vLLM worker extension's weight update, the tracking logger).
 
 The engine instance verl's registry builds also gets two wrappers (whatever its class): around
 `train_batch` (the mini-batch the actor hands it) and around `optimizer_step` (the raw gradients'
-sums of squares as it begins, the norm it returns).
+sums of squares as it begins, the micro-batch pair where the case declares it, the norm it
+returns).
 
 What each process writes, under the run folder's observe/ (trainer_files.py names them, the
 records are trainer_records.py's):
@@ -58,9 +59,16 @@ def digest(tensor) -> str:
 class TrainerRank:
     """One trainer rank's readings, per optimizer step."""
 
-    def __init__(self, folder: TrainerFolder, rank: int, capture: bool = False) -> None:
+    def __init__(
+        self, folder: TrainerFolder, rank: int, capture: bool = False, pairs: bool = False
+    ) -> None:
         self.folder, self.rank = folder, rank
         self.capture = capture  # what the reference replays (capture.py), every step
+        self.pairs = pairs  # the micro-batch pair (micro_batch_pair.py), every step
+        self._pairing = False  # the pair's own pass is running: none of it is the engine's step
+        self._mini_batch: tuple[Any, Any] | None = None  # train_batch's data and loss function
+        self._pair: dict[str, list[float]] | None = None
+        self._pair_s: float | None = None
         self._loss_grads: dict[str, Any] = {}  # row digest -> d loss / d its response log-probs
         self.roots: list = []  # modules fully_shard was applied to, in order
         self.steps: list[ObservedStep] = []
@@ -100,8 +108,10 @@ class TrainerRank:
     def _forward(self, module, args) -> None:
         import torch
 
-        if not (torch.is_grad_enabled() and module.training and self._is_root(module)):
-            return  # forward-only passes (old and reference log-probs), inner units
+        if self._pairing or not (
+            torch.is_grad_enabled() and module.training and self._is_root(module)
+        ):
+            return  # forward-only passes (old and reference log-probs), inner units, the pair
         from pytest_fsdp_turbo_engine.step import fsdp_probe
 
         if self._pass is None:
@@ -117,14 +127,16 @@ class TrainerRank:
         self._pass["reduce_scatters_by_micro_batch"].append(0)
 
     def reduce_scattered(self) -> None:
-        if self._pass is not None:
+        if self._pass is not None and not self._pairing:
             self._pass["reduce_scatters_by_micro_batch"][-1] += 1
 
     def backward_done(self, modules) -> None:
         """FSDP2's root post-backward callback ran: the raw gradient shard's sum of squares (the
         last micro-batch's is what the step clips)."""
         # the callback is queued by whichever unit's state saw backward first, not the root's
-        if self._pass is None or not any(_contains(self._pass["module"], m) for m in modules):
+        if self._pairing or self._pass is None:
+            return
+        if not any(_contains(self._pass["module"], m) for m in modules):
             return
         self._pass["shard_grad_sq"] = sum(_squares(self._pass["module"]))
 
@@ -137,6 +149,33 @@ class TrainerRank:
             if self.capture:
                 with self._timed():
                     self._gather_whole("grads.pt", self._pass["module"], gradients=True)
+
+    def mini_batch(self, data, loss_function) -> None:
+        """What train_batch was handed, for the pair (the loss function as verl made it)."""
+        self._mini_batch = (data, loss_function) if self.pairs else None
+
+    def pair(self, engine) -> None:
+        """The micro-batch pair, as the engine's optimizer_step begins (its k micro-batches'
+        gradients are all in): one more pass of the same mini-batch, the engine's gradients put
+        back after. Only with more than one micro-batch: one is its own pair."""
+        if self._pass is None or self._mini_batch is None:
+            return
+        if len(self._pass["reduce_scatters_by_micro_batch"]) < 2:
+            return
+        from pytest_fsdp_turbo_engine.trainer.micro_batch_pair import (
+            one_pass_against_accumulated,
+        )
+
+        started = time.perf_counter()
+        self._pairing = True
+        try:
+            self._pair = one_pass_against_accumulated(
+                engine, self._pass["module"], *self._mini_batch
+            )
+        finally:
+            self._pairing = False
+            self._mini_batch = None
+            self._pair_s = time.perf_counter() - started
 
     def watch_loss(self, loss_function):
         """verl's loss, as the actor hands it to the engine: the gradient that reaches each row's
@@ -260,8 +299,11 @@ class TrainerRank:
             stepped_scale=fit.get("stepped_scale"),
             stepped_residual=fit.get("stepped_residual"),
             capture_seconds=self._capture_s if self.capture else None,
+            micro_batch_pair=self._pair,
+            pair_seconds=self._pair_s,
         )
         self._batch, self._raw_sq, self._capture_s = {}, [], 0.0
+        self._pair, self._pair_s = None, None
         if self._units is not None:
             self._units.__exit__(None, None, None)
         self.steps.append(done)
@@ -375,7 +417,9 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
     )
 
     spec = TrainerSpec.read(folder.spec)
-    rank = TrainerRank(folder, int(os.environ["RANK"]), capture=spec.reference)
+    rank = TrainerRank(
+        folder, int(os.environ["RANK"]), capture=spec.reference, pairs=spec.micro_batch_pair
+    )
 
     def shard_wrapped(original):
         def fully_shard(module, *args, **kwargs):
@@ -443,6 +487,7 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
 
             def optimizer_step(*a, **k):
                 rank.before_clip()
+                rank.pair(engine)
                 norm = step(*a, **k)
                 rank.reported(norm)
                 return norm
@@ -453,6 +498,7 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
             def train_batch(data, *a, **k):
                 rank.engine_class = f"{type(engine).__module__}.{type(engine).__qualname__}"
                 rank.batch_seen(data)
+                rank.mini_batch(data, k.get("loss_function", a[0] if a else None))
                 if rank.capture and "loss_function" in k:
                     k["loss_function"] = rank.watch_loss(k["loss_function"])
                 elif rank.capture and a:
