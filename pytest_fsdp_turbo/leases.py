@@ -13,6 +13,7 @@ import os
 import socket
 import stat
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,7 @@ def _port_bindable(port: int) -> bool:
 
 
 def _turn_number(key: str) -> int:
-    number = key.rpartition(":")[2]
+    number = key.rpartition(":")[2].partition("-")[0]
     return int(number) if number.isdigit() else 0
 
 
@@ -181,7 +182,9 @@ class LeaseBook:
             state = self._read()
             taken = [key for key in state["turns"] if key.startswith(prefix)]
             last = max((_turn_number(key) for key in taken), default=0)
-            turn = f"{prefix}{last + 1:0{TURN_DIGITS}d}"
+            # numbered after every live turn; the token keeps a number taken again after this
+            # turn was granted (the queue emptied) from being given back by this one's exit
+            turn = f"{prefix}{last + 1:0{TURN_DIGITS}d}-{uuid.uuid4().hex[:8]}"
             state["turns"][turn] = _owner(self.owner_pid)
             self._write(state)
         try:

@@ -426,6 +426,7 @@ def test_the_pairs_distance_is_per_parameter_over_every_ranks_shard():
     assert nan is not None and math.isnan(nan[0]) and nan[1] == "a"
     assert pair_distance([{"w": [0.0, 1.0]}, None], 2) is None  # a rank that did not pair
     assert pair_distance([{"w": [0.0, 1.0]}], 2) is None
+    assert pair_distance([{}, {}], 2) is None  # nothing compared
 
 
 def test_a_failed_trainer_shows_its_cause_first(tmp_path):

@@ -190,7 +190,7 @@ def step_metrics(
         )
         if pair is not None:
             metrics.train.micro_batch_pair_rel_l2 = pair[0]
-            metrics.train.micro_batch_pair_param = pair[1] or None
+            metrics.train.micro_batch_pair_param = pair[1]
         reported = step.reported_grad_norm
         metrics.optimizer = OptimizerRecord(
             grad_norm=reported,
@@ -216,7 +216,7 @@ def pair_distance(
 ) -> tuple[float, str] | None:
     """The micro-batch pair's worst parameter: the relative L2 distance between its gradient in
     one pass and over the k micro-batches, from every rank's shard sums (a replica's shards add
-    to both sums alike). None unless every rank paired."""
+    to both sums alike). None unless every rank paired and some parameter was compared."""
     if len(shards) < world_size or any(shard is None for shard in shards):
         return None
     sums: dict[str, list[float]] = {}
@@ -229,8 +229,9 @@ def pair_distance(
         (math.sqrt(diff / norm) if norm > 0 else (math.inf if diff > 0 else 0.0), name)
         for name, (diff, norm) in sorted(sums.items())
     ]
-    # NaN counts as the worst
-    return max(distances, key=lambda d: math.inf if d[0] != d[0] else d[0], default=(0.0, ""))
+    if not distances:  # nothing compared is no reading
+        return None
+    return max(distances, key=lambda d: math.inf if d[0] != d[0] else d[0])  # NaN: the worst
 
 
 def _clip_error(step: ObservedStep, coef: float | None) -> float | None:

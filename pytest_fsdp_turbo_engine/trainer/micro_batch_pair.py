@@ -12,22 +12,26 @@ from typing import Any
 
 
 def one_pass_against_accumulated(
-    engine: Any, module: Any, data: Any, loss_function: Any
+    engine: Any, module: Any, units: list, data: Any, loss_function: Any
 ) -> dict[str, list[float]]:
-    """Per parameter, this rank's shard: [sum of squared differences between the one-pass and
-    the accumulated gradient, the accumulated gradient's sum of squares]. A collective (verl's
-    pass all-reduces the mini-batch's token count, FSDP2 reduce-scatters): every rank calls it."""
+    """Per parameter of `module`, this rank's shard: [sum of squared differences between the
+    one-pass and the accumulated gradient, the accumulated gradient's sum of squares]. Every
+    parameter of `units` (the outermost FSDP units) is cleared for the pass and given its own
+    gradient back. A collective (verl's pass all-reduces the mini-batch's token count, FSDP2
+    reduce-scatters): every rank calls it."""
     import torch
     from verl.utils import tensordict_utils as tu
 
     from pytest_fsdp_turbo_engine.step.fsdp_probe import _plain_name
 
     named = [(_plain_name(name), param) for name, param in module.named_parameters()]
+    every = list({id(p): p for unit in units for p in unit.parameters()}.values())
+    held_by_all = [param.grad for param in every]
     accumulated = [param.grad for _, param in named]
     one = data.copy()  # the actor's batch keeps its own split
     tu.assign_non_tensor(one, use_dynamic_bsz=False, micro_batch_size_per_gpu=len(one))
     try:
-        for _, param in named:
+        for param in every:
             param.grad = None
         engine.forward_backward_batch(one, loss_function, forward_only=False)
         pair: dict[str, list[float]] = {}
@@ -46,7 +50,7 @@ def one_pass_against_accumulated(
                 ]
         return pair
     finally:
-        for (_, param), held in zip(named, accumulated):
+        for param, held in zip(every, held_by_all):
             param.grad = held
 
 

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -158,7 +159,8 @@ class TrainerRank:
         """The micro-batch pair, as the engine's optimizer_step begins (its k micro-batches'
         gradients are all in): one more pass of the same mini-batch, the engine's gradients put
         back after. Only with more than one micro-batch: one is its own pair."""
-        if self._pass is None or self._mini_batch is None:
+        mini_batch, self._mini_batch = self._mini_batch, None
+        if self._pass is None or mini_batch is None:
             return
         if len(self._pass["reduce_scatters_by_micro_batch"]) < 2:
             return
@@ -166,16 +168,27 @@ class TrainerRank:
             one_pass_against_accumulated,
         )
 
+        module = self._pass["module"]
         started = time.perf_counter()
         self._pairing = True
         try:
-            self._pair = one_pass_against_accumulated(
-                engine, self._pass["module"], *self._mini_batch
+            pair = one_pass_against_accumulated(
+                engine, module, [u for u in self.roots if self._is_root(u)], *mini_batch
             )
         finally:
             self._pairing = False
-            self._mini_batch = None
             self._pair_s = time.perf_counter() - started
+        # the engine steps on exactly what it accumulated, or the pair is no reading (h is red):
+        # an engine whose backward adds into gradient buffers of its own would add the pair's
+        if _squares(module) != self._raw_sq:
+            print(
+                "pytest-fsdp-turbo: the micro-batch pair's pass changed the gradients the engine "
+                "holds (its backward adds into buffers of its own?): no pair reading this step",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        self._pair = pair or None  # nothing compared is no reading
 
     def watch_loss(self, loss_function):
         """verl's loss, as the actor hands it to the engine: the gradient that reaches each row's
