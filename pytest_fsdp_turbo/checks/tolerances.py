@@ -18,10 +18,10 @@ POLICY_AGREEMENT_TOL = {"fp32": 1e-5, "bf16": 1e-2}
 # A verl trainer run's micro-batch pair: one parameter's gradient over k micro-batches against one
 # pass of the same mini-batch, relative L2 (pytest_fsdp_turbo_engine/trainer/micro_batch_pair.py).
 # Measured on verl's engines through main_ppo, 2 micro-batches a rank, worst parameter, 2026-12-07:
-# bf16 2.4e-3 (FSDP-Turbo, Ulysses SP 2) to 9.0e-3 (FSDP2, the deferred case's second step) over
-# three cases and five steps, the embedding and the norms' weights the worst; fp32 8.8e-7 (FSDP2,
-# mixed precision fp32). About 3x and 11x the worst; gradients zeroed as each micro-batch begins
-# read 0.92 in bf16.
+# bf16 2.4e-3 (FSDP-Turbo, Ulysses SP 2) to 9.0e-3 (FSDP2, the deferred case's second step, when
+# it ran in bf16) over three cases and five steps, the embedding and the norms' weights the worst;
+# fp32 6.5e-7 to 9.4e-7 (FSDP2, mixed precision fp32, PPO's clip engaged on the second step). About
+# 3x and 11x the worst; gradients zeroed as each micro-batch begins read 0.92 in bf16.
 MICRO_BATCH_PAIR_TOL = {"fp32": 1e-5, "bf16": 3e-2}
 ON_POLICY_KL_TOL = {"fp32": 1e-5, "bf16": 1e-2}
 # The same per token, fp32 only: a micro-batch's forward against the whole batch's, float rounding

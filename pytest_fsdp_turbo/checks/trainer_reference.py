@@ -45,9 +45,10 @@ from pytest_fsdp_turbo_contract.trainer_records import (
 
 FP32 = "fp32"
 # bf16's machine epsilon: one rounding, relative to the entry. l on a trainer run computing in bf16
-# is held to it; measured on the three tiny trainer cases (verl's FSDP2 engine and its FSDP-Turbo
-# engine with Ulysses SP 2, every step, fresh clone of f98d17b, 2026-12-07): 1.3e-3 to 3.3e-3, so
-# 2.4 times the worst healthy reading; a loss scaled, masked or aggregated otherwise is O(1)
+# is held to it; measured on the three tiny trainer cases, all then in bf16 (verl's FSDP2 engine and
+# its FSDP-Turbo engine with Ulysses SP 2, every step, fresh clone of f98d17b, 2026-12-07): 1.3e-3
+# to 3.3e-3, so 2.4 times the worst healthy reading; a loss scaled, masked or aggregated otherwise
+# is O(1)
 BF16_ROUNDING = 2.0**-7
 
 
