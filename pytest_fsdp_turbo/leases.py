@@ -77,10 +77,9 @@ def _turn_number(key: str) -> int:
     return int(number) if number.isdigit() else 0
 
 
-def _turns_ahead(turns: dict[str, dict], kind: str, turn: str) -> list[str]:
-    """The live turns of kind's queue taken before `turn` (the keys sort in the order taken)."""
-    prefix = f"{kind}:"
-    return [key for key in turns if key.startswith(prefix) and key < turn]
+def _queue(turns: dict[str, dict], kind: str) -> list[str]:
+    """The live turns of kind's queue (their keys sort in the order they were taken)."""
+    return [key for key in turns if key.startswith(f"{kind}:")]
 
 
 class LeaseBook:
@@ -177,14 +176,12 @@ class LeaseBook:
         """A place in kind's queue, kept while the caller waits for `devices(..., turn=...)`.
         Polling alone lets a holder that releases and asks again win every time: in CI a 4-rank
         run waited 900 s while another worker's 2-rank runs took the same slots back to back."""
-        prefix = f"{kind}:"
         with self._lock:
             state = self._read()
-            taken = [key for key in state["turns"] if key.startswith(prefix)]
-            last = max((_turn_number(key) for key in taken), default=0)
+            last = max((_turn_number(key) for key in _queue(state["turns"], kind)), default=0)
             # numbered after every live turn; the token keeps a number taken again after this
             # turn was granted (the queue emptied) from being given back by this one's exit
-            turn = f"{prefix}{last + 1:0{TURN_DIGITS}d}-{uuid.uuid4().hex[:8]}"
+            turn = f"{kind}:{last + 1:0{TURN_DIGITS}d}-{uuid.uuid4().hex[:8]}"
             state["turns"][turn] = _owner(self.owner_pid)
             self._write(state)
         try:
@@ -213,7 +210,8 @@ class LeaseBook:
             with self._lock:
                 state = self._read()
                 free = [i for i in pool if f"{kind}:{i}" not in state["devices"]]
-                ahead = [] if turn is None else _turns_ahead(state["turns"], kind, turn)
+                queue = [] if turn is None else _queue(state["turns"], kind)
+                ahead = [key for key in queue if key < turn]
                 if len(free) >= n and not ahead:
                     chosen = tuple(free[:n])
                     for i in chosen:

@@ -47,13 +47,18 @@ def _hold_and_die(state_dir, ready):
     ready.set()  # exits without releasing: a killed worker
 
 
-def test_dead_holder_is_reclaimed(tmp_path):
+def _die_in_a_child(target, state_dir) -> None:
+    """`target(state_dir, ready)` in a spawned process that leaves its state behind as it ends."""
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=_hold_and_die, args=(str(tmp_path), ready))
+    proc = ctx.Process(target=target, args=(str(state_dir), ready))
     proc.start()
     proc.join(30)
     assert ready.is_set()
+
+
+def test_dead_holder_is_reclaimed(tmp_path):
+    _die_in_a_child(_hold_and_die, tmp_path)
     raw = json.loads((tmp_path / "leases.json").read_text())
     assert len(raw["devices"]) == 2 and len(raw["ports"]) == 1
     book = LeaseBook(tmp_path)
@@ -104,12 +109,7 @@ def _queue_and_die(state_dir, ready):
 
 
 def test_a_dead_waiters_turn_is_skipped(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Event()
-    proc = ctx.Process(target=_queue_and_die, args=(str(tmp_path), ready))
-    proc.start()
-    proc.join(30)
-    assert ready.is_set()
+    _die_in_a_child(_queue_and_die, tmp_path)
     assert len(json.loads((tmp_path / "leases.json").read_text())["turns"]) == 1
     book = LeaseBook(tmp_path)
     with book.turn("slot") as turn:

@@ -22,40 +22,34 @@ def one_pass_against_accumulated(
     import torch
     from verl.utils import tensordict_utils as tu
 
+    from pytest_fsdp_turbo_engine.engines.fsdp2 import local_tensor
     from pytest_fsdp_turbo_engine.step.fsdp_probe import _plain_name
 
-    named = [(_plain_name(name), param) for name, param in module.named_parameters()]
-    every = list({id(p): p for unit in units for p in unit.parameters()}.values())
-    held_by_all = [param.grad for param in every]
-    accumulated = [param.grad for _, param in named]
+    every = {id(p): p for unit in [module, *units] for p in unit.parameters()}
+    held = {key: param.grad for key, param in every.items()}  # the engine's, put back after
     one = data.copy()  # the actor's batch keeps its own split
     tu.assign_non_tensor(one, use_dynamic_bsz=False, micro_batch_size_per_gpu=len(one))
     try:
-        for param in every:
+        for param in every.values():
             param.grad = None
         engine.forward_backward_batch(one, loss_function, forward_only=False)
         pair: dict[str, list[float]] = {}
         with torch.no_grad():
-            for (name, param), held in zip(named, accumulated):
-                if held is None and param.grad is None:
+            for name, param in module.named_parameters():
+                accumulated = held[id(param)]
+                if accumulated is None and param.grad is None:
                     continue
-                mine, theirs = _local(param.grad), _local(held)
+                mine = None if param.grad is None else local_tensor(param.grad)
+                theirs = None if accumulated is None else local_tensor(accumulated)
                 if mine is None:
                     mine = torch.zeros_like(theirs)
                 if theirs is None:
                     theirs = torch.zeros_like(mine)
-                pair[name] = [
+                pair[_plain_name(name)] = [
                     float((mine.float() - theirs.float()).pow(2).sum()),
                     float(theirs.float().pow(2).sum()),
                 ]
         return pair
     finally:
-        for param, held in zip(every, held_by_all):
-            param.grad = held
-
-
-def _local(grad: Any) -> Any:
-    """This rank's shard of a gradient (a DTensor's local tensor), or None."""
-    if grad is None:
-        return None
-    return grad.to_local() if hasattr(grad, "to_local") else grad
+        for key, param in every.items():
+            param.grad = held[key]
