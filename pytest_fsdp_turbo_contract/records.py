@@ -116,6 +116,13 @@ class RankRecord(Record):
     rank: int | None = metric(key="rank")
     device: str | None = metric()  # the device it computed on (cpu, cuda:0, npu:3)
     replicas: int | None = metric()  # ranks holding the same shard as this one (HSDP), itself too
+    # what the engine reports of its place, which checks d and j hold to the declared layout: its
+    # data-parallel rank and size, the ranks of its data-parallel group, and of its replica group
+    # (this rank alone where it reports none)
+    engine_data_rank: int | None = metric(optional=True)
+    engine_data_size: int | None = metric(optional=True)
+    engine_data_group: list[int] | None = metric(optional=True)
+    engine_replica_group: list[int] | None = metric(optional=True)
     # the engine class that trained (module.Class), where the harness reads it (a trainer run)
     engine: str | None = metric(optional=True)
 
@@ -132,12 +139,20 @@ class TrainRecord(Record):
     all_gather_calls: int | None = metric("comm")
     fsdp_units: int | None = metric("comm")  # trainable units whose forward ran
     shard_group_size: int | None = metric("comm")
+    # per micro-batch, collective kind -> the collectives that carried parameter gradients
+    # (fsdp_probe.CollectiveCounter says which do)
+    gradient_collectives_by_micro_batch: list[dict[str, int]] | None = metric("comm", optional=True)
+    replicate_group_size: int | None = metric("comm", optional=True)  # HSDP: a shard's holders
     layer_tokens: int | None = metric()  # most tokens a decoder layer was handed at once
     seq_len: int | None = metric()
     micro_batch_rows: int | None = metric()  # rows of the largest micro-batch
     data_rows: list[int] | None = metric()  # the global batch rows this rank trained on
     # per parameter [norm, positional projection] of the whole gradient (no-reference runs, rank 0)
     grad_sketch: dict[str, list[float]] | None = metric(optional=True, over_updates=EACH)
+    # a single twin computing in low precision, its first update: per parameter [norm, projection]
+    # of the reference's gradient on the same batch in the engine's dtype, and that gradient's
+    # relative L2 distance from fp32's (the run's sketch distance c allows a multiple of)
+    grad_sketch_low: dict[str, list[float]] | None = metric(optional=True)
     sp_size: int | None = metric("case")
     retained_grad_bytes: int | None = (
         metric()
@@ -160,6 +175,9 @@ class ReferenceRecord(Record):
     grad_max_rel_err_param: str | None = metric()
     reference_grad_norm: float | None = metric()
     grad_rel_l2_err: float | None = metric(over_updates=WORST)
+    # a run computing in low precision, rank 0: per parameter [the relative L2 distance of the
+    # engine's gradient from the reference's computed in the engine's dtype, that one's from fp32]
+    grad_param_rel_l2: dict[str, list[float]] | None = metric(optional=True, over_updates=EACH)
 
     @classmethod
     def over_updates(cls, records: Sequence[Any]) -> Any:

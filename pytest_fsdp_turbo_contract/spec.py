@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +131,10 @@ class PPOSpec:
     # response token's lowered by a seeded |N(0, 1)| x this (0: the initial policy itself), the
     # same tokens on every layout, so the KL term pulls from the first update
     kl_reference_shift: float = case_key(0.0, 0, 1.0)  # nats per token: a step, not a model
-    # why the case's later updates cannot engage PPO's clip and be judged (check_exercised then
-    # says so instead of requiring clipped tokens); "" for every case that can
+    # Aspect -> why the case leaves it unexercised (`[case.not_exercised]`): check_exercised holds
+    # every run to every other aspect, measured
+    not_exercised: dict[str, str] = field(default_factory=dict)
+    # the older spelling of not_exercised.ratio_clip, still read (case files, ppo_run overrides)
     clip_not_exercised: str = ""
     entropy_coef: float = run_field(0.0)
     # a causal-LM (NLL) term on the response tokens, token mean over the global batch; our engines
@@ -143,7 +146,7 @@ class PPOSpec:
     updates: int = case_key(1, 1, 4)
     rollout: Rollout = Rollout.HF
     vllm_memory_share: float = run_field(0.3)  # of the device's memory, for a vLLM rollout
-    seed: int = run_field(7)
+    seed: int = case_key(7, 0)  # the rollout's sampling and the KL reference's shift
     # single-process reference gradients and fingerprint; None in a case: on for tiny models (a
     # rank's spec always holds the answer)
     reference_checks: bool | None = None
@@ -154,6 +157,64 @@ class PPOSpec:
     # a verl trainer run's: each mini-batch's gradients in its k micro-batches against one pass of
     # it through the same engine (check h)
     micro_batch_pair: bool | None = run_field(None)
+
+    def unexercised(self) -> dict[Aspect, str]:
+        """Each aspect the case leaves unexercised, with its reason (the older
+        `clip_not_exercised` read as `ratio_clip`'s); names outside Aspect are left to validation."""
+        reasons = {Aspect(k): v for k, v in self.not_exercised.items() if k in ASPECTS}
+        if self.clip_not_exercised:
+            reasons.setdefault(Aspect.RATIO_CLIP, self.clip_not_exercised)
+        return reasons
+
+
+class Aspect(StrEnum):
+    """What a case gives its checks to see (the names of case key `not_exercised`). A case that
+    leaves one out says why; check_exercised holds every run to the others, as measured."""
+
+    SECOND_UPDATE = "second_update"  # updates > 1: an off-policy update (checks l and i)
+    RATIO_CLIP = "ratio_clip"  # PPO's clip on the last update (actor/pg_clipfrac_last_update > 0)
+    GRAD_CLIP = "grad_clip"  # the clip by the global norm engaged (sync/clip_coef < 1, check k)
+    KL_REFERENCE = "kl_reference"  # the KL reference a step away (ppo/kl_reference_gap_mean > 0)
+    ADAM_BETAS = "adam_betas"  # betas that are not torch's, over a second update (check i)
+    SP_BOUNDARY = "sp_boundary"  # SP: a chunk boundary on a response token (sp_boundaries > 0)
+
+
+ASPECTS = tuple(Aspect)
+TORCH_ADAM_BETAS = (0.9, 0.999)  # torch's AdamW defaults: an engine that drops the case's has them
+
+
+def covered(aspect: Aspect, engine: EngineSpec, ppo: PPOSpec) -> str | None:
+    """Why the case's settings give `aspect` no room (another aspect's reason covers it), or
+    None."""
+    if aspect in (Aspect.RATIO_CLIP, Aspect.ADAM_BETAS) and ppo.updates < 2:
+        return "one on-policy update cannot show it: second_update's reason covers it"
+    if aspect == Aspect.SP_BOUNDARY and engine.sp_size < 2:
+        return "without SP there is no chunk boundary"
+    return None
+
+
+def exercised_as_declared(aspect: Aspect, engine: EngineSpec, ppo: PPOSpec) -> str | None:
+    """What of the case's settings exercises `aspect` by itself being declared, or None (the
+    run's readings say whether it engaged)."""
+    betas = (engine.adam_beta1, engine.adam_beta2)
+    if aspect == Aspect.SECOND_UPDATE and ppo.updates > 1:
+        return f"updates = {ppo.updates}"
+    if aspect == Aspect.ADAM_BETAS and ppo.updates > 1 and betas != TORCH_ADAM_BETAS:
+        return f"betas {betas[0]:g}, {betas[1]:g} over {ppo.updates} updates"
+    if aspect == Aspect.KL_REFERENCE and ppo.kl_reference_shift > 0:
+        return f"kl_reference_shift = {ppo.kl_reference_shift:g}"  # the gap is measured too
+    return None
+
+
+def reason_refused(aspect: Aspect, engine: EngineSpec, ppo: PPOSpec) -> str | None:
+    """What a reason to leave `aspect` unexercised is refused for (the words a one-line error
+    expects), or None where a reason is welcome: the case's settings exercise the aspect, or
+    give it no room."""
+    if room := covered(aspect, engine, ppo):
+        return f"no reason ({room})"
+    if settings := exercised_as_declared(aspect, engine, ppo):
+        return f"no reason: the case exercises it ({settings})"
+    return None
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,9 @@ class ReplayedStep:
     # in a run that computes in bf16: the same distances for the reference itself computed in
     # bf16 from the same parameters (what the dtype alone costs on this very computation)
     grad_rel_l2_noise: float | None = None
+    # and per parameter [the engine's gradient's relative L2 distance from the reference's in
+    # bf16, that one's from fp32]: c holds each parameter to its own rounding
+    grad_param_rel_l2: dict[str, list[float]] | None = None
     old_logprob_noise: float | None = None
     ref_logprob_noise: float | None = None  # in the reference policy's own dtype
     update_rel_l2_noise: float | None = None

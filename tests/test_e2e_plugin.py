@@ -37,6 +37,9 @@ def test_gpu_and_npu_cases_skip_here_with_reasons():
 def test_record_golden_then_check_and_junit_properties(tmp_path):
     (tmp_path / "cases.toml").write_text(
         '[[case]]\nid = "one"\nmodel = "tiny-qwen3"\nworld_size = 1\ngolden_tier = "exact"\n'
+        "[case.not_exercised]\n"  # the shipped test holds every case to check_exercised
+        'second_update = "a golden round trip"\ngrad_clip = "a golden round trip"\n'
+        'kl_reference = "a golden round trip"\n'
     )
     shutil.copy(REPO / "e2e" / "test_ppo_e2e.py", tmp_path / "test_ppo_e2e.py")
     common = [

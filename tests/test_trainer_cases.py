@@ -803,6 +803,8 @@ HEALTHY_STEP = {
     "update_max_err_param": "lm_head.weight",
     "update_rel_l2_err": 0.14,
     "grad_rel_l2_noise": 0.011,
+    # per parameter: [from the reference's gradient in bf16, that one's from fp32]
+    "grad_param_rel_l2": {"model.norm.weight": [0.012, 0.011], "lm_head.weight": [0.01, 0.012]},
     "old_logprob_noise": 0.02,
     "update_rel_l2_noise": 0.12,
 }
@@ -826,6 +828,14 @@ def test_a_replayed_healthy_run_passes_every_check_on_every_step(tmp_path):
     [
         # halved gradients: 0.5 from the reference, 45 x what bf16 costs the reference itself
         ({"grad_rel_l2_err": 0.5}, "c", "step 1: the engine's gradients differ from the single"),
+        # one small parameter's gradient zeroed: the whole gradient barely moves
+        (
+            {"grad_param_rel_l2": {**HEALTHY_STEP["grad_param_rel_l2"], "A_log": [1.0, 0.02]}},
+            "c",
+            "step 1: parameter A_log: its gradient differs from the single-process reference's in "
+            "bf16 by relative L2 error 1, 50 times",
+        ),
+        ({"grad_param_rel_l2": None}, "c", "step 1: the run computes in bf16, but the replay"),
         ({"old_logprob_max_abs_diff": 0.5}, "b", "step 1: the old log-probs verl trained with"),
         ({"update_max_err_lr": 1.0}, "i", "from AdamW in closed form on the engine's own"),
         ({"update_rel_l2_err": 1.0}, "i", "the update differs from the reference's"),

@@ -82,3 +82,17 @@ def test_entry_scripts(tmp_path):
         env={"PATH": env_path},
     )
     assert unknown.returncode == 2 and "no case 'no-such-case'" in unknown.stderr
+
+
+def test_ci_runs_the_readme_test_command_requiring_verl_and_the_wheel_trial_strictly():
+    """Stage 1 is the README's test command as written, which requires verl (its cases would
+    otherwise skip, green, where verl cannot be imported); stage 3's one test may not skip."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    command = block.splitlines()[1]
+    assert (
+        command.startswith(".venv/bin/python -m pytest") and "--fsdp-turbo-require=verl" in command
+    )
+    ci = " ".join((REPO / ".ci" / "run").read_text().replace("\\\n", " ").split())
+    assert f"stage1=0 run_pytest {command} " in ci
+    assert "--fsdp-turbo-strict tests/test_downstream_wheel.py" in ci

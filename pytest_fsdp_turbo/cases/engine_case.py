@@ -18,7 +18,9 @@ from pytest_fsdp_turbo.cases.table import (
     TableReader,
     Where,
     check_known_failure,
+    check_reason,
     check_tiny,
+    golden_reason_of,
     read_rows,
 )
 from pytest_fsdp_turbo.settings import default_engines
@@ -29,7 +31,14 @@ from pytest_fsdp_turbo_contract.engines import (
     EngineCatalog,
 )
 from pytest_fsdp_turbo_contract.errors import ConfigError
-from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
+from pytest_fsdp_turbo_contract.spec import (
+    ASPECTS,
+    Aspect,
+    EngineSpec,
+    PPOSpec,
+    RankSpec,
+    reason_refused,
+)
 from pytest_fsdp_turbo_contract.turbo_config import build_turbo_config
 from pytest_fsdp_turbo_contract.vocab import (
     VERL_PREFIX,
@@ -41,6 +50,7 @@ from pytest_fsdp_turbo_contract.vocab import (
 )
 
 TABLE = "case"
+REASONS = ("not_exercised", "clip_not_exercised", "golden_reason")  # keys that say why not
 KINDS = tuple(DeviceKind)
 VERL_NAME = re.compile(r"^verl:[A-Za-z0-9_]+$")
 
@@ -60,6 +70,7 @@ class Case:
     collective_timeout: float = 120.0
     memory_budget_mb: float | None = None
     golden_tier: GoldenTier = GoldenTier.RELATIVE
+    golden_reason: str = ""  # why the case records no golden: required with golden_tier none
     twin: TwinKind | None = None  # default: single when there is no in-rank reference, else none
     description: str = ""
     # device kind -> {reason, match}: a crash known on that kind, run as a strict expected failure
@@ -145,10 +156,13 @@ def validate_case(
     specs: list[str],
     engines: EngineCatalog | None = None,
     announced: str = ANNOUNCED_WHERE,
+    inherited: frozenset[str] = frozenset(),
 ) -> Case:
     """Every rule for a case, wherever it is made (case file or ppo_run overrides). The backend
     must be one the engine catalog knows; a catalog with bare modules accepts any plain name, and
-    the ranks' registry names it if no module registers it."""
+    the ranks' registry names it if no module registers it. `inherited`: the reason keys
+    (not_exercised, clip_not_exercised, golden_reason) ppo_run took from the case, not from its
+    overrides; a reason its overrides make moot (they run a second update, say) is dropped."""
     where = READER.where(raw, path)
     parts = READER.read(raw, where)
     case = Case(**parts["case"], engine=EngineSpec(**parts["engine"]), ppo=PPOSpec(**parts["ppo"]))
@@ -182,16 +196,7 @@ def validate_case(
             engine.world_size,
         )
     check_known_failure(where, case.known_failure, case.devices)
-    if ppo.clip_not_exercised and not ppo.clip_not_exercised.strip():
-        raise where.error(
-            "clip_not_exercised", "a reason in words, or no key", raw["clip_not_exercised"]
-        )
-    if ppo.clip_not_exercised and ppo.updates < 2:
-        raise where.error(
-            "clip_not_exercised",
-            "no reason unless updates > 1 (one on-policy update never clips)",
-            ppo.clip_not_exercised,
-        )
+    case = _with_reasons(case, where, inherited)
     if not 0 < case.collective_timeout < case.timeout:
         raise where.error(
             "collective_timeout",
@@ -225,6 +230,44 @@ def validate_case(
     if case.memory_budget_mb is not None and case.memory_budget_mb <= 0:
         raise where.error("memory_budget_mb", "a positive number of MiB", case.memory_budget_mb)
     return case
+
+
+def _with_reasons(case: Case, where: Where, inherited: frozenset[str]) -> Case:
+    """What the case leaves unexercised, and its goldens, each with its reason (one line per bad
+    value: an unknown aspect, a blank reason, a reason for what the case's settings exercise or
+    another aspect's reason covers). An inherited reason the overrides made moot is dropped."""
+    ppo = case.ppo
+    given = dict(ppo.not_exercised)
+    for name, reason in given.items():
+        if name not in ASPECTS:
+            raise where.error("not_exercised", "aspects among " + ", ".join(ASPECTS), name)
+        check_reason(where, f"not_exercised.{name}", reason)
+    clip = ppo.clip_not_exercised
+    if clip:
+        check_reason(where, "clip_not_exercised", clip)
+        if Aspect.RATIO_CLIP in given:
+            raise where.error(
+                "clip_not_exercised",
+                "no key beside not_exercised.ratio_clip (its older spelling)",
+                clip,
+            )
+    for name in list(given):
+        if refused := reason_refused(Aspect(name), case.engine, ppo):
+            if "not_exercised" not in inherited:
+                raise where.error(f"not_exercised.{name}", refused, given[name])
+            del given[name]
+    if clip and (refused := reason_refused(Aspect.RATIO_CLIP, case.engine, ppo)):
+        if "clip_not_exercised" not in inherited:
+            raise where.error("clip_not_exercised", refused, clip)
+        clip = ""
+    golden_reason = golden_reason_of(
+        where, case.golden_tier, case.golden_reason, "golden_reason" in inherited
+    )
+    return dataclasses.replace(
+        case,
+        ppo=dataclasses.replace(ppo, not_exercised=given, clip_not_exercised=clip),
+        golden_reason=golden_reason,
+    )
 
 
 def _engine_can(case: Case, where: Where) -> None:
@@ -276,7 +319,10 @@ def with_overrides(
     if given:
         announced += f"; ppo_run engine_modules: {', '.join(given)}"
     specs = tiny_specs(tiny_models)
-    return validate_case(raw, "ppo_run overrides", specs, engines, announced=announced)
+    inherited = frozenset(REASONS) - set(overrides)
+    return validate_case(
+        raw, "ppo_run overrides", specs, engines, announced=announced, inherited=inherited
+    )
 
 
 def read_table(data: dict, path: Path, context: ReadContext) -> list[Case]:

@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 from pytest_fsdp_turbo_contract.engines import EngineCatalog
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.spec import BOUNDS, RUN
+from pytest_fsdp_turbo_contract.vocab import GoldenTier
 
 TINY_PREFIX = "tiny-"
 # Ids become test ids and folder names (goldens, artifacts): no separators, no "..", no spaces.
@@ -252,9 +253,34 @@ def check_known_failure(where: Where, known_failure: dict, devices: tuple) -> No
             raise where.error(
                 "known_failure",
                 "a table per device kind of the case's devices, each with a non-empty reason "
-                "(the bug, where it is tracked) and match (text its failure must contain)",
+                "(the bug, where it is tracked) and match (text in the error of each rank that "
+                "fails on its own)",
                 {kind: known},
             )
+
+
+def check_reason(where: Where, name: str, reason: Any) -> None:
+    """A reason a case gives for what it leaves out: words, never blank."""
+    if not (isinstance(reason, str) and reason.strip()):
+        raise where.error(name, "a reason in words", reason)
+
+
+def golden_reason_of(where: Where, tier: GoldenTier, reason: str, inherited: bool = False) -> str:
+    """A case without goldens (golden_tier none) says why; one with goldens gives no reason (an
+    inherited one, from the case under ppo_run's overrides, is dropped)."""
+    if tier == GoldenTier.NONE:
+        if not reason.strip():
+            raise where.error(
+                "golden_reason",
+                "why the case records no golden (golden_tier none), in words",
+                reason,
+            )
+        return reason
+    if reason and not inherited:
+        raise where.error(
+            "golden_reason", f"no reason unless golden_tier is none (it is {tier})", reason
+        )
+    return ""
 
 
 def read_rows(

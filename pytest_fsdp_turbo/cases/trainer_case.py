@@ -19,6 +19,7 @@ from pytest_fsdp_turbo.cases.table import (
     Where,
     check_known_failure,
     check_tiny,
+    golden_reason_of,
     read_rows,
 )
 from pytest_fsdp_turbo_contract.errors import ConfigError
@@ -66,6 +67,7 @@ class TrainerCase:
         metadata={BOUNDS: Bounds(0, 1e6, low_open=True, expected="a number of seconds > 0")},
     )
     golden_tier: GoldenTier = GoldenTier.RELATIVE
+    golden_reason: str = ""  # why the case records no golden: required with golden_tier none
     description: str = ""
     # device kind -> {reason, match}, as an engine case's
     known_failure: dict = field(default_factory=dict)
@@ -201,6 +203,7 @@ def validate_trainer_case(
         raise where.error("engine_class", "a class name, or module.Class", case.engine_class)
     check_tiny(where, case.model, specs)
     check_known_failure(where, case.known_failure, case.devices)
+    golden_reason_of(where, case.golden_tier, case.golden_reason)
     per_node, nodes = case.override("trainer.n_gpus_per_node"), case.override("trainer.nnodes")
     if per_node is not None:
         sizes = [_expanded(where, text, case.env) for text in (per_node, nodes or "1")]

@@ -61,6 +61,7 @@ from pytest_fsdp_turbo.checks.rollout import (
     check_on_policy,
     check_weight_sync,
 )
+from pytest_fsdp_turbo.checks.rounding import rounding_margins
 from pytest_fsdp_turbo.checks.sync import (
     check_data_rows,
     check_memory,
@@ -158,6 +159,7 @@ __all__ = [
     "check_policies_agree",
     "check_replicas",
     "check_twin",
+    "rounding_margins",
     "load_gradient_fingerprint",
     "check_on_policy",
     "check_weight_sync",

@@ -11,8 +11,10 @@ from pytest_fsdp_turbo.checks.readings import (
     GRAD_MAX_REL_ERR,
     GRAD_NORM,
     GRAD_NORM_MEASURED,
+    GRAD_PARAM_REL_L2,
     GRAD_REL_L2_ERR,
     GRAD_SKETCH,
+    GRAD_SKETCH_LOW,
     LOSS,
     OLD_LOGPROB_MAX_ABS_DIFF,
     OLD_LOGPROB_WORST_ROW,
@@ -30,6 +32,11 @@ from pytest_fsdp_turbo.checks.readings import (
     declares_reference,
     declares_replicas,
     declares_twin,
+)
+from pytest_fsdp_turbo.checks.rounding import (
+    beyond_rounding,
+    norm_distances,
+    pairs,
 )
 from pytest_fsdp_turbo.checks.tolerances import (
     GRAD_NORM_REFERENCE_REL,
@@ -58,6 +65,9 @@ from pytest_fsdp_turbo.checks.verdicts import (
 )
 from pytest_fsdp_turbo_contract.records import NAMES_DIFFER
 from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.vocab import TwinKind
+
+FP32 = "fp32"
 
 
 @judges("a")
@@ -130,6 +140,8 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
             f"reference by {err:.3g} (relative to its largest entry), tolerance {tol:g} "
             f"[sync policy {policy}]"
         )
+    if dtype != FP32:
+        _parameters_within_rounding(result, policy)
     tol = GRAD_PARITY_L2_TOL[dtype]
     if over := _first_above(result, GRAD_REL_L2_ERR, tol):
         raise CheckFailure(
@@ -138,6 +150,21 @@ def check_gradient_parity(result: RunResult, tolerance: float | None = None) -> 
             f"tolerance {tol:g} "
             f"[sync policy {policy}]"
         )
+
+
+def _parameters_within_rounding(result: RunResult, policy: str) -> None:
+    """Low precision, each parameter on its own: the engine's gradient's distance from the
+    reference's computed in the engine's dtype (both round the parameters alike), against that
+    reference's own distance from fp32 on the same batch from the same parameters (rank 0
+    measured both). Scale-free, so a wrong gradient of a parameter 1e-5 the size of the largest
+    is as red as a wrong large one."""
+    readings = _value(result, 0, GRAD_PARAM_REL_L2)
+    if over := beyond_rounding(pairs(readings)):
+        said = over.said(
+            f"its gradient differs from the single-process reference's in {_dtype(result)} "
+            f"({GRAD_PARAM_REL_L2.key}) by relative L2 error"
+        )
+        raise CheckFailure(f"check c: parameter {over.name}: {said} [sync policy {policy}]")
 
 
 @judges("c")
@@ -152,7 +179,6 @@ def check_twin(result: RunResult) -> None:
     if not twin.ok:
         raise CheckFailure(f"{label}: the twin run failed\n{twin.failure_text()}")
     dtype = _dtype(result)
-    mine, theirs = _rank0(result), _rank0(twin)
     atol, rtol = TWIN_LOSS_TOL[dtype]
     a, b = _value(result, 0, LOSS), _value(twin, 0, LOSS)
     diff = abs(a - b)
@@ -169,8 +195,12 @@ def check_twin(result: RunResult) -> None:
             f"{label}: {GRAD_NORM.key} = {a:.6g}, twin {b:.6g} (relative "
             f"difference {_rel(a, b):.3g}, tolerance {tol:g})"
         )
-    _twin_sketches_agree(label, mine.train.grad_sketch, theirs.train.grad_sketch, dtype)
-    _ranks_agree_with_twin(label, result, twin, dtype)
+    _ranks_agree_with_twin(label, result, twin, dtype)  # names the rank: the cause, first
+    if dtype != FP32 and result.twin_kind == TwinKind.SINGLE:
+        _sketches_within_rounding(label, result, twin)
+    else:
+        mine_sketch, twin_sketch = _value(result, 0, GRAD_SKETCH), _value(twin, 0, GRAD_SKETCH)
+        _twin_sketches_agree(label, mine_sketch, twin_sketch, dtype)
     tol = TWIN_LOGPROB_TOL[dtype]
     lp = _value(twin, 0, POST_STEP_LOGPROB_MAX_ABS_DIFF)
     if not lp <= tol:
@@ -200,11 +230,10 @@ def _ranks_agree_with_twin(label: str, result: RunResult, twin: RunResult, dtype
         )
 
 
-def _twin_sketches_agree(label: str, mine: dict | None, twin: dict | None, dtype: str) -> None:
-    """Per parameter, the run's gradient sketch against the twin's: a per-tensor measure that a
-    total (the global norm) hides, e.g. head gradients sent to the wrong rank."""
-    if mine is None or twin is None:
-        return  # a run with a reference sketches nothing: the reference compares per parameter
+def _twin_sketches_agree(label: str, mine: dict, twin: dict, dtype: str) -> None:
+    """fp32, or a twin of the run's own engine and layout (every_micro_batch): per parameter, the
+    run's gradient sketch against the twin's: a per-tensor measure that a total (the global norm)
+    hides, e.g. head gradients sent to the wrong rank."""
     if missing := sorted(set(mine) ^ set(twin)):
         raise CheckFailure(
             f"{label}: parameters with a gradient in one run only: {', '.join(missing[:5])}"
@@ -225,6 +254,33 @@ def _twin_sketches_agree(label: str, mine: dict | None, twin: dict | None, dtype
             f"{label}: parameter {worst_name}: gradient sketch differs from the twin's by "
             f"{worst:.3g} of its norm ({GRAD_SKETCH.key}), tolerance {tol:g}"
         )
+
+
+def _sketches_within_rounding(label: str, result: RunResult, twin: RunResult) -> None:
+    """Low precision, against the reference's gradient the twin computed in the run's dtype on
+    the same batch at the same parameters: per parameter, the run's gradient norm held to a
+    multiple of that gradient's own distance from fp32 (the twin measured both; |a norm's change|
+    is at most the gradient's, so the rule is the reference's, `_parameters_within_rounding`),
+    then the whole sketch as any twin's (a projection catches gradients that trade places, which
+    keep the norm)."""
+    mine = _value(result, 0, GRAD_SKETCH)
+    low = _value(twin, 0, GRAD_SKETCH_LOW)
+    first = {name: value for name, value in mine.items() if LATER_UPDATE not in name}
+    if missing := sorted(set(first) ^ set(low)):
+        raise CheckFailure(
+            f"{label}: parameters with a gradient in one of the run and the twin's reference "
+            f"only: {', '.join(missing[:5])}"
+        )
+
+    if over := beyond_rounding(norm_distances(first, low)):
+        said = over.said(
+            f"its gradient's norm differs from the norm of the reference's gradient in "
+            f"{_dtype(result)} on the same batch ({GRAD_SKETCH.key} against the twin's "
+            f"{GRAD_SKETCH_LOW.key}) by, relative to the latter,"
+        )
+        raise CheckFailure(f"{label}: parameter {over.name}: {said}")
+    sketches = {name: [norm, projection] for name, (norm, projection, _) in low.items()}
+    _twin_sketches_agree(label, first, sketches, _dtype(result))
 
 
 def load_gradient_fingerprint(result: RunResult) -> dict:
@@ -275,11 +331,40 @@ def _policy_difference(deferred: RunResult, every: RunResult, tolerance: float |
 
 @judges("d")
 def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
-    """d. Every replica holds identical parameters after the step."""
+    """d. Every replica holds identical parameters after the step. The replicas are the declared
+    layout's (world_size, fsdp_size: shard groups of fsdp_size consecutive ranks, the replicas of
+    a rank the ranks at its place in each), whose local shards the harness compares over process
+    groups of its own (sync/replica_max_abs_diff), never over a group the engine reports. The
+    engine's own replica group (rank/engine_replica_group) must name the same ranks: one that
+    names fewer (this rank alone) would have a harness that asked it compare a rank with itself."""
+    from pytest_fsdp_turbo.checks.sync import ENGINE_REPLICA_GROUP, replica_ranks
+
     if not declares_replicas(result):
         raise NotApplicable("no replicas")
+    engine = declared(result).engine
+    world, shard = engine.world_size, engine.shard_size
+    layout = f"the declared layout (world_size {world}, fsdp_size {shard})"
+    wrong = {
+        rank: sorted(group or [])
+        for rank, group in _per_rank(result, ENGINE_REPLICA_GROUP, required=True)
+        if sorted(group or []) != replica_ranks(rank, world, shard)
+    }
     if over := _first_above(result, REPLICA_MAX_ABS_DIFF, tolerance):
+        rank, spread = over
+        hidden = (
+            f"; the engine reports replica group {wrong[rank]} ({ENGINE_REPLICA_GROUP.key})"
+            if rank in wrong
+            else ""
+        )
         raise CheckFailure(
-            f"check d: rank {over[0]}: {REPLICA_MAX_ABS_DIFF.key} = "
-            f"{over[1]:.3g}, tolerance {tolerance:g}"
+            f"check d: rank {rank}: {REPLICA_MAX_ABS_DIFF.key} = {spread:.3g} across the replicas "
+            f"{layout} names, {replica_ranks(rank, world, shard)}; tolerance {tolerance:g}"
+            f"{hidden}"
+        )
+    if wrong:
+        rank, group = min(wrong.items())
+        raise CheckFailure(
+            f"check d: rank {rank}: the engine reports replica group {group} "
+            f"({ENGINE_REPLICA_GROUP.key}); {layout} makes its replicas "
+            f"{replica_ranks(rank, world, shard)}, the ranks holding the same shard"
         )

@@ -12,6 +12,7 @@ from pytest_fsdp_turbo.checks.readings import (
     ADAMW_STEP_MAX_ERR_LR,
     CLIP_COEF,
     CLIP_MAX_REL_ERR,
+    GRAD_NORM,
     KL_REFERENCE_GAP_MEAN,
     LOCAL_PARAM_NUMEL,
     LOSS_GRAD_MAX_REL_ERR,
@@ -42,6 +43,7 @@ from pytest_fsdp_turbo.checks.verdicts import (
 )
 from pytest_fsdp_turbo_contract.records import Reading
 from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.spec import Aspect, covered, exercised_as_declared
 
 
 @judges("i")
@@ -78,12 +80,15 @@ def check_optimizer_step(result: RunResult) -> None:
         )
     if not declares_reference(result) or not finite:
         return  # no reference step declared, or no step to compare (a non-finite norm skips it)
-    if _rank0(result).post_step.step_max_err_lr is None:
-        raise CheckFailure(
-            f"check i: the case declares the single-process reference (reference_checks) but "
-            f"rank 0 has no reading of the reference's step ({STEP_MAX_ERR_LR.key}): the "
-            "post-step comparison never ran"
-        )
+    for ranked in result.ranks:  # declared: every rank's comparison must have run
+        for reading in (STEP_MAX_ERR_LR, STEP_REL_L2_ERR):
+            if reading.of(ranked.step) is None:
+                raise CheckFailure(
+                    f"check i: the case declares the single-process reference "
+                    f"(reference_checks) but rank {ranked.rank} has no reading of the "
+                    f"reference's step ({reading.key}): the post-step comparison never ran "
+                    f"(phase {reading.record.PHASE!r}, log {ranked.log_path})"
+                )
     dtype = _dtype(result)
     tol = STEP_L2_TOL[dtype]
     if over := _first_above(result, STEP_REL_L2_ERR, tol):
@@ -104,10 +109,24 @@ def check_optimizer_step(result: RunResult) -> None:
 @judges("k")
 def check_clip(result: RunResult) -> None:
     """k. The optimizer stepped on the gradients clipped by the global norm the harness measured
-    and the case's max_norm: read as the step began (a pre-step hook of the harness's), against
-    the raw gradients times min(1, max_norm / (norm + 1e-6)). Adam's first step barely sees a
-    gradient's scale, so only this reading shows a clip that ignores max_norm or uses each
-    shard's own norm."""
+    and the case's max_norm: the gradients the step used, read by the harness whatever the
+    optimizer's class (a torch optimizer's as its step began, by a pre-step hook; any other's
+    from the gradient tensors the backward left in `.grad`, as the engine's optimizer_step left
+    them: the engine protocol's Engine.optimizer_step), against the raw gradients times
+    min(1, max_norm / (norm + 1e-6)). Adam's first step barely sees a gradient's scale, so only
+    this reading shows a clip that ignores max_norm or uses each shard's own norm. It applies
+    wherever the optimizer stepped (a finite norm): a rank without the reading fails, naming it."""
+    if _rank0(result).optimizer.grad_norm_finite is False:
+        return  # no step to judge: a non-finite norm skips it (checks a and i judge that)
+    for ranked in result.ranks:  # every rank's step was measured, whatever its optimizer
+        for reading in (CLIP_COEF, CLIP_MAX_REL_ERR):
+            if reading.of(ranked.step) is None:
+                raise CheckFailure(
+                    f"check k: rank {ranked.rank}: no reading of the gradients the optimizer "
+                    f"stepped on ({reading.key}): the harness reads them whatever the "
+                    f"optimizer's class, so phase {reading.record.PHASE!r} never measured the "
+                    f"step (log {ranked.log_path})"
+                )
     coef = _value(result, 0, CLIP_COEF)
     tol = CLIP_TOL[_dtype(result)]
     if over := _first_above(result, CLIP_MAX_REL_ERR, tol):
@@ -115,7 +134,10 @@ def check_clip(result: RunResult) -> None:
             f"check k: rank {over[0]}: the optimizer stepped on gradients {over[1]:.3g} away "
             f"(relative, {CLIP_MAX_REL_ERR.key}) from the raw ones clipped by "
             f"the global norm and max_norm (coefficient {coef:.4g}, "
-            f"{CLIP_COEF.key}), tolerance {tol:g}"
+            f"{CLIP_COEF.key}), tolerance {tol:g}; read as a torch optimizer's step began, or, "
+            "for any other optimizer, from the gradient tensors the backward left in .grad as "
+            "optimizer_step left them, which the engine protocol (Engine.optimizer_step) asks an "
+            "engine to clip in place and never zero in place"
         )
 
 
@@ -143,34 +165,59 @@ def check_loss_gradient(result: RunResult) -> None:
 
 
 def check_exercised(result: RunResult) -> None:
-    """What the case declares in order to exercise the checks, happened (not a check of the
-    engine: of the case): a second update clipped tokens (PPO's clip) and the optimizer stepped
-    on clipped gradients, so checks k, l and i see both clips at work; a KL reference a step away
-    reached the batch, so the KL term pulls; with SP, a chunk boundary fell on a response token
-    that counts, so a label shifted per chunk changes the loss. A case whose settings exercise
-    none of it passes engines with those bugs."""
+    """The run exercised what its checks judge, each aspect (Aspect) measured or declared, or its
+    case says why not (case key `not_exercised`, aspect -> reason): a second, off-policy update
+    (checks l and i), whose PPO ratio clip engaged (l); gradients the optimizer stepped on clipped
+    by the global norm (k); a KL reference a step from the rollout policy, so the KL term pulls
+    (l, and c and i through the gradients); Adam betas other than torch's over that second update
+    (i); with SP, a chunk boundary on a response token that counts. Not a check of the engine: of
+    the case, whose green would otherwise pass engines one line from healthy. One line names each
+    aspect missed, its reading and the setting to change."""
     check_completed(result)
     spec = declared(result)
-    again, ppo = spec.ppo.updates > 1, spec.ppo
-    wanted: tuple[tuple[bool, Reading[Any], Callable[[Any], bool], str, str], ...] = (
-        # (declared, reading, must hold, what it says when not, what to change)
-        (again and not ppo.clip_not_exercised, PG_CLIPFRAC_LAST_UPDATE,
-         lambda v: v > 0, f"its last of {ppo.updates} updates clipped no token",
-         f"lower clip_ratio ({ppo.clip_ratio:g})"),
-        (again, CLIP_COEF, lambda v: v < 1, "its gradients were not clipped",
-         f"lower grad_clip ({spec.engine.grad_clip:g})"),
-        (ppo.kl_reference_shift > 0, KL_REFERENCE_GAP_MEAN, lambda v: v > 0,
-         "its KL reference equals the rollout policy", "a kl_reference_shift that moves it"),
-        (spec.engine.sp_size > 1, SP_BOUNDARIES_IN_RESPONSES, lambda v: v > 0,
-         "no SP chunk boundary fell on a response token",
-         f"raise max_new_tokens ({ppo.max_new_tokens})"),
-    )  # fmt: skip
-    problems = [
-        f"{said} ({reading.key} = {value:.3g}): {change}"
-        for applies, reading, holds, said, change in wanted
-        if applies and not holds(value := _value(result, 0, reading))
-    ]
+    engine, ppo = spec.engine, spec.ppo
+    norm = GRAD_NORM.of(_rank0(result))
+    below = "" if norm is None else f" below the measured norm ({GRAD_NORM.key} = {norm:.3g})"
+    said: dict[Aspect, str] = {  # what a run that misses the aspect did
+        Aspect.SECOND_UPDATE: "one on-policy update: PPO's clip, a KL term off the rollout "
+        "policy and Adam's betas never shape it",
+        Aspect.RATIO_CLIP: f"its last of {ppo.updates} updates clipped no token",
+        Aspect.GRAD_CLIP: "its gradients were not clipped",
+        Aspect.KL_REFERENCE: "its KL reference equals the rollout policy",
+        Aspect.ADAM_BETAS: f"Adam's betas are torch's defaults ({engine.adam_beta1:g}, "
+        f"{engine.adam_beta2:g}), which an engine that drops the case's also steps with",
+        Aspect.SP_BOUNDARY: "no SP chunk boundary fell on a response token",
+    }
+    change: dict[Aspect, str] = {
+        Aspect.SECOND_UPDATE: f"updates = 2 (now {ppo.updates})",
+        Aspect.RATIO_CLIP: f"lower clip_ratio ({ppo.clip_ratio:g})",
+        Aspect.GRAD_CLIP: f"lower grad_clip ({engine.grad_clip:g}){below}",
+        Aspect.KL_REFERENCE: f"a kl_reference_shift that moves it ({ppo.kl_reference_shift:g})",
+        Aspect.ADAM_BETAS: "non-default betas (adam_beta2 = 0.95)",
+        Aspect.SP_BOUNDARY: f"raise max_new_tokens ({ppo.max_new_tokens})",
+    }
+    measured: dict[Aspect, tuple[Reading[Any], Callable[[Any], bool]]] = {
+        Aspect.RATIO_CLIP: (PG_CLIPFRAC_LAST_UPDATE, lambda v: v > 0),
+        Aspect.GRAD_CLIP: (CLIP_COEF, lambda v: v < 1),
+        Aspect.KL_REFERENCE: (KL_REFERENCE_GAP_MEAN, lambda v: v > 0),
+        Aspect.SP_BOUNDARY: (SP_BOUNDARIES_IN_RESPONSES, lambda v: v > 0),
+    }
+    excused = ppo.unexercised()
+    problems = []
+    for aspect in Aspect:
+        if aspect in excused or covered(aspect, engine, ppo):
+            continue  # the case says why, or another aspect's miss (or reason) covers it
+        if aspect in measured:
+            reading, holds = measured[aspect]
+            if not holds(value := _value(result, 0, reading)):
+                problems.append(
+                    f"{aspect}: {said[aspect]} ({reading.key} = {value:.3g}): {change[aspect]}"
+                )
+        elif not exercised_as_declared(aspect, engine, ppo):
+            problems.append(f"{aspect}: {said[aspect]}: {change[aspect]}")
     if problems:
         raise CheckFailure(
-            f"case {result.case_id} exercises less than it declares: " + "; ".join(problems)
+            f"case {result.case_id} exercises less than it declares: "
+            + "; ".join(problems)
+            + " (or the case says why, in not_exercised: aspect = reason)"
         )

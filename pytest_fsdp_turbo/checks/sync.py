@@ -1,6 +1,6 @@
-"""What the gradient-sync policy promises: h (reduce-scatters per micro-batch and the unsharded
-gradients held between them), j (data-parallel ranks train on disjoint rows) and f (memory within
-the case's budget)."""
+"""What the gradient-sync policy promises: h (reduce-scatters and every other gradient collective
+per micro-batch, and the unsharded gradients held between them), j (data-parallel ranks train on
+disjoint rows, laid out as the case declares) and f (memory within the case's budget)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pytest_fsdp_turbo.checks.readings import (
     SEQ_LEN,
     SHARD_GROUP_SIZE,
     _measured,
+    _per_rank,
     _value,
     declared,
 )
@@ -23,8 +24,37 @@ from pytest_fsdp_turbo.checks.verdicts import (
     NotApplicable,
     judges,
 )
+from pytest_fsdp_turbo_contract.records import Reading
 from pytest_fsdp_turbo_contract.results import RunResult
-from pytest_fsdp_turbo_contract.vocab import SyncPolicy
+from pytest_fsdp_turbo_contract.vocab import CaseKindName, SyncPolicy
+
+GRADIENT_COLLECTIVES_BY_MICRO_BATCH = Reading(lambda m: m.train.gradient_collectives_by_micro_batch)
+REPLICATE_GROUP_SIZE = Reading(lambda m: m.train.replicate_group_size)
+ENGINE_DATA_RANK = Reading(lambda m: m.rank.engine_data_rank)
+ENGINE_DATA_SIZE = Reading(lambda m: m.rank.engine_data_size)
+ENGINE_DATA_GROUP = Reading(lambda m: m.rank.engine_data_group)
+ENGINE_REPLICA_GROUP = Reading(lambda m: m.rank.engine_replica_group)
+# FSDP2's collectives per unit on each synced backward (fsdp_probe.CollectiveCounter's kinds)
+REDUCE_SCATTER, ALL_REDUCE = "reduce_scatter", "all_reduce"
+
+
+def data_parallel_ranks(rank: int, world_size: int, sp_size: int) -> list[int]:
+    """The declared layout (as the ranks build it, pytest_fsdp_turbo_engine/step/rank.py): a
+    sequence-parallel group is sp_size consecutive ranks sharing rows, so `rank` is data-parallel
+    rank rank // sp_size, and the ranks holding other rows are those at its place in each group."""
+    return list(range(rank % sp_size, world_size, sp_size))
+
+
+def sp_group(rank: int, sp_size: int) -> list[int]:
+    """The ranks sharing `rank`'s rows in the declared layout."""
+    first = rank // sp_size * sp_size
+    return list(range(first, first + sp_size))
+
+
+def replica_ranks(rank: int, world_size: int, shard_size: int) -> list[int]:
+    """The declared layout's replicas of `rank` (itself included): a shard group is shard_size
+    consecutive ranks, the replicas the ranks at one place in each."""
+    return list(range(rank % shard_size, world_size, shard_size))
 
 
 @judges("f")
@@ -51,10 +81,37 @@ def expected_reduce_scatters(
     return [per_sync] * micro_batches
 
 
+def expected_gradient_collectives(
+    policy: str, micro_batches: int, units: int, shard_group_size: int, replicas: int
+) -> list[dict[str, int]]:
+    """Every collective that carries parameter gradients, per micro-batch and kind: FSDP2's own,
+    per FSDP unit that ran and synced backward, a reduce-scatter over the shard group (when it
+    spans more than one rank) and, under HSDP, an all-reduce over the replicas; nothing else.
+    Deferred syncs only on the last micro-batch: no gradient collective of any kind before it."""
+    per_sync = {REDUCE_SCATTER: units} if shard_group_size > 1 else {}
+    if replicas > 1:
+        per_sync[ALL_REDUCE] = units
+    if policy == SyncPolicy.DEFERRED:
+        return [{} for _ in range(micro_batches - 1)] + [per_sync]
+    return [dict(per_sync) for _ in range(micro_batches)]
+
+
+def _kinds(per_micro_batch: list[dict[str, int]]) -> str:
+    """[none, 5 reduce_scatter + 5 all_reduce]: one entry per micro-batch."""
+    entries = [
+        " + ".join(f"{n} {kind}" for kind, n in sorted(counts.items()) if n) or "none"
+        for counts in per_micro_batch
+    ]
+    return f"[{', '.join(entries)}]"
+
+
 @judges("h")
 def check_sync_contract(result: RunResult) -> None:
-    """h. What the declared gradient-sync policy promises is what the ranks measured; with
-    sequence parallelism, each rank's decoder layers saw only its chunk of the sequence."""
+    """h. What the declared gradient-sync policy promises is what the ranks measured: FSDP2's
+    reduce-scatters, then every collective that carried parameter gradients, of any kind
+    (fsdp_probe.CollectiveCounter says which do), per micro-batch; with sequence parallelism,
+    each rank's decoder layers saw only its chunk of the sequence; and the unsharded gradients
+    held between micro-batches."""
     spec = declared(result)
     policy, micro_batches = str(spec.engine.gradient_sync), spec.ppo.micro_batches
     head = (
@@ -62,6 +119,7 @@ def check_sync_contract(result: RunResult) -> None:
         f"{micro_batches} micro-batches"
     )
     check_reduce_scatters(result, policy, micro_batches, head)
+    check_gradient_collectives(result, policy, micro_batches, head)
     sp = spec.engine.sp_size
     if sp > 1:  # sequence parallelism: each rank's decoder layers see only its chunk
         rows = _value(result, 0, MICRO_BATCH_ROWS)
@@ -93,6 +151,27 @@ def check_reduce_scatters(result: RunResult, policy: str, micro_batches: int, he
             )
 
 
+def check_gradient_collectives(
+    result: RunResult, policy: str, micro_batches: int, head: str
+) -> None:
+    """h's every gradient collective: an engine that declares deferral yet syncs its gradients
+    each micro-batch by another collective than FSDP2's reduce-scatter (an all-reduce of each
+    gradient, by hand) is red here, where the reduce-scatter counts alone read right."""
+    key = GRADIENT_COLLECTIVES_BY_MICRO_BATCH.key
+    for rank, calls in _measured(result, GRADIENT_COLLECTIVES_BY_MICRO_BATCH):
+        units = _value(result, rank, FSDP_UNITS)
+        shards = _value(result, rank, SHARD_GROUP_SIZE)
+        replicas = _value(result, rank, REPLICATE_GROUP_SIZE)
+        want = expected_gradient_collectives(policy, micro_batches, units, shards, replicas)
+        if [{k: n for k, n in c.items() if n} for c in calls] != want:
+            raise CheckFailure(
+                f"{head} over {units} FSDP units that ran, sharded {shards} ways, "
+                f"{replicas} replica(s): expected gradient collectives per micro-batch "
+                f"{_kinds(want)}, measured {_kinds(calls)} on rank {rank} ({key}: every "
+                "collective that carried parameter gradients, of any kind)"
+            )
+
+
 def check_retained_gradients(result: RunResult, policy: str, micro_batches: int, head: str) -> None:
     """h's memory: deferral holds unsharded gradients between micro-batches, syncing never does."""
     retained_key = RETAINED_GRAD_BYTES.key
@@ -112,25 +191,36 @@ def check_retained_gradients(result: RunResult, policy: str, micro_batches: int,
 
 @judges("j")
 def check_data_rows(result: RunResult) -> None:
-    """j. Data-parallel ranks train on disjoint rows: the ranks that share rows are exactly one
-    sequence-parallel group (sp_size ranks), and no row is trained by two groups. Read from the
-    rows the harness handed each rank, so an engine whose data rank is wrong (an HSDP engine that
-    takes it from the shard dimension) cannot hide behind a reference or twin that replays the
-    same duplicated batch."""
-    if declared(result).engine.world_size < 2:
+    """j. Data-parallel ranks train on disjoint rows, laid out as the case declares: the ranks that
+    share rows are exactly one sequence-parallel group (sp_size consecutive ranks), and no row is
+    trained by two groups. Read from the rows each rank trained on (the harness hands them out by
+    the declared layout, never by the rank the engine reports; a trainer's are observed), so a
+    reference or twin that replays the same duplicated batch cannot hide it. And the engine's own
+    data-parallel rank, size and group (where the run records them: the harness's PPO step does)
+    must be the declared layout's: an engine that takes its data rank from elsewhere (an HSDP
+    engine's shard dimension) would train other rows than the harness hands it in a trainer that
+    asks it."""
+    spec = declared(result).engine
+    if spec.world_size < 2:
         raise NotApplicable("one rank")
     rows: dict[int, list[int]] = dict(_measured(result, DATA_ROWS))
-    sp = declared(result).engine.sp_size
+    world, sp = spec.world_size, max(1, spec.sp_size)
+    layout = f"the declared layout (world_size {world}, sp_size {sp})"
     key = DATA_ROWS.key
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank, listed in sorted(rows.items()):
         groups.setdefault(tuple(sorted(listed)), []).append(rank)
     for shared, ranks in groups.items():
-        if len(ranks) != sp:
+        if ranks != sp_group(ranks[0], sp):
+            who = (
+                f"ranks {ranks} trained on the same rows"
+                if len(ranks) > 1
+                else f"rank {ranks[0]} alone trained on rows"
+            )
             raise CheckFailure(
-                f"check j: ranks {ranks} trained on the same rows {list(shared)[:8]}"
-                f"{'...' if len(shared) > 8 else ''} ({key}); with sp_size {sp} "
-                f"each row belongs to one data-parallel rank of {sp} rank(s)"
+                f"check j: {who} {list(shared)[:8]}{'...' if len(shared) > 8 else ''} ({key}); "
+                f"{layout} has ranks {sp_group(ranks[0], sp)} share them: each row belongs to "
+                f"one data-parallel rank of {sp} consecutive rank(s)"
             )
     seen: dict[int, list[int]] = {}
     for shared, ranks in groups.items():
@@ -141,3 +231,25 @@ def check_data_rows(result: RunResult) -> None:
                     f"({key}): data-parallel ranks must hold disjoint rows"
                 )
             seen[row] = ranks
+    check_reported_data_rank(result, world, sp, layout)
+
+
+def check_reported_data_rank(result: RunResult, world: int, sp: int, layout: str) -> None:
+    """j's engine side: each rank's reported data-parallel rank, size and group against the
+    declared layout's. Required of the harness's PPO step, which records them; a run of another
+    kind (a trainer, observed from outside) may not have them."""
+    required = declared(result).kind == CaseKindName.PPO_STEP
+    keys = ", ".join(r.key for r in (ENGINE_DATA_RANK, ENGINE_DATA_SIZE, ENGINE_DATA_GROUP))
+    for rank, data_rank in _per_rank(result, ENGINE_DATA_RANK, required):
+        if data_rank is None:
+            continue
+        size = _value(result, rank, ENGINE_DATA_SIZE)
+        listed: list[int] = _value(result, rank, ENGINE_DATA_GROUP)
+        group = sorted(listed)
+        want = (rank // sp, world // sp, data_parallel_ranks(rank, world, sp))
+        if (data_rank, size, group) != want:
+            raise CheckFailure(
+                f"check j: rank {rank}: the engine reports data-parallel rank {data_rank} of "
+                f"{size}, over ranks {group} ({keys}); {layout} "
+                f"makes it data-parallel rank {want[0]} of {want[1]}, over ranks {want[2]}"
+            )

@@ -23,6 +23,7 @@ multiple of the reference's own distance when it computes in bf16 from the same 
 from __future__ import annotations
 
 from pytest_fsdp_turbo.checks.readings import declared, declares_reference
+from pytest_fsdp_turbo.checks.rounding import beyond_rounding
 from pytest_fsdp_turbo.checks.tolerances import (
     ADAMW_STEP_TOL_LR,
     GRAD_PARITY_L2_TOL,
@@ -171,6 +172,22 @@ def check_trainer_gradients(result: RunResult) -> None:
                 f"check c: step {step.step}: the engine's gradients differ from the "
                 f"single-process reference's by relative L2 error {l2:.3g} ({said}) [sync "
                 f"policy {policy}, {step.rows} rows, {step.tokens} response tokens]"
+            )
+        if step.grad_param_rel_l2 is not None:  # bf16: each parameter against its rounding
+            entries = ((n, mine, noise) for n, (mine, noise) in step.grad_param_rel_l2.items())
+            if over := beyond_rounding(entries):
+                said = over.said(
+                    "its gradient differs from the single-process reference's in bf16 by "
+                    "relative L2 error"
+                )
+                raise CheckFailure(
+                    f"check c: step {step.step}: parameter {over.name}: {said} [sync policy "
+                    f"{policy}]"
+                )
+        elif step.grad_rel_l2_noise is not None:
+            raise CheckFailure(
+                f"check c: step {step.step}: the run computes in bf16, but the replay has no "
+                "per-parameter reading (grad_param_rel_l2)"
             )
         per_param = GRAD_PARITY_TOL[FP32]
         if step.grad_rel_l2_noise is None and not (step.grad_max_rel_err or 0.0) <= per_param:

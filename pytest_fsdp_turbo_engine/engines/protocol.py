@@ -48,7 +48,22 @@ class Engine(Protocol):
 
     def replicate_group(self) -> ProcessGroup | None: ...
 
-    def optimizer_step(self) -> float: ...
+    def optimizer_step(self) -> float:
+        """Clip the gradients by their global L2 norm (the case's max_norm, torch's
+        `min(1, max_norm / (norm + 1e-6))`), step AdamW on them, and return the norm before the
+        clip; a non-finite norm skips the update on every rank alike.
+
+        Any optimizer will do, a `torch.optim.Optimizer` or hand-written tensor math. The
+        harness reads the gradients the step used itself (step/measurements.SteppedGradients):
+        with a torch optimizer, by a pre-step hook as its step begins; with any other optimizer,
+        from the gradient tensors the backward left in each parameter's `.grad`, which the
+        harness holds across this call and reads once it returns. So an engine whose optimizer
+        is not a torch one promises: it clips in those tensors, in place (as
+        `torch.nn.utils.clip_grad_norm_` does), steps on them, and then drops them
+        (`p.grad = None`, as `zero_grad(set_to_none=True)` does); it never zeroes or overwrites
+        them in place, nor steps on a clipped copy. An engine that breaks this reads as
+        a step on the wrong gradients: check k is red (1.0 away when they were zeroed)."""
+        ...
 
     def full_state_dict(self) -> dict[str, Tensor]: ...
 

@@ -39,7 +39,8 @@ class Collected:
 
 
 def collect(ctx: Rank) -> Collected:
-    """rollout -> reward -> GRPO advantages -> old and reference logprobs, for this rank's prompts."""
+    """rollout -> reward -> GRPO advantages -> old and reference logprobs, for this rank's prompts
+    (its data rank's share in the layout the case declares, never the rank the engine reports)."""
     cfg, engine = ctx.cfg, ctx.engine
     ctx.phase.enter("rollout")
     prompts = load_prompts(cfg.prompts)[: cfg.num_prompts]
@@ -80,7 +81,8 @@ def reference_shift(cfg: PPOSpec, rows: list[int], width: int) -> torch.Tensor:
 
 
 def replayed(ctx: Rank) -> Collected:
-    """This rank's share of the main run's global batch (ranks hold equal, contiguous blocks)."""
+    """This rank's share of the main run's global batch (data ranks of the declared layout hold
+    equal, contiguous blocks)."""
     ctx.phase.enter("replay")
     whole = TrainBatch.load(RunFolder(Path(ctx.cfg.replay)).batch)
     block = whole.size // ctx.dp_size
@@ -97,7 +99,7 @@ def replay_record(ctx: Rank, collected: Collected) -> ReplayRecord:
     per_row = ((mine.float() - batch.old_logprobs.float()).abs() * batch.mask).amax(dim=1)
     local = int(per_row.argmax())
     worst = (float(per_row[local]), collected.rows[local])
-    diff, row = max(gather_objects(worst, ctx.engine.data_parallel_group()))
+    diff, row = max(gather_objects(worst, ctx.layout.data_group))
     return ReplayRecord(old_logprob_max_abs_diff=diff, old_logprob_worst_row=row)
 
 

@@ -9,13 +9,17 @@ fails naming the torch version when the internals move, instead of silently coun
 from __future__ import annotations
 
 import math
+import sys
+import threading
+from types import FrameType
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from pytest_fsdp_turbo_engine.engines.fsdp2 import full_tensor
+from pytest_fsdp_turbo_engine.engines.fsdp2 import full_tensor, local_tensor
 
 
 class FSDPInternalsChanged(RuntimeError):
@@ -96,6 +100,20 @@ def shard_group_size(model: torch.nn.Module) -> int:
     return 1
 
 
+def replicate_group_size(model: torch.nn.Module) -> int:
+    """Ranks holding the same shard of each parameter (HSDP replicas, itself included): the mesh
+    dimensions a parameter is Replicate over. FSDP2 all-reduces a unit's reduced gradients over
+    them after its reduce-scatter (none when 1)."""
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            return math.prod(
+                param.device_mesh.size(i)
+                for i, p in enumerate(param.placements)
+                if p.is_replicate()
+            )
+    return 1
+
+
 # The torch.distributed functions FSDP2 issues its collectives through, looked up on the module at
 # call time (`dist.<name>(...)` in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
 # torch >= 2.12 calls reduce_scatter_single / all_gather_single from its Default*/ProcessGroupAlloc*
@@ -108,73 +126,58 @@ def shard_group_size(model: torch.nn.Module) -> int:
 # calls here counts what FSDP2 issues on gloo, NCCL and HCCL alike (not run on an NPU here).
 REDUCE_SCATTER_FUNCTIONS = ("reduce_scatter_single", "reduce_scatter_tensor")
 ALL_GATHER_FUNCTIONS = ("all_gather_single", "all_gather_into_tensor")
+# Every entry point a collective can carry a tensor through, by the kind the gradient collectives
+# are counted under: torch.distributed's, and the functional collectives DTensor redistributes
+# through (torch.distributed._functional_collectives: a Partial gradient made Replicate is an
+# all-reduce there, never through torch.distributed).
+COLLECTIVE_KINDS = {
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter"),
+    "all_reduce": ("all_reduce", "all_reduce_coalesced"),
+    "reduce": ("reduce",),
+    "all_gather": ("all_gather_single", "all_gather_into_tensor", "all_gather"),
+    "all_to_all": ("all_to_all_single", "all_to_all"),
+    "broadcast": ("broadcast",),
+}
+FUNCTIONAL_KINDS = {
+    "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_tensor_autograd"),
+    "all_reduce": ("all_reduce", "all_reduce_coalesced", "all_reduce_inplace"),
+    "all_gather": ("all_gather_tensor", "all_gather_tensor_autograd"),
+    "all_to_all": ("all_to_all_single", "all_to_all_single_autograd"),
+    "broadcast": ("broadcast",),
+}
+# FSDP2's own functions that issue collectives: the one that reduces a unit's gradients
+# (reduce-scatter over the shard group, then under HSDP all-reduce over the replicas) and the one
+# that gathers a unit's parameters (in forward, and again in backward after a reshard)
+FSDP_REDUCES, FSDP_GATHERS = "foreach_reduce", "foreach_all_gather"
+FSDP_CALLER_DEPTH = 4  # frames above the collective's call searched for them
 
 
-class CollectiveCounter:
-    """Counts the reduce-scatters and all-gathers issued while installed, per micro-batch.
-
-    Installed by the harness around the train phase (never inside an engine method): each hooked
-    torch.distributed function is wrapped for the duration and restored after. `next_micro_batch()`
-    is called as each micro-batch's loss is computed, so reduce-scatters (issued by backward, after
-    the loss) land on the micro-batch whose backward issued them. All-gathers run in forward too,
-    before the loss is known, so they are counted as one total. Costs one Python call per
-    collective, nothing per op.
-    """
-
-    def __init__(self) -> None:
-        self.reduce_scatters: list[int] = []
-        self.all_gathers_total = 0
-        self._saved: dict[str, object] = {}
-
-    def next_micro_batch(self) -> None:
-        self.reduce_scatters.append(0)
-
-    def _count(self, name: str) -> None:
-        if name in ALL_GATHER_FUNCTIONS:
-            self.all_gathers_total += 1
-        elif self.reduce_scatters:  # none is due before the first micro-batch's loss
-            self.reduce_scatters[-1] += 1
-
-    def _wrap(self, name: str) -> None:
-        original = getattr(dist, name)
-
-        def counted(*args, **kwargs):
-            self._count(name)
-            return original(*args, **kwargs)
-
-        self._saved[name] = original
-        setattr(dist, name, counted)
-
-    def __enter__(self) -> CollectiveCounter:
-        hooked = [n for n in (*REDUCE_SCATTER_FUNCTIONS, *ALL_GATHER_FUNCTIONS) if hasattr(dist, n)]
-        if not any(n in hooked for n in REDUCE_SCATTER_FUNCTIONS):
-            raise FSDPInternalsChanged(
-                f"torch {torch.__version__}: torch.distributed has none of "
-                f"{REDUCE_SCATTER_FUNCTIONS}; update pytest_fsdp_turbo_engine.step.fsdp_probe"
-            )
-        for name in hooked:
-            self._wrap(name)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-        self._saved.clear()
+def _issued_by_fsdp() -> str | None:
+    """FSDP_REDUCES or FSDP_GATHERS when FSDP2 issued the collective being called, else None."""
+    frame: FrameType | None = sys._getframe(3)  # above _count and the wrapper: its caller
+    for _ in range(FSDP_CALLER_DEPTH):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name in (FSDP_REDUCES, FSDP_GATHERS) and "fsdp" in code.co_filename:
+            return code.co_name
+        frame = frame.f_back
+    return None
 
 
-def _param_group(unit: FSDPModule):
-    try:
-        return unit._get_fsdp_state()._fsdp_param_group
-    except AttributeError as exc:
-        raise FSDPInternalsChanged(
-            f"torch {torch.__version__}: FSDP2 state no longer exposes _get_fsdp_state()."
-            f"_fsdp_param_group ({exc}); update pytest_fsdp_turbo_engine.step.fsdp_probe"
-        ) from None
+def _tensors(values) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, list | tuple):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
 
 
-def unsharded_grad_bytes(model: torch.nn.Module) -> int:
-    """Bytes of unsharded gradients FSDP2 holds right now (non-zero only under deferred sync)."""
-    total = 0
+def _unsharded_grads(model: torch.nn.Module):
+    """The unsharded gradients FSDP2 holds right now: accumulated across micro-batches under
+    deferred sync, or the one a backward just produced before its reduce-scatter."""
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -194,8 +197,139 @@ def unsharded_grad_bytes(model: torch.nn.Module) -> int:
             if grad is None and unsharded is not None:
                 grad = unsharded.grad
             if grad is not None:
-                total += grad.numel() * grad.element_size()
-    return total
+                yield grad
+
+
+class CollectiveCounter:
+    """Counts, per micro-batch, the reduce-scatters and every collective that carries parameter
+    gradients; the all-gathers as one total.
+
+    Installed by the harness around the train phase (never inside an engine method): each hooked
+    function (torch.distributed's and the functional collectives') is wrapped for the duration and
+    restored after. `next_micro_batch()` is called as each micro-batch's loss is computed, so a
+    collective issued by a backward (after its loss) or after it (an engine's sync context closing)
+    lands on the micro-batch whose backward produced the gradients; one issued before the first
+    loss lands on the first micro-batch. All-gathers run in forward too, before the loss is known,
+    so they are counted as one total. Costs one Python call per collective, nothing per op.
+
+    A gradient collective is one that carries a parameter's gradient, whatever its kind
+    (reduce-scatter, all-reduce, reduce, all-gather, all-to-all, broadcast), decided by what it
+    carries, never by when it runs:
+    - FSDP2's reduction of a unit's gradients (issued from its `foreach_reduce`): the reduce-scatter
+      over the shard group and, under HSDP, the all-reduce over the replicas, one each per unit
+      per synced backward. FSDP2's all-gathers (`foreach_all_gather`, in forward and again in
+      backward after a reshard) carry parameters, not gradients: never counted.
+    - any other collective handed a floating tensor that is a parameter's gradient: it shares
+      storage with a gradient the watched module holds at that moment (a parameter's `.grad`, or
+      an unsharded gradient FSDP2 holds), or has the shape of a trainable parameter, whole or its
+      local shard. So an engine that syncs by hand (all-reduces each gradient, gathers it, sends it
+      from one rank) is counted.
+    Activations are not: sequence parallelism's all-to-alls (4-D and up), the gathered logits and
+    the all-reduce of their gradient (rows x sequence x vocabulary), a loss's scalar sums and the
+    integer token counts match no parameter's shape or storage. Not seen: a gradient copied into a
+    buffer shaped like no parameter (a flat bucket of several) before its collective.
+    """
+
+    def __init__(self) -> None:
+        self.reduce_scatters: list[int] = []
+        self.all_gathers_total = 0
+        # per micro-batch, collective kind -> the gradient collectives of that kind
+        self.gradient_collectives: list[dict[str, int]] = []
+        self._before: dict[str, int] = {}  # issued before the first micro-batch's loss
+        self._module: torch.nn.Module | None = None
+        self._shapes: set[tuple[int, ...]] = set()
+        self._saved: list[tuple[object, str, object]] = []
+        self._inside = threading.local()  # a collective calling another is counted once
+
+    def watch(self, module: torch.nn.Module) -> None:
+        """The module whose parameters' gradients the gradient collectives carry."""
+        self._module = module
+        self._shapes = set()
+        for param in module.parameters():
+            if param.requires_grad and param.numel():
+                self._shapes.add(tuple(param.shape))
+                self._shapes.add(tuple(local_tensor(param).shape))
+
+    def next_micro_batch(self) -> None:
+        self.reduce_scatters.append(0)
+        self.gradient_collectives.append(self._before)
+        self._before = {}
+
+    def _carries_gradients(self, args, kwargs) -> bool:
+        tensors = [
+            local_tensor(t)
+            for t in _tensors([*args, *kwargs.values()])
+            if t.is_floating_point() and t.numel()
+        ]
+        if self._module is None or not tensors:
+            return False
+        if any(tuple(t.shape) in self._shapes for t in tensors):
+            return True
+        held = [local_tensor(p.grad) for p in self._module.parameters() if p.grad is not None]
+        storages = {g.untyped_storage().data_ptr() for g in held}
+        storages.update(g.untyped_storage().data_ptr() for g in _unsharded_grads(self._module))
+        return any(t.untyped_storage().data_ptr() in storages for t in tensors)
+
+    def _count(self, name: str, kind: str, args, kwargs) -> None:
+        if name in ALL_GATHER_FUNCTIONS:
+            self.all_gathers_total += 1
+        elif name in REDUCE_SCATTER_FUNCTIONS and self.reduce_scatters:
+            self.reduce_scatters[-1] += 1  # none is due before the first micro-batch's loss
+        fsdp = _issued_by_fsdp()
+        if fsdp == FSDP_GATHERS or (fsdp is None and not self._carries_gradients(args, kwargs)):
+            return
+        bucket = self.gradient_collectives[-1] if self.gradient_collectives else self._before
+        bucket[kind] = bucket.get(kind, 0) + 1
+
+    def _wrap(self, owner, name: str, kind: str, counts_reduce_scatters: bool) -> None:
+        original = getattr(owner, name)
+        inside = self._inside
+
+        def counted(*args, **kwargs):
+            if getattr(inside, "busy", False):  # issued by a collective already counted
+                return original(*args, **kwargs)
+            inside.busy = True
+            try:
+                self._count(name if counts_reduce_scatters else "", kind, args, kwargs)
+                return original(*args, **kwargs)
+            finally:
+                inside.busy = False
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    def __enter__(self) -> CollectiveCounter:
+        if not any(hasattr(dist, n) for n in REDUCE_SCATTER_FUNCTIONS):
+            raise FSDPInternalsChanged(
+                f"torch {torch.__version__}: torch.distributed has none of "
+                f"{REDUCE_SCATTER_FUNCTIONS}; update pytest_fsdp_turbo_engine.step.fsdp_probe"
+            )
+        for owner, kinds in ((dist, COLLECTIVE_KINDS), (funcol, FUNCTIONAL_KINDS)):
+            for kind, names in kinds.items():
+                for name in names:
+                    if hasattr(owner, name):
+                        self._wrap(owner, name, kind, owner is dist)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+
+def _param_group(unit: FSDPModule):
+    try:
+        return unit._get_fsdp_state()._fsdp_param_group
+    except AttributeError as exc:
+        raise FSDPInternalsChanged(
+            f"torch {torch.__version__}: FSDP2 state no longer exposes _get_fsdp_state()."
+            f"_fsdp_param_group ({exc}); update pytest_fsdp_turbo_engine.step.fsdp_probe"
+        ) from None
+
+
+def unsharded_grad_bytes(model: torch.nn.Module) -> int:
+    """Bytes of unsharded gradients FSDP2 holds right now (non-zero only under deferred sync)."""
+    return sum(grad.numel() * grad.element_size() for grad in _unsharded_grads(model))
 
 
 def global_grad_norm(module: torch.nn.Module) -> float:
@@ -265,19 +399,22 @@ SKETCH_STRIDE = 0.6180339887498949  # the golden ratio: positional weights that 
 
 
 def gradient_sketch(module: torch.nn.Module) -> dict[str, list[float]]:
-    """Per parameter, [norm, projection] of its whole gradient: the projection weighs element i by
-    cos(i * golden ratio + a phase from the name), so gradients that trade places inside a tensor
-    (heads sent to the wrong rank) move it while the norm stays. One parameter is gathered at a
-    time (a collective: every rank calls it), so the probe holds at most one whole gradient."""
-    sketch = {}
+    """Per parameter, [norm, projection] of its whole gradient (`sketch`). One parameter is
+    gathered at a time (a collective: every rank calls it), so the probe holds at most one whole
+    gradient."""
+    out = {}
     for name, param in module.named_parameters():
-        if param.grad is None:
-            continue
-        plain = _plain_name(name)
-        grad = full_tensor(param.grad.detach()).double().flatten()
-        phase = sum(plain.encode()) % 97
-        index = torch.arange(grad.numel(), device=grad.device, dtype=torch.float64)
-        weights = torch.cos(index * SKETCH_STRIDE + phase)
-        sketch[plain] = [float(grad.norm()), float((grad * weights).sum())]
-        del grad, index, weights
-    return sketch
+        if param.grad is not None:
+            plain = _plain_name(name)
+            out[plain] = sketch(plain, full_tensor(param.grad.detach()))
+    return out
+
+
+def sketch(name: str, grad: torch.Tensor) -> list[float]:
+    """[norm, projection] of one gradient: the projection weighs element i by cos(i * golden ratio
+    + a phase from the name), so gradients that trade places inside a tensor (heads sent to the
+    wrong rank) move it while the norm stays."""
+    flat = grad.double().flatten()
+    phase = sum(name.encode()) % 97
+    index = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64)
+    return [float(flat.norm()), float((flat * torch.cos(index * SKETCH_STRIDE + phase)).sum())]

@@ -15,7 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec
 from pytest_fsdp_turbo_contract.vocab import DeviceKind
-from pytest_fsdp_turbo_engine.core.reductions import all_max
+from pytest_fsdp_turbo_engine.core.reductions import all_max, gather_objects
 from pytest_fsdp_turbo_engine.core.train_batch import TrainBatch, ppo_loss
 from pytest_fsdp_turbo_engine.engines.fsdp2 import local_tensor
 from pytest_fsdp_turbo_engine.step import fsdp_probe
@@ -55,8 +55,8 @@ class MicroBatchProbe:
     """Harness code an engine's micro-batch loop calls as each micro-batch's loss is computed
     (ours calls it, verl's calls it through the loss function the harness hands it).
 
-    It moves the collective counter on to the next micro-batch, so reduce-scatters are attributed
-    to the micro-batch whose backward issued them; measures the unsharded gradients the previous
+    It moves the collective counter on to the next micro-batch, so reduce-scatters and every other
+    gradient collective are attributed to the micro-batch whose backward issued them; measures the unsharded gradients the previous
     backward left behind; and computes the PPO loss parts itself from the engine's log-probabilities.
     """
 
@@ -69,6 +69,7 @@ class MicroBatchProbe:
         loss_scale: float,
     ):
         self.module, self.tokens, self.cfg, self.counter = module, tokens, cfg, counter
+        counter.watch(module)  # the parameters whose gradients a gradient collective carries
         self.loss_scale = loss_scale  # FSDP averages over data ranks: each backs the sum times this
         self.count = 0
         self.retained = 0
@@ -136,23 +137,51 @@ class MicroBatchProbe:
         source.register_hook(arrived)
 
 
+class SteppedGradients:
+    """The gradients the engine's optimizer stepped on, as the harness reads them around its
+    optimizer_step call, whatever the optimizer's class (Engine.optimizer_step says what an
+    engine promises for it):
+
+    - a torch.optim.Optimizer: as its step begins, by a process-wide pre-step hook the harness
+      registers for the call (the first step that runs);
+    - any other optimizer: the gradient tensors the engine's backward left in each parameter's
+      `.grad`, which the harness holds across the call and reads once it returns, as the engine
+      left them (clipped in place, as torch.nn.utils.clip_grad_norm_ does, then dropped).
+
+    The engine's own objects (its optimizer, its state) are never asked."""
+
+    HOOK = "a torch optimizer's pre-step hook"
+    HELD = "the gradient tensors the backward left in .grad, after optimizer_step"
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.held: list[torch.Tensor | None] = [p.grad for p in module.parameters()]
+        self.hooked: list[torch.Tensor | None] | None = None
+
+    def _before_step(self, *_) -> None:
+        if self.hooked is None:
+            self.hooked = [_cpu_copy(p.grad) for p in self.module.parameters()]
+
+    @property
+    def source(self) -> str:
+        return self.HOOK if self.hooked is not None else self.HELD
+
+    def read(self) -> list[torch.Tensor | None]:
+        """The stepped-on gradients (local shards, on the CPU), read once optimizer_step has
+        returned; the held tensors are let go."""
+        held, self.held = self.held, []
+        return self.hooked if self.hooked is not None else [_cpu_copy(g) for g in held]
+
+
+def _cpu_copy(grad: torch.Tensor | None) -> torch.Tensor | None:
+    return None if grad is None else local_tensor(grad.detach()).to("cpu", copy=True)
+
+
 @contextlib.contextmanager
 def stepped_gradients(module: torch.nn.Module):
-    """The module's local gradients as an optimizer steps on them (after the engine's clip),
-    caught by a process-wide pre-step hook the harness registers for the engine's optimizer_step
-    call: the engine's own objects are not asked. Empty when no torch optimizer stepped."""
-    seen: list[list[torch.Tensor | None]] = []
-
-    def before_step(*_):
-        if not seen:
-            seen.append(
-                [
-                    None if p.grad is None else local_tensor(p.grad.detach()).to("cpu", copy=True)
-                    for p in module.parameters()
-                ]
-            )
-
-    handle = register_optimizer_step_pre_hook(before_step)
+    """Around the engine's optimizer_step call: yields the SteppedGradients to read after it."""
+    seen = SteppedGradients(module)
+    handle = register_optimizer_step_pre_hook(seen._before_step)
     try:
         yield seen
     finally:
@@ -214,14 +243,20 @@ def adamw_closed_form(
     return expected, AdamMoments(steps, exp_avg, exp_avg_sq)
 
 
-def replica_max_abs_diff(engine, device: torch.device) -> float | None:
-    """Spread of each local shard across the ranks that should hold the same values (HSDP)."""
-    group = engine.replicate_group()
+def replica_max_abs_diff(module: torch.nn.Module, group, device: torch.device) -> float | None:
+    """Spread of each local shard across the ranks that must hold the same values: `group`, the
+    replicas of the layout the case declares (step/rank.py Layout), never a group the engine
+    reports. Infinite where the replicas' local shards differ in shape (the engine laid its shards
+    out otherwise than declared); None where the layout has no replicas."""
     if group is None:
         return None
+    shards = [local_tensor(p.detach()).float() for p in module.parameters()]
+    shapes = gather_objects([tuple(s.shape) for s in shards], group)
     worst = torch.zeros((), dtype=torch.float32, device=device)
-    for param in engine.module.parameters():
-        shard = local_tensor(param.detach()).float()
+    if any(other != shapes[0] for other in shapes):  # the group's ranks all see the same list
+        worst.fill_(math.inf)
+        shards = []
+    for shard in shards:
         hi, lo = shard.clone(), shard.clone()
         torch.distributed.all_reduce(hi, op=torch.distributed.ReduceOp.MAX, group=group)
         torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN, group=group)

@@ -27,13 +27,16 @@ def post_step(
     ref_run: ReferenceRun | None,
     record: PostStepRecord,
 ) -> None:
-    """Replicas, the reference's steps, the weights handed to and served by the rollout, and the
-    post-step log-probabilities (a twin's against the main run's, which it saves for the twin).
-    Token means are over the global batch, sequence-parallel ranks counted once. `record` is the
-    step's own, filled as each measurement is taken: a failure half-way keeps what it measured."""
+    """Replicas (the declared layout's), the reference's steps, the weights handed to and served by
+    the rollout, and the post-step log-probabilities (a twin's against the main run's, which it
+    saves for the twin). Token means are over the global batch, sequence-parallel ranks counted
+    once. `record` is the step's own, filled as each measurement is taken: a failure half-way
+    keeps what it measured."""
     ctx.phase.enter("checks")
     engine, device = ctx.engine, ctx.device
-    record.replica_max_abs_diff = replica_max_abs_diff(engine, device)
+    record.replica_max_abs_diff = replica_max_abs_diff(
+        engine.module, ctx.layout.replica_group, device
+    )
     trainer: dict[str, torch.Tensor] = {}
     full: dict[str, torch.Tensor] = {}
     if ref_run is not None or ctx.rollout is not None:  # a replay twin has neither: no gathering
@@ -77,7 +80,7 @@ def post_step(
         compared = twin_comparison(ctx, batch, logprobs)
         record.post_step_logprob_max_abs_diff, record.post_step_logprob_moved = compared
     else:
-        gathered = gather_rows(logprobs, engine.data_parallel_group())
+        gathered = gather_rows(logprobs, ctx.layout.data_group)
         if ctx.rank == 0:
             torch.save({"logprobs": gathered}, RunFolder(ctx.out).post_step)
 
@@ -85,7 +88,7 @@ def post_step(
 def twin_comparison(ctx: Rank, batch: TrainBatch, logprobs: torch.Tensor) -> tuple[float, float]:
     """Twin only: post-step logprobs against the main run's, on the same global batch; and how
     far the twin's own updates moved them from the rollout's (the scale of what could differ)."""
-    group = ctx.engine.data_parallel_group()
+    group = ctx.layout.data_group
     mine, mask = gather_rows(logprobs, group), gather_rows(batch.mask, group)
     old = gather_rows(batch.old_logprobs, group)
     main = torch.load(RunFolder(Path(ctx.cfg.replay)).post_step, weights_only=True)

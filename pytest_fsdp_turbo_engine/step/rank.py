@@ -31,10 +31,79 @@ def device_for(kind: str, local_rank: int) -> torch.device:
     return torch.device(kind, local_rank)
 
 
+def data_parallel_ranks(rank: int, world_size: int, sp_size: int) -> list[int]:
+    """The ranks holding other rows than `rank`'s, one per data-parallel rank, `rank` among them:
+    a sequence-parallel group is sp_size consecutive ranks sharing rows (data rank = rank //
+    sp_size), and these are the ranks at `rank`'s place in each group."""
+    return list(range(rank % sp_size, world_size, sp_size))
+
+
+def replica_ranks(rank: int, world_size: int, shard_size: int) -> list[int]:
+    """The ranks holding the same shard as `rank`, itself included: a shard group is shard_size
+    consecutive ranks (the parameters laid on a (world_size / shard_size, shard_size) mesh), and
+    these are the ranks at `rank`'s place in each."""
+    return list(range(rank % shard_size, world_size, shard_size))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a rank sits in the layout the case declares (world_size, fsdp_size, sp_size), with the
+    harness's own process groups over it: the rows it is handed, the ranks its tokens and rows are
+    reduced and gathered over, and the replicas whose parameters must agree. Built by the harness
+    from the spec, never asked of the engine (what the engine reports is recorded beside it, and
+    checks d and j hold it to this)."""
+
+    data_rank: int
+    data_size: int
+    data_group: Any  # a ProcessGroup over data_parallel_ranks
+    replica_ranks: list[int]
+    replica_group: Any  # None where the declared layout has no replicas
+
+    @classmethod
+    def declared(cls, engine_cfg: EngineSpec, rank: int) -> Layout:
+        """Every rank builds every group, in the same order (a collective)."""
+        world, sp = engine_cfg.world_size, max(1, engine_cfg.sp_size)
+        replicas = engine_cfg.shard_size * sp < world  # as check d declares them (HSDP)
+        shard = engine_cfg.shard_size if replicas else world
+        data = [data_parallel_ranks(r, world, sp) for r in range(sp)]
+        held = [replica_ranks(r, world, shard) for r in range(shard)]
+        return cls(
+            data_rank=rank // sp,
+            data_size=world // sp,
+            data_group=_group_of(rank, data, world),
+            replica_ranks=replica_ranks(rank, world, shard),
+            replica_group=_group_of(rank, held, world) if replicas else None,
+        )
+
+
+def _group_of(rank: int, partition: list[list[int]], world: int):
+    """This rank's group of `partition` (every rank creates all of them, as new_group asks)."""
+    if len(partition) == 1 and len(partition[0]) == world:
+        return torch.distributed.group.WORLD
+    mine, _ = torch.distributed.new_subgroups_by_enumeration(partition)
+    return mine
+
+
+def reported_layout(engine, rank: int) -> dict[str, Any]:
+    """What the engine says of its place (RankRecord's engine_* fields): its data-parallel rank,
+    size and group, and its replica group ([rank] alone where it says there is none)."""
+    replicas = engine.replicate_group()
+    return {
+        "engine_data_rank": int(engine.data_parallel_rank()),
+        "engine_data_size": int(engine.data_parallel_size()),
+        "engine_data_group": _ranks_of(engine.data_parallel_group()),
+        "engine_replica_group": [rank] if replicas is None else _ranks_of(replicas),
+    }
+
+
+def _ranks_of(group) -> list[int]:
+    return sorted(torch.distributed.get_process_group_ranks(group))
+
+
 @dataclass(frozen=True)
 class Rank:
     """What every phase of one rank shares, built once by `load`: its spec, device, engine, rollout
-    and data-parallel place."""
+    and its place in the declared layout."""
 
     spec: RankSpec
     rank: int
@@ -45,8 +114,15 @@ class Rank:
     tokenizer: Any
     reference_module: torch.nn.Module | None  # frozen initial policy, for ref logprobs (not a twin)
     rollout: Any  # None for a twin, which replays the main run's batch
-    dp_rank: int
-    dp_size: int
+    layout: Layout  # the declared layout, the harness's groups over it
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.data_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.data_size
 
     @property
     def engine_cfg(self) -> EngineSpec:
@@ -125,8 +201,7 @@ def load(spec: RankSpec, place: RankEnv, phase: Phase, out: Path) -> Rank:
         tokenizer,
         reference_module,
         rollout,
-        engine.data_parallel_rank(),
-        engine.data_parallel_size(),
+        Layout.declared(engine_cfg, rank),
     )
 
 

@@ -4,6 +4,7 @@ the initial policy, and the same optimizer step on its gradients. What every sha
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -34,6 +35,33 @@ def reference_gradients(
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads
+
+
+def low_precision_gradients(
+    model: torch.nn.Module, batch: TrainBatch, tokens: float, cfg: PPOSpec, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The same gradients computed with the parameters in the engine's compute dtype, as FSDP's
+    mixed precision hands them to forward and backward: how far rounding alone moves each
+    parameter's gradient from the fp32 reference, measured on this batch at these parameters."""
+    low = copy.deepcopy(model).to(dtype)
+    grads = reference_gradients(low, batch, tokens, cfg)
+    del low
+    return {name: grad.float() for name, grad in grads.items()}
+
+
+def per_parameter_distance(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """Per parameter, ||got - want|| / ||want||: a scale-free error, so a parameter whose gradient
+    is 1e-5 of the largest is judged against itself (a missing gradient is a zero one)."""
+    out = {}
+    for name, ref in want.items():
+        ref = ref.double().cpu()
+        value = got.get(name)
+        diff = ref if value is None else value.double().cpu() - ref
+        off, size = float(diff.norm()), float(ref.norm())
+        out[name] = off / size if size > 0 else (0.0 if off == 0 else math.inf)
+    return out
 
 
 def name_mismatch(engine_names, reference_names) -> str | None:

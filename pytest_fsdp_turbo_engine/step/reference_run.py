@@ -9,18 +9,22 @@ from dataclasses import dataclass, field
 import torch
 
 from pytest_fsdp_turbo_contract.records import ReferenceRecord
+from pytest_fsdp_turbo_contract.vocab import Dtype
 from pytest_fsdp_turbo_engine.core.reductions import broadcast_tensors
 from pytest_fsdp_turbo_engine.core.train_batch import TrainBatch
 from pytest_fsdp_turbo_engine.rollout.hf_rollout import HFRollout
 from pytest_fsdp_turbo_engine.step import fsdp_probe
+from pytest_fsdp_turbo_engine.step.fsdp_probe import sketch
 from pytest_fsdp_turbo_engine.step.phases import phase_name
 from pytest_fsdp_turbo_engine.step.rank import Rank
 from pytest_fsdp_turbo_engine.step.reference import (
     ReferenceOptimizer,
     fingerprint,
     gradient_norm,
+    low_precision_gradients,
     max_abs_error,
     name_mismatch,
+    per_parameter_distance,
     reference_gradients,
     relative_l2_error,
 )
@@ -89,4 +93,52 @@ def reference(
         grad_max_rel_err_param=name,
         reference_grad_norm=ref_run.norm,
         grad_rel_l2_err=relative_l2_error(sharded, grads),
+        grad_param_rel_l2=low_precision_noise(
+            ctx, ref_run.copy, global_batch, tokens, sharded, grads
+        ),
     )
+
+
+def compute_dtype(ctx: Rank) -> torch.dtype | None:
+    """The low precision the engine computes in, or None in fp32."""
+    low = ctx.engine_cfg.dtype_on(ctx.spec.device_kind) == Dtype.BF16
+    return torch.bfloat16 if low else None
+
+
+def low_precision_noise(
+    ctx: Rank,
+    copy: torch.nn.Module,
+    batch: TrainBatch,
+    tokens: float,
+    engine: dict[str, torch.Tensor],
+    exact: dict[str, torch.Tensor],
+) -> dict[str, list[float]] | None:
+    """Rank 0, low precision, per parameter: the engine's gradient's distance from the
+    reference's computed in the engine's dtype (both round the parameters alike), beside that
+    reference's own distance from fp32: c holds each parameter to the rounding this computation
+    shows on this batch, at any scale of parameter."""
+    dtype = compute_dtype(ctx)
+    if dtype is None or ctx.rank != 0:
+        return None
+    low = low_precision_gradients(copy, batch, tokens, ctx.cfg, dtype)
+    mine, noise = per_parameter_distance(engine, low), per_parameter_distance(low, exact)
+    return {name: [mine[name], noise[name]] for name in exact}
+
+
+def low_precision_sketch(
+    ctx: Rank, batch: TrainBatch, tokens: float
+) -> dict[str, list[float]] | None:
+    """A single twin computing in low precision, on its first update (at the checkpoint's
+    parameters): per parameter, the sketch of the reference's gradient computed in the engine's
+    dtype on the batch it replays, and that gradient's relative L2 distance from fp32's. A run's
+    sketch is held to a multiple of that distance, as the reference holds its gradient in
+    `low_precision_noise`."""
+    dtype = compute_dtype(ctx)
+    if dtype is None:
+        return None
+    with ctx.unsharded():
+        copy = single_process_copy(ctx)
+        exact = reference_gradients(copy, batch, tokens, ctx.cfg)
+        low = low_precision_gradients(copy, batch, tokens, ctx.cfg, dtype)
+    noise = per_parameter_distance(low, exact)
+    return {name: [*sketch(name, grad), noise[name]] for name, grad in low.items()}

@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.records import (
     PARTIAL_METRICS_ATTR,
@@ -28,8 +26,12 @@ from pytest_fsdp_turbo_engine.step.measurements import peak_memory_bytes
 from pytest_fsdp_turbo_engine.step.optimizer_step import HarnessAdamW, optimizer
 from pytest_fsdp_turbo_engine.step.phases import Phase
 from pytest_fsdp_turbo_engine.step.post_step import post_step
-from pytest_fsdp_turbo_engine.step.rank import load
-from pytest_fsdp_turbo_engine.step.reference_run import ReferenceRun, reference
+from pytest_fsdp_turbo_engine.step.rank import load, reported_layout
+from pytest_fsdp_turbo_engine.step.reference_run import (
+    ReferenceRun,
+    low_precision_sketch,
+    reference,
+)
 from pytest_fsdp_turbo_engine.step.train import train
 
 
@@ -55,18 +57,19 @@ def _run(
     rank = place.rank
     ctx = load(spec, place, phase, out)
     cfg, device, folder = ctx.cfg, ctx.device, RunFolder(out)
-    replicas = ctx.engine.replicate_group()
+    # the declared layout's replicas, and beside it what the engine reports (checks d and j)
     metrics.rank = RankRecord(
         rank=rank,
         device=str(device),
-        replicas=1 if replicas is None else torch.distributed.get_world_size(replicas),
+        replicas=len(ctx.layout.replica_ranks),
+        **reported_layout(ctx.engine, rank),
     )
     step_start = time.perf_counter()
     collected = replayed(ctx) if ctx.replaying else collect(ctx)
     batch = collected.batch
     if ctx.replaying:
         metrics.replay = replay_record(ctx, collected)
-    group = ctx.engine.data_parallel_group()
+    group = ctx.layout.data_group  # the declared layout's, never the engine's
     # Ranks of one sequence-parallel group share their batch: count it once per data-parallel rank.
     tokens = all_sum(float(batch.mask.sum()), device, group)
     metrics.rollout = rollout_record(ctx, collected, tokens)
@@ -84,6 +87,8 @@ def _run(
     stepped: list[OptimizerRecord] = []
     for number in range(1, cfg.updates + 1):
         train_record, loss_record = train(ctx, collected, tokens, number)
+        if ctx.replaying and number == 1 and ctx.engine_cfg.world_size == 1:  # a single twin
+            train_record.grad_sketch_low = low_precision_sketch(ctx, batch, tokens)
         trained.append(train_record)
         losses.append(loss_record)
         metrics.train = TrainRecord.over_updates(trained)

@@ -46,7 +46,8 @@ def train(
 ) -> tuple[TrainRecord, LossRecord]:
     """Forward and backward per micro-batch under the engine's sync policy. Engines that run their
     own loop (verl's) get the probe through their loss function; the rest run the harness's loop.
-    A run without a reference (or a twin) sketches rank 0's whole gradient for the twin to judge."""
+    Every run sketches its whole gradient per parameter (rank 0 writes it) for a twin to judge: a
+    run with the reference too, so judging it without the reference is a real twin-mode verdict."""
     ctx.phase.enter(phase_name("train", update))
     engine, module, batch = ctx.engine, ctx.engine.module, collected.batch
     with fsdp_probe.CollectiveCounter() as counter, fsdp_probe.UnitsThatRan(module) as ran:
@@ -58,10 +59,11 @@ def train(
     if ctx.faulty("nan"):
         grad = next(p.grad for p in module.parameters() if p.grad is not None)
         local_tensor(grad).view(-1)[0] = float("nan")
-    sketching = not ctx.cfg.reference_checks or ctx.replaying  # the twin judges per parameter
-    sketch = fsdp_probe.gradient_sketch(module) if sketching else None  # every rank: collectives
+    sketch = fsdp_probe.gradient_sketch(module)  # every rank: collectives
     trained = TrainRecord(
         reduce_scatter_calls_by_micro_batch=counter.reduce_scatters,
+        gradient_collectives_by_micro_batch=counter.gradient_collectives,
+        replicate_group_size=fsdp_probe.replicate_group_size(module),
         reduce_scatter_calls=sum(counter.reduce_scatters),
         all_gather_calls=counter.all_gathers_total,
         fsdp_units=ran.count,

@@ -36,6 +36,7 @@ from pytest_fsdp_turbo_engine.step.reference import (
     gradient_norm,
     max_abs_error,
     name_mismatch,
+    per_parameter_distance,
     relative_l2_error,
 )
 from pytest_fsdp_turbo_engine.trainer import verl_loss
@@ -319,6 +320,8 @@ def replay_step(
     if dtype != torch.float32:  # what the reference itself loses in the run's compute dtype
         low, low_logprobs = ref.gradients(before, rows, dtype)
         out.grad_rel_l2_noise = relative_l2_error(low, grads)
+        mine, noise = per_parameter_distance(engine_grads, low), per_parameter_distance(low, grads)
+        out.grad_param_rel_l2 = {name: [mine[name], noise[name]] for name in grads}
         low_coef = clip_coefficient(gradient_norm(low), ref.optim.grad_clip)
         low_after = ref.stepped("low", before, low, low_coef)
         out.update_rel_l2_noise = update_distance(before, low_after, reference_after)
