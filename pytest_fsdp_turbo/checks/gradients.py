@@ -8,6 +8,7 @@ import math
 
 from pytest_fsdp_turbo.checks.readings import (
     ADVANTAGES_ABS_MAX,
+    ENGINE_REPLICA_GROUP,
     GRAD_MAX_REL_ERR,
     GRAD_NORM,
     GRAD_NORM_MEASURED,
@@ -63,6 +64,7 @@ from pytest_fsdp_turbo.checks.verdicts import (
     judge,
     judges,
 )
+from pytest_fsdp_turbo_contract.layout import replica_ranks
 from pytest_fsdp_turbo_contract.records import NAMES_DIFFER
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.vocab import TwinKind
@@ -337,8 +339,6 @@ def check_replicas(result: RunResult, tolerance: float = 0.0) -> None:
     groups of its own (sync/replica_max_abs_diff), never over a group the engine reports. The
     engine's own replica group (rank/engine_replica_group) must name the same ranks: one that
     names fewer (this rank alone) would have a harness that asked it compare a rank with itself."""
-    from pytest_fsdp_turbo.checks.sync import ENGINE_REPLICA_GROUP, replica_ranks
-
     if not declares_replicas(result):
         raise NotApplicable("no replicas")
     engine = declared(result).engine

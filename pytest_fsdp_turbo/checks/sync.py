@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from pytest_fsdp_turbo.checks.readings import (
     DATA_ROWS,
+    ENGINE_DATA_GROUP,
+    ENGINE_DATA_RANK,
+    ENGINE_DATA_SIZE,
     FSDP_UNITS,
+    GRADIENT_COLLECTIVES_BY_MICRO_BATCH,
     LAYER_TOKENS,
     MICRO_BATCH_ROWS,
     PEAK_MEMORY_BYTES,
     REDUCE_SCATTER_CALLS_BY_MICRO_BATCH,
+    REPLICATE_GROUP_SIZE,
     RETAINED_GRAD_BYTES,
     SEQ_LEN,
     SHARD_GROUP_SIZE,
@@ -24,37 +29,12 @@ from pytest_fsdp_turbo.checks.verdicts import (
     NotApplicable,
     judges,
 )
-from pytest_fsdp_turbo_contract.records import Reading
+from pytest_fsdp_turbo_contract.layout import data_parallel_ranks, sp_group
 from pytest_fsdp_turbo_contract.results import RunResult
 from pytest_fsdp_turbo_contract.vocab import CaseKindName, SyncPolicy
 
-GRADIENT_COLLECTIVES_BY_MICRO_BATCH = Reading(lambda m: m.train.gradient_collectives_by_micro_batch)
-REPLICATE_GROUP_SIZE = Reading(lambda m: m.train.replicate_group_size)
-ENGINE_DATA_RANK = Reading(lambda m: m.rank.engine_data_rank)
-ENGINE_DATA_SIZE = Reading(lambda m: m.rank.engine_data_size)
-ENGINE_DATA_GROUP = Reading(lambda m: m.rank.engine_data_group)
-ENGINE_REPLICA_GROUP = Reading(lambda m: m.rank.engine_replica_group)
 # FSDP2's collectives per unit on each synced backward (fsdp_probe.CollectiveCounter's kinds)
 REDUCE_SCATTER, ALL_REDUCE = "reduce_scatter", "all_reduce"
-
-
-def data_parallel_ranks(rank: int, world_size: int, sp_size: int) -> list[int]:
-    """The declared layout (as the ranks build it, pytest_fsdp_turbo_engine/step/rank.py): a
-    sequence-parallel group is sp_size consecutive ranks sharing rows, so `rank` is data-parallel
-    rank rank // sp_size, and the ranks holding other rows are those at its place in each group."""
-    return list(range(rank % sp_size, world_size, sp_size))
-
-
-def sp_group(rank: int, sp_size: int) -> list[int]:
-    """The ranks sharing `rank`'s rows in the declared layout."""
-    first = rank // sp_size * sp_size
-    return list(range(first, first + sp_size))
-
-
-def replica_ranks(rank: int, world_size: int, shard_size: int) -> list[int]:
-    """The declared layout's replicas of `rank` (itself included): a shard group is shard_size
-    consecutive ranks, the replicas the ranks at one place in each."""
-    return list(range(rank % shard_size, world_size, shard_size))
 
 
 @judges("f")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pytest_fsdp_turbo_contract.device_profiles import profile_of
+from pytest_fsdp_turbo_contract.layout import data_parallel_ranks, replica_ranks
 from pytest_fsdp_turbo_contract.spec import EngineSpec, PPOSpec, RankSpec
 from pytest_fsdp_turbo_contract.vocab import Capability, DeviceKind, Rollout
 from pytest_fsdp_turbo_engine.engines.ulysses_lift import library_patches_lifted
@@ -29,20 +30,6 @@ def device_for(kind: str, local_rank: int) -> torch.device:
         importlib.import_module(module)
     torch.get_device_module(kind).set_device(local_rank)
     return torch.device(kind, local_rank)
-
-
-def data_parallel_ranks(rank: int, world_size: int, sp_size: int) -> list[int]:
-    """The ranks holding other rows than `rank`'s, one per data-parallel rank, `rank` among them:
-    a sequence-parallel group is sp_size consecutive ranks sharing rows (data rank = rank //
-    sp_size), and these are the ranks at `rank`'s place in each group."""
-    return list(range(rank % sp_size, world_size, sp_size))
-
-
-def replica_ranks(rank: int, world_size: int, shard_size: int) -> list[int]:
-    """The ranks holding the same shard as `rank`, itself included: a shard group is shard_size
-    consecutive ranks (the parameters laid on a (world_size / shard_size, shard_size) mesh), and
-    these are the ranks at `rank`'s place in each."""
-    return list(range(rank % shard_size, world_size, shard_size))
 
 
 @dataclass(frozen=True)
