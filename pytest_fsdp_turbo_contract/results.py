@@ -25,7 +25,10 @@ HANG_MARKS = ("timed out waiting", "collective operation timeout")
 # a rank that cannot write its error report (a full disk) exits with this plus the errno
 UNWRITABLE_REPORT = 64
 MESSAGE_CHARS = 2000  # an exception message shown in a failure (one of 20 MB is cut, not printed)
-# what a rank's collective says when a peer it waits on died (gloo, NCCL, HCCL, the store)
+# what a rank's collective says when a peer it waits on died (gloo, NCCL, the store); never a
+# bare "NCCL error" or "HCCL", which a rank's own bug raises too (an invalid argument, a bad
+# buffer) and which would then pass as a lost peer behind another rank's known failure. HCCL
+# reports a dead peer as a timeout (HANG_MARKS, after the first failure).
 PEER_GONE = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -33,8 +36,7 @@ PEER_GONE = (
     "Socket Timeout",
     "connection refused",
     "communicator was aborted",
-    "NCCL error",
-    "HCCL",
+    "remote process exited or there was a network error",  # NCCL's ncclRemoteError
 )
 
 
