@@ -250,8 +250,7 @@ class FusedOptimizerOnOneReplicaEngine(FSDPEngineWithLMHead):
 
     def build(self, model_path: str, *, trainable: bool = True):
         wrapped = super().build(model_path, trainable=trainable)
-        group = self.replicate_group()
-        if trainable and group is not None and dist.get_rank(group) == 1:
+        if trainable and self._replica_index() == 1:
             self.optimizer = torch.optim.AdamW(
                 wrapped.parameters(),
                 lr=self.config.lr,
@@ -259,6 +258,11 @@ class FusedOptimizerOnOneReplicaEngine(FSDPEngineWithLMHead):
                 fused=True,
             )
         return wrapped
+
+    def _replica_index(self) -> int | None:
+        """This rank's place among its replicas (None without replicas)."""
+        group = self.replicate_group()
+        return None if group is None else dist.get_rank(group)
 
 
 @register(backend="fsdp_entropy_in_bits", device=EVERYWHERE)
@@ -302,7 +306,7 @@ class DataRankFromReplicateDimEngine(FSDPEngineWithLMHead):
 
 
 @register(backend="fsdp_replica_group_of_one", device=EVERYWHERE)
-class ReplicaGroupOfOneEngine(FSDPEngineWithLMHead):
+class ReplicaGroupOfOneEngine(FusedOptimizerOnOneReplicaEngine):
     """HSDP replicas that drift (replica 1 steps with the fused AdamW kernel, replica 0 with the
     foreach one, as fsdp_fused_optimizer_on_one_replica: a few ulp, silently), while the engine's
     replicate_group() names this rank alone (a per-rank subgroup where the mesh's replicate
@@ -316,17 +320,9 @@ class ReplicaGroupOfOneEngine(FSDPEngineWithLMHead):
     def replicate_group(self):
         return self._alone
 
-    def build(self, model_path: str, *, trainable: bool = True):
-        wrapped = super().build(model_path, trainable=trainable)
+    def _replica_index(self) -> int | None:  # the mesh's, which the reported group hides
         hsdp = "replicate" in (self.mesh.mesh_dim_names or ())
-        if trainable and hsdp and self.mesh.get_local_rank("replicate") == 1:
-            self.optimizer = torch.optim.AdamW(
-                wrapped.parameters(),
-                lr=self.config.lr,
-                weight_decay=self.config.weight_decay,
-                fused=True,
-            )
-        return wrapped
+        return self.mesh.get_local_rank("replicate") if hsdp else None
 
 
 @register(backend="fsdp_all_reduce_each_micro_batch", device=EVERYWHERE)

@@ -28,6 +28,7 @@ from pytest_fsdp_turbo.checks.readings import (
     _value,
     declared,
     declares_reference,
+    first_missing,
 )
 from pytest_fsdp_turbo.checks.tolerances import (
     ADAMW_STEP_TOL_LR,
@@ -80,15 +81,15 @@ def check_optimizer_step(result: RunResult) -> None:
         )
     if not declares_reference(result) or not finite:
         return  # no reference step declared, or no step to compare (a non-finite norm skips it)
-    for ranked in result.ranks:  # declared: every rank's comparison must have run
-        for reading in (STEP_MAX_ERR_LR, STEP_REL_L2_ERR):
-            if reading.of(ranked.step) is None:
-                raise CheckFailure(
-                    f"check i: the case declares the single-process reference "
-                    f"(reference_checks) but rank {ranked.rank} has no reading of the "
-                    f"reference's step ({reading.key}): the post-step comparison never ran "
-                    f"(phase {reading.record.PHASE!r}, log {ranked.log_path})"
-                )
+    # declared: every rank's comparison must have run
+    if missing := first_missing(result, (STEP_MAX_ERR_LR, STEP_REL_L2_ERR)):
+        ranked, reading = missing
+        raise CheckFailure(
+            f"check i: the case declares the single-process reference "
+            f"(reference_checks) but rank {ranked.rank} has no reading of the "
+            f"reference's step ({reading.key}): the post-step comparison never ran "
+            f"(phase {reading.record.PHASE!r}, log {ranked.log_path})"
+        )
     dtype = _dtype(result)
     tol = STEP_L2_TOL[dtype]
     if over := _first_above(result, STEP_REL_L2_ERR, tol):
@@ -118,15 +119,15 @@ def check_clip(result: RunResult) -> None:
     wherever the optimizer stepped (a finite norm): a rank without the reading fails, naming it."""
     if _rank0(result).optimizer.grad_norm_finite is False:
         return  # no step to judge: a non-finite norm skips it (checks a and i judge that)
-    for ranked in result.ranks:  # every rank's step was measured, whatever its optimizer
-        for reading in (CLIP_COEF, CLIP_MAX_REL_ERR):
-            if reading.of(ranked.step) is None:
-                raise CheckFailure(
-                    f"check k: rank {ranked.rank}: no reading of the gradients the optimizer "
-                    f"stepped on ({reading.key}): the harness reads them whatever the "
-                    f"optimizer's class, so phase {reading.record.PHASE!r} never measured the "
-                    f"step (log {ranked.log_path})"
-                )
+    # every rank's step was measured, whatever its optimizer
+    if missing := first_missing(result, (CLIP_COEF, CLIP_MAX_REL_ERR)):
+        ranked, reading = missing
+        raise CheckFailure(
+            f"check k: rank {ranked.rank}: no reading of the gradients the optimizer "
+            f"stepped on ({reading.key}): the harness reads them whatever the "
+            f"optimizer's class, so phase {reading.record.PHASE!r} never measured the "
+            f"step (log {ranked.log_path})"
+        )
     coef = _value(result, 0, CLIP_COEF)
     tol = CLIP_TOL[_dtype(result)]
     if over := _first_above(result, CLIP_MAX_REL_ERR, tol):

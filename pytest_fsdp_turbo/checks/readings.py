@@ -5,11 +5,11 @@ through its spec. A check that applies and finds its reading missing fails, nami
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from pytest_fsdp_turbo.checks.verdicts import CheckFailure
 from pytest_fsdp_turbo_contract.records import Reading, StepMetrics
-from pytest_fsdp_turbo_contract.results import RunResult
+from pytest_fsdp_turbo_contract.results import RankResult, RunResult
 from pytest_fsdp_turbo_contract.spec import RankSpec
 from pytest_fsdp_turbo_contract.vocab import TwinKind
 
@@ -161,3 +161,15 @@ def _first_above(
 
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+def first_missing(
+    result: RunResult, readings: tuple[Reading[Any], ...]
+) -> tuple[RankResult, Reading[Any]] | None:
+    """The first rank, in rank order, without one of `readings`, and the reading; None when every
+    rank has them all (checks that apply by declaration name what is missing)."""
+    for ranked in result.ranks:
+        for reading in readings:
+            if reading.of(ranked.step) is None:
+                return ranked, reading
+    return None

@@ -16,8 +16,7 @@ from pytest_fsdp_turbo.checks.tolerances import (
     REFERENCE_NOISE_FACTOR,
 )
 from pytest_fsdp_turbo_contract.results import RunResult
-
-FP32 = "fp32"
+from pytest_fsdp_turbo_contract.vocab import Dtype
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ def worst_beyond_rounding(entries: Iterable[tuple[str, float, float]]) -> Roundi
     worst: RoundingMargin | None = None
     for name, mine, noise in first:
         scale = max(noise, typical)
-        tol = max(REFERENCE_NOISE_FACTOR * scale, GRAD_PARITY_L2_TOL[FP32])
+        tol = max(REFERENCE_NOISE_FACTOR * scale, GRAD_PARITY_L2_TOL[Dtype.FP32])
         margin = RoundingMargin(name, mine, scale, tol)
         if worst is None or not margin.ratio <= worst.ratio:
             worst = margin
