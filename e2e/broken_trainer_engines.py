@@ -12,8 +12,12 @@ which bug this run carries.
 - skip_clip: the clip runs with max_norm = inf, so the engine reports the true norm and steps on
   the raw gradients (check k; a still holds: the norm is true).
 - zero_loss: the loss verl hands the engine is multiplied by 0 before backward: no gradient,
-  though the advantages are not 0 (check a). `zero_loss@N`: on optimizer step N alone (the N-th
-  mini-batch, from 0), so the steps before it are judged on other bugs.
+  though the advantages are not 0 (check a).
+- all_reduce_each: deferral declared and kept (FSDP2 reduce-scatters on the last micro-batch
+  alone), but after each earlier micro-batch's backward the engine all-reduces, and averages,
+  every unsharded gradient FSDP2 holds: the same gradients, a sync every micro-batch at an
+  all-reduce's cost, which the reduce-scatter counts never see (check h: every collective that
+  carried gradients).
 - half_grads: FSDP2's gradient divide factor is twice the world size (an average taken twice):
   the norm it reports is the true norm of what it holds, the clip right, the loss gradient right,
   and AdamW's first update nearly scale-free; only the reference sees it (c, and a's reference
@@ -35,7 +39,9 @@ which bug this run carries.
   the micro-batch loop): only the last micro-batch's reach the step, whose norm is reported,
   clipped and stepped on faithfully (check h: the micro-batch pair, one pass of the same
   mini-batch against its k micro-batches).
-Several bugs may share one run, `a+b`, when the checks they turn red are disjoint.
+Several bugs may share one run, `a+b`, when the checks they turn red are disjoint, or when they
+fall on different optimizer steps: `bug@N` (noop_sync, zero_loss, all_reduce_each) is on step N
+alone (the N-th mini-batch, from 0), and each step is judged on its own.
 """
 
 from __future__ import annotations
@@ -55,10 +61,50 @@ def _register(transformer_impl) -> None:
     base = transformer_impl.FSDPEngineWithLMHead
     bug = os.environ.get(BUG, "")
 
-    class NoopSyncEngine(base):
+    class OnOneStep(base):
+        """A bug that `bug@N` puts on the N-th mini-batch alone (bug name -> N; none: every one)."""
+
+        bug_steps: dict[str, int] = {}
+        _mini_batches = -1
+
+        def train_batch(self, data, loss_function):
+            self._mini_batches += 1
+            return super().train_batch(data, loss_function)
+
+        def _bug_now(self, name: str) -> bool:
+            return self.bug_steps.get(name, self._mini_batches) == self._mini_batches
+
+    class NoopSyncEngine(OnOneStep):
         @contextlib.contextmanager
         def _gradient_sync_context(self, *, is_last_micro_batch: bool):
+            if not self._bug_now("noop_sync"):
+                with super()._gradient_sync_context(is_last_micro_batch=is_last_micro_batch):
+                    yield
+                return
             yield
+
+    class AllReduceEachEngine(OnOneStep):
+        @contextlib.contextmanager
+        def _gradient_sync_context(self, *, is_last_micro_batch: bool):
+            with super()._gradient_sync_context(is_last_micro_batch=is_last_micro_batch):
+                yield
+            if is_last_micro_batch or not self._bug_now("all_reduce_each"):
+                return
+            from torch.distributed.fsdp import FSDPModule
+
+            world = dist.get_world_size()
+            for unit in self.module.modules():
+                if not isinstance(unit, FSDPModule):
+                    continue
+                group = unit._get_fsdp_state()._fsdp_param_group
+                for param in group.fsdp_params if group else ():
+                    grad = param.unsharded_accumulated_grad
+                    unsharded = getattr(param, "_unsharded_param", None)
+                    if grad is None and unsharded is not None:
+                        grad = unsharded.grad
+                    if grad is not None:
+                        dist.all_reduce(grad)
+                        grad.div_(world)
 
     class StalePushEngine(base):
         def get_per_tensor_param(self, *args, **kwargs):
@@ -90,17 +136,9 @@ def _register(transformer_impl) -> None:
             finally:
                 transformer_impl.fsdp2_clip_grad_norm_ = clip
 
-    class ZeroLossEngine(base):
-        only_at: int | None = None  # the mini-batch whose loss it zeroes (None: every one)
-        _mini_batches = -1
-
-        def train_batch(self, data, loss_function):
-            self._mini_batches += 1
-            return super().train_batch(data, loss_function)
-
+    class ZeroLossEngine(OnOneStep):
         def forward_backward_batch(self, data, loss_function, forward_only=False):
-            later = self.only_at is not None and self._mini_batches != self.only_at
-            if forward_only or loss_function is None or later:
+            if forward_only or loss_function is None or not self._bug_now("zero_loss"):
                 return super().forward_backward_batch(data, loss_function, forward_only)
 
             def zeroed(**kwargs):
@@ -190,6 +228,7 @@ def _register(transformer_impl) -> None:
         "stale_push": StalePushEngine,
         "skip_clip": SkipClipEngine,
         "zero_loss": ZeroLossEngine,
+        "all_reduce_each": AllReduceEachEngine,
         "half_grads": HalfGradsEngine,
         "scaled_lr": ScaledLrEngine,
         "cold_logprobs": ColdLogprobEngine,
@@ -198,21 +237,22 @@ def _register(transformer_impl) -> None:
         "stale_onload": StaleOnloadEngine,
         "last_micro_batch_only": LastMicroBatchOnlyEngine,
     }
-    chosen = []
+    chosen, steps = [], {}
     for each in bug.split("+"):
         name, at, step = each.partition("@")
         if name not in engines:
             raise ValueError(f"{BUG}={bug!r}: {name!r} is none of {', '.join(engines)}")
-        if at and (name != "zero_loss" or not step.isdigit()):
-            raise ValueError(f"{BUG}={bug!r}: only zero_loss takes @STEP (a number), not {each!r}")
-        found = engines[name]
-        if at:  # the same class name: the run names the engines it built
-            found = type(found.__name__, (found,), {"only_at": int(step)})
-        chosen.append(found)
-    # several bugs, one run (verl's start-up paid once): each on a check of its own
-    engine = chosen[0]
-    if len(chosen) > 1:
-        engine = type("_".join(b.__name__ for b in chosen), tuple(chosen), {})
+        if at and (not issubclass(engines[name], OnOneStep) or not step.isdigit()):
+            raise ValueError(
+                f"{BUG}={bug!r}: {name!r} takes no @STEP (a number after noop_sync, zero_loss or "
+                f"all_reduce_each), not {each!r}"
+            )
+        if at:
+            steps[name] = int(step)
+        chosen.append(engines[name])
+    # several bugs, one run (verl's start-up paid once): each on a check or a step of its own; the
+    # class is named after the bugs' (the run names the engine it built)
+    engine = type("_".join(b.__name__ for b in chosen), tuple(chosen), {"bug_steps": steps})
     EngineRegistry.register(
         model_type="language_model", backend=["fsdp", "fsdp2"], device="cuda", vendor="cpu"
     )(engine)

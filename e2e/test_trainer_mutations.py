@@ -31,6 +31,7 @@ ENGINE = {
     "cold_ref": "ColdRefEngine",
     "stale_onload": "StaleOnloadEngine",
     "last_micro_batch_only": "LastMicroBatchOnlyEngine",
+    "all_reduce_each": "AllReduceEachEngine",
 }
 
 
@@ -65,9 +66,12 @@ def _broken(verl_trainer_run, request, case_id: str, bug: str, **how):
     return checks.evaluate(result)
 
 
-def test_four_bugs_on_the_deferred_case_each_fail_their_own_check(verl_trainer_run, request):
-    """The case's two optimizer steps (ppo_epochs 2), each judged on its own. The seed's bug
-    (deferral declared in verl's config, a sync context that does nothing: h), the reference
+def test_five_bugs_on_the_deferred_case_each_fail_their_own_check(verl_trainer_run, request):
+    """The case's two optimizer steps (ppo_epochs 2), each judged on its own. On step 0 the seed's
+    bug (deferral declared in verl's config, a sync context that does nothing: h); on step 1,
+    deferral kept but every held gradient all-reduced by hand after the first micro-batch (h
+    again, on its own step: every collective that carried gradients, where the reduce-scatter
+    counts read right). The reference
     policy's pass at temperature 1 while the rollout samples at 0.8 (b: the KL's log-probs), an
     onload that restores the first mini-batch's parameters before the second (i: step 1 starts
     where step 0 began, not where it left the weights), and, on step 1 alone, the loss multiplied
@@ -77,14 +81,19 @@ def test_four_bugs_on_the_deferred_case_each_fail_their_own_check(verl_trainer_r
         verl_trainer_run,
         request,
         "tiny-qwen3-verl-trainer-fsdp2-deferred",
-        "noop_sync+cold_ref+stale_onload+zero_loss@1",
+        "noop_sync@0+cold_ref+stale_onload+zero_loss@1+all_reduce_each@1",
         reference=True,
         overrides=("actor_rollout_ref.rollout.temperature=0.8",),
     )
-    failed = {o.check: o.detail.splitlines()[0] for o in verdict.with_status(checks.FAILED)}
+    details = {o.check: o.detail.splitlines() for o in verdict.with_status(checks.FAILED)}
+    failed = {check: lines[0] for check, lines in details.items()}
     assert set(failed) == {"a", "b", "c", "h", "i", "l"}, failed
     assert "declares gradient_sync 'deferred'" in failed["h"]
     assert "expected reduce-scatters per micro-batch [0, 5], measured [5, 5]" in failed["h"]
+    step_1 = [line for line in details["h"] if line.startswith("check h: step 1: ")]
+    assert len(step_1) == 1, details["h"]
+    assert "expected gradient collectives per micro-batch [none, 5 reduce_scatter]" in step_1[0]
+    assert "measured [" in step_1[0] and " all_reduce, 5 reduce_scatter]" in step_1[0], step_1
     assert "step 0: the reference policy's log-probs verl's KL loss used differ" in failed["b"]
     assert (
         "step 1: parameter " in failed["i"] and "differs from where step 0 left it" in failed["i"]

@@ -24,6 +24,9 @@ class ObservedStep:
     """One optimizer step on one trainer rank."""
 
     reduce_scatters_by_micro_batch: list[int] = field(default_factory=list)
+    # per training micro-batch, collective kind -> the collectives that carried parameter
+    # gradients (fsdp_probe.CollectiveCounter says which do)
+    gradient_collectives_by_micro_batch: list[dict[str, int]] = field(default_factory=list)
     # unsharded gradient bytes held when each micro-batch after the first started
     retained_grad_bytes: list[int] = field(default_factory=list)
     shard_group_size: int | None = None  # ranks one parameter is sharded over

@@ -270,6 +270,10 @@ def observed_run(
     for rank in (0, 1):
         step = {
             "reduce_scatters_by_micro_batch": list(calls[rank]),
+            # FSDP2's reduce-scatters, and no other collective carried a gradient
+            "gradient_collectives_by_micro_batch": [
+                {"reduce_scatter": n} if n else {} for n in calls[rank]
+            ],
             "retained_grad_bytes": [retained[rank]],
             "shard_group_size": 2,
             "fsdp_units": 5,
@@ -878,6 +882,21 @@ def test_a_declared_reference_without_its_replay_fails_and_a_refusal_says_why(tm
     ("later", "check", "words"),
     [
         ({"reduce_scatters_by_micro_batch": ([0, 5], [0, 5])}, "h", "step 1: trainer case t:"),
+        # the reduce-scatters as declared, and each held gradient all-reduced after micro-batch 0
+        (
+            {
+                "gradient_collectives_by_micro_batch": (
+                    [{"all_reduce": 9, "reduce_scatter": 5}, {"reduce_scatter": 5}],
+                    [{"all_reduce": 9, "reduce_scatter": 5}, {"reduce_scatter": 5}],
+                )
+            },
+            "h",
+            "step 1: trainer case t: verl's resolved config declares gradient_sync "
+            "'every_micro_batch' (use_no_sync_for_gradient_accumulation) with 2 micro-batches "
+            "over 5 FSDP units that ran, sharded 2 ways, 1 replica(s): expected gradient "
+            "collectives per micro-batch [5 reduce_scatter, 5 reduce_scatter], measured "
+            "[9 all_reduce + 5 reduce_scatter, 5 reduce_scatter] on rank 0",
+        ),
         ({"reported_grad_norm": (2.0, 3.0)}, "a", "step 1: rank 1: actor/grad_norm = 3.0"),
         ({"rows": (("x", "y"), ("x", "y"))}, "j", "step 1: "),  # both ranks handed the same rows
         ({"stepped_scale": (1.0, 1.0)}, "k", "step 1: "),
@@ -895,6 +914,29 @@ def test_a_bug_on_a_later_optimizer_step_alone_is_red_naming_it(tmp_path, later,
     problems = failed(result)
     assert set(problems) == {check}, problems
     assert problems[check].startswith(f"check {check}: {words}"), problems[check]
+
+
+def test_bugs_on_two_steps_of_one_run_are_each_named_the_first_steps_first(tmp_path):
+    """h judges every step, so two bugs on different steps share one run (one verl start-up)."""
+    config = verl_config(False)
+    config["actor_rollout_ref"]["actor"]["ppo_epochs"] = 2
+    # step 0: the second micro-batch's sync skipped; step 1: the reduce-scatters right, and three
+    # gradients all-reduced by hand after the first micro-batch
+    by_hand = [{"reduce_scatter": 5, "all_reduce": 3}, {"reduce_scatter": 5}]
+    result = observed_run(
+        tmp_path,
+        calls=((5, 0), (5, 0)),
+        later={
+            "reduce_scatters_by_micro_batch": ([5, 5], [5, 5]),
+            "gradient_collectives_by_micro_batch": (by_hand, by_hand),
+        },
+        config=json.dumps(config),
+    )
+    lines = failed(result)["h"].splitlines()
+    assert lines[0].startswith("check h: trainer case t:"), lines
+    assert "expected reduce-scatters per micro-batch [5, 5], measured [5, 0]" in lines[0]
+    assert lines[1].startswith("check h: step 1: trainer case t:"), lines
+    assert "measured [3 all_reduce + 5 reduce_scatter, 5 reduce_scatter]" in lines[1], lines
 
 
 def test_a_kl_loss_whose_reference_log_probs_were_never_replayed_fails_b(tmp_path):

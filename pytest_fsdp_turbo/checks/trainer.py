@@ -42,6 +42,7 @@ from pytest_fsdp_turbo.checks.readings import (
 )
 from pytest_fsdp_turbo.checks.sync import (
     check_data_rows,
+    check_gradient_collectives,
     check_reduce_scatters,
     check_retained_gradients,
 )
@@ -88,16 +89,18 @@ def each_step(result: RunResult) -> list[tuple[int, RunResult]]:
 def every_step(
     check: Callable[[RunResult], None], letter: str, views: list[tuple[int, RunResult]]
 ) -> None:
-    """A check every case has, on each optimizer step's readings in turn (each_step): a later
-    step's failure names its step."""
+    """A check every case has, on each optimizer step's readings in turn (each_step). Every step
+    is judged, so bugs on different steps of one run are each seen: the failure says each failed
+    step's cause, the first step's first, a later one's naming its step."""
+    failures = []
     for index, view in views:
         try:
             check(view)
         except CheckFailure as exc:
-            if index == 0:
-                raise
             said = str(exc).removeprefix(f"check {letter}: ")
-            raise CheckFailure(f"check {letter}: step {index}: {said}") from None
+            failures.append(f"check {letter}: {f'step {index}: ' if index else ''}{said}")
+    if failures:
+        raise CheckFailure("\n".join(failures))
 
 
 @judges("a")
@@ -151,6 +154,7 @@ def _trainer_sync(result: RunResult) -> None:  # one step's readings
     if spec.ppo.micro_batches and measured != spec.ppo.micro_batches:
         raise CheckFailure(f"{head}: the harness saw {measured} training micro-batches on rank 0")
     check_reduce_scatters(result, str(spec.engine.gradient_sync), micro_batches, head)
+    check_gradient_collectives(result, str(spec.engine.gradient_sync), micro_batches, head)
     check_retained_gradients(result, str(spec.engine.gradient_sync), micro_batches, head)
     if spec.ppo.micro_batch_pair and micro_batches > 1:  # one micro-batch is its own pair
         _micro_batch_pair(result, micro_batches, head)

@@ -183,8 +183,10 @@ def step_metrics(
         metrics.train = TrainRecord(
             reduce_scatter_calls_by_micro_batch=calls,
             reduce_scatter_calls=sum(calls),
+            gradient_collectives_by_micro_batch=step.gradient_collectives_by_micro_batch,
             fsdp_units=step.fsdp_units,
             shard_group_size=step.shard_group_size,
+            replicate_group_size=spec.world_size // shard,
             retained_grad_bytes=max(step.retained_grad_bytes or [0]),
             data_rows=data_rows.get(rank),
         )

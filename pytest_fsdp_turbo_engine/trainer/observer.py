@@ -2,7 +2,7 @@
 every process of a run, and it measures from outside verl. Nothing in verl is edited and nothing
 is read from the engine's own objects (its optimizer, its state-dict copy); the hooks are torch's
 (fully_shard, module forward pre-hooks, FSDP2's root post-backward callback, torch.distributed's
-reduce-scatter, the global optimizer step hooks) and verl's public seams (EngineRegistry.new, the
+collectives, the global optimizer step hooks) and verl's public seams (EngineRegistry.new, the
 vLLM worker extension's weight update, the tracking logger).
 
 The engine instance verl's registry builds also gets two wrappers (whatever its class): around
@@ -12,8 +12,9 @@ returns).
 
 What each process writes, under the run folder's observe/ (trainer_files.py names them, the
 records are trainer_records.py's):
-- a trainer rank: per optimizer step, reduce-scatters per training micro-batch, unsharded gradient
-  bytes held between micro-batches, the FSDP units that ran, the shard group, its raw gradient
+- a trainer rank: per optimizer step, reduce-scatters and every collective that carried parameter
+  gradients (fsdp_probe.CollectiveCounter, from the first training forward to the start of
+  optimizer_step) per training micro-batch, unsharded gradient bytes held between micro-batches, the FSDP units that ran, the shard group, its raw gradient
   shard's sum of squares, the norm its engine reported; after the step (rank 0) a digest of every
   parameter, gathered whole, in each dtype a rollout may be served in;
 - a rollout replica (a vLLM worker): per weight push, the digest of every tensor it received;
@@ -77,6 +78,7 @@ class TrainerRank:
         self._pass: dict[str, Any] | None = None  # the training pass since the last step
         self._micro_batch_open = False
         self._units: Any = None  # fsdp_probe.UnitsThatRan over the trained model's units
+        self._collectives: Any = None  # fsdp_probe.CollectiveCounter over the training pass
         self._batch: dict[str, Any] = {}  # what train_batch was handed, until the step
         self.batches = 0  # mini-batches train_batch was handed
         self.engine_class = ""  # the class of the engine train_batch ran on
@@ -117,19 +119,26 @@ class TrainerRank:
 
         if self._pass is None:
             self._units = fsdp_probe.UnitsThatRan(module).__enter__()
+            self._collectives = fsdp_probe.CollectiveCounter().__enter__()
+            self._collectives.watch(module)
             self._pass = {
                 "module": module,
-                "reduce_scatters_by_micro_batch": [],
                 "retained_grad_bytes": [],
                 "shard_group_size": fsdp_probe.shard_group_size(module),
             }
         else:  # what the previous micro-batches' backwards left unsharded
             self._pass["retained_grad_bytes"].append(fsdp_probe.unsharded_grad_bytes(module))
-        self._pass["reduce_scatters_by_micro_batch"].append(0)
+        # a micro-batch's backward, and what the engine does after it, land on its forward's entry
+        self._collectives.next_micro_batch()
 
-    def reduce_scattered(self) -> None:
-        if self._pass is not None and not self._pairing:
-            self._pass["reduce_scatters_by_micro_batch"][-1] += 1
+    def _collectives_done(self) -> None:
+        """The training pass's collectives are all in as optimizer_step begins (the reference's
+        gathers and the clip's norm come after): the counter's wrappers come off."""
+        if self._collectives is not None and self._pass is not None:
+            self._collectives.__exit__(None, None, None)
+            self._pass["reduce_scatters"] = self._collectives.reduce_scatters
+            self._pass["gradient_collectives"] = self._collectives.gradient_collectives
+        self._collectives = None
 
     def backward_done(self, modules) -> None:
         """FSDP2's root post-backward callback ran: the raw gradient shard's sum of squares (the
@@ -145,6 +154,7 @@ class TrainerRank:
         """The engine's optimizer_step began: its raw gradients, one sum of squares a shard (and,
         for the reference, every gradient gathered whole: a collective, every rank calls it)."""
         self._steps_at_clip = len(self.steps)
+        self._collectives_done()
         if self._pass is not None:
             self._raw_sq = _squares(self._pass["module"])
             if self.capture:
@@ -162,7 +172,7 @@ class TrainerRank:
         mini_batch, self._mini_batch = self._mini_batch, None
         if self._pass is None or mini_batch is None:
             return
-        if len(self._pass["reduce_scatters_by_micro_batch"]) < 2:
+        if len(self._pass.get("reduce_scatters", [])) < 2:
             return
         from pytest_fsdp_turbo_engine.trainer.micro_batch_pair import (
             one_pass_against_accumulated,
@@ -291,6 +301,7 @@ class TrainerRank:
         return {"stepped_scale": scale, "stepped_residual": stray / scale if scale else stray}
 
     def before_step(self, optimizer) -> None:
+        self._collectives_done()  # an engine whose optimizer_step verl's registry did not wrap
         if self._pass is None:
             return
         if self.capture:
@@ -302,7 +313,8 @@ class TrainerRank:
                 capture.save(self._captured(f"loss-grad-rank{self.rank}.pt"), loss_grads)
         fit = self._stepped_against_raw()
         done = ObservedStep(
-            reduce_scatters_by_micro_batch=self._pass["reduce_scatters_by_micro_batch"],
+            reduce_scatters_by_micro_batch=self._pass.get("reduce_scatters", []),
+            gradient_collectives_by_micro_batch=self._pass.get("gradient_collectives", []),
             retained_grad_bytes=self._pass["retained_grad_bytes"],
             shard_group_size=self._pass["shard_group_size"],
             shard_grad_sq=self._pass.get("shard_grad_sq"),
@@ -418,16 +430,12 @@ class Replica:
 
 def _observe_trainer_rank(folder: TrainerFolder) -> None:
     import torch
-    import torch.distributed as dist
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
     )
 
-    from pytest_fsdp_turbo_engine.step.fsdp_probe import (
-        REDUCE_SCATTER_FUNCTIONS,
-        FSDPInternalsChanged,
-    )
+    from pytest_fsdp_turbo_engine.step.fsdp_probe import FSDPInternalsChanged
 
     spec = TrainerSpec.read(folder.spec)
     rank = TrainerRank(
@@ -459,16 +467,6 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
             module.fully_shard = wrapped
 
     after_import("verl.utils.fsdp_utils", verl_fsdp_utils)
-
-    for name in REDUCE_SCATTER_FUNCTIONS:
-        if hasattr(dist, name):
-            original = getattr(dist, name)
-
-            def counted(*args, _original=original, **kwargs):
-                rank.reduce_scattered()
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, counted)
 
     from torch.distributed.fsdp._fully_shard import _fsdp_state
 
