@@ -151,6 +151,22 @@ def test_a_scripts_main_ppo_line_gives_its_overrides(tmp_path):
     assert case.overrides[0] == "algorithm.adv_estimator=grpo"
 
 
+def test_the_developer_pages_minimal_cpu_case_reads_as_written(tmp_path):
+    """docs/verl-developers.md's case, with a script at the path it names: the script's overrides
+    first, the case's after, and the fields the page explains as it explains them."""
+    page = (REPO / "docs" / "verl-developers.md").read_text()
+    toml = page.split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "my_grpo.sh").write_text(
+        "python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo trainer.total_epochs=1 $@\n"
+    )
+    case = book(tmp_path, toml).get_trainer("my-grpo-cpu")
+    assert case.overrides[:2] == ("algorithm.adv_estimator=grpo", "trainer.total_epochs=1")
+    assert case.override("actor_rollout_ref.rollout.dtype") == "float32"
+    assert (case.world_size, case.engine_class) == (2, "my_fork.engines.MyEngine")
+    assert case.external_modules == ("my_fork.engines",) and case.with_reference
+
+
 def verl_config(flag: bool, strategy: str = "fsdp2", sp: int = 1) -> dict:
     return {
         "actor_rollout_ref": {
