@@ -40,7 +40,7 @@ FAULT = "PYTEST_FSDP_TURBO_FAULT"
 
 def test_a_first_ray_case_starts_ray_under_the_guard(ppo_run, no_leaked_processes):
     result = ppo_run(  # slowed, so live progress must follow the Ray ranks and warn of the stall
-        "tiny-qwen3-single-rank", timeout=30.0, collective_timeout=20.0,
+        "tiny-qwen3-single-rank", timeout=240.0, collective_timeout=20.0,
         extra_env={FAULT: "stall:0:rollout", "PYTEST_FSDP_TURBO_FAULT_STALL_S": "2.5"},
     )
     checks.check_completed(result)
@@ -96,7 +96,9 @@ def test_faults_end_tests_never_the_session(
     ):  # never imported here: the pytest process stays light
         pytest.skip("needs ray: pip install 'pytest-fsdp-turbo[ray]'")
     pytester.makepyfile(test_faults=SESSION)
-    pytester.makeini("[pytest]\nfsdp_turbo_stall_share = 0.05\n")  # 1.5 s of the 30 s timeout
+    # 1.2 s of the first Ray case's 240 s timeout: a fresh Ray rank imports torch inside its case
+    # timeout, which on a busy 2-core box took over 30 s (the timeout this case had)
+    pytester.makeini("[pytest]\nfsdp_turbo_stall_share = 0.005\n")
     junit = pytester.path / "junit.xml"
     monkeypatch.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "2")  # a dead GCS ends it soon
     # its own warm parent, not this session's: the kill_parent fault below is meant for that one
