@@ -15,7 +15,7 @@ from packaging.version import Version
 
 from pytest_fsdp_turbo import checks
 from pytest_fsdp_turbo.cases import Case
-from pytest_fsdp_turbo.compare import compare_runs, render, write_png, write_timeline_png
+from pytest_fsdp_turbo.compare import compare_runs, differing, render, write_png, write_timeline_png
 from pytest_fsdp_turbo.devices import KINDS, detect
 from pytest_fsdp_turbo.environ import build_collective_env, interface_of, mask_secrets, node_env
 from pytest_fsdp_turbo.kinds.registry import standalone_book
@@ -142,13 +142,16 @@ def doctor(args: argparse.Namespace) -> int:
         )
         for name, value in sorted(node_env(accel.kind, args.node_ip, os.environ).items()):
             print(f"  {name}={value}")
-    try:
-        found = resolve_checkout(settings.checkout, clone=args.clone)
-        print(f"FSDPTurbo: {found.path} @ {found.commit or 'unknown commit'} ({found.source})")
-        _describe_library(found.path)
-    except CheckoutUnavailable as exc:
-        hint = "" if args.clone else " (pass --clone to fetch it now)"
-        print(f"FSDPTurbo: not available: {exc}{hint}")
+    if _runs_fsdp_turbo(settings) or args.clone or settings.checkout.path:
+        try:
+            found = resolve_checkout(settings.checkout, clone=args.clone)
+            print(f"FSDPTurbo: {found.path} @ {found.commit or 'unknown commit'} ({found.source})")
+            _describe_library(found.path)
+        except CheckoutUnavailable as exc:
+            hint = "" if args.clone else " (pass --clone to fetch it now)"
+            print(f"FSDPTurbo: not available: {exc}{hint}")
+    else:
+        print("FSDPTurbo: not needed: no case in the case file runs fsdp_turbo")
     _describe_cases_and_engines(settings)
     _known_bad_cases(settings)
     print("versions:  " + ", ".join(f"{d} {_version(d)}" for d in VERSIONED))
@@ -166,6 +169,14 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"doctor --require {args.require}: no devices found", file=sys.stderr)
         return 1
     return 0
+
+
+def _runs_fsdp_turbo(settings) -> bool:
+    """Whether the case file needs FSDPTurbo (an unreadable one is said where it is read)."""
+    try:
+        return standalone_book(settings).runs_fsdp_turbo
+    except (ConfigError, OSError):
+        return True
 
 
 def _known_bad_cases(settings) -> None:
@@ -310,6 +321,8 @@ def compare(args: argparse.Namespace) -> int:
         print(line)
     if args.timeline and not args.png:
         raise ConfigError("compare --timeline: also give --png FILE to draw the timeline into")
+    if args.png and Path(args.png).suffix.lower() != ".png":
+        raise ConfigError(f"compare --png: expected a file name ending in .png; got {args.png!r}")
     try:
         if args.png and args.timeline:
             write_timeline_png([(label_a, Path(args.a)), (label_b, Path(args.b))], Path(args.png))
@@ -319,8 +332,7 @@ def compare(args: argparse.Namespace) -> int:
             print(f"chart: {args.png}")
     except OSError as exc:
         raise ConfigError(f"compare --png: cannot write {args.png}: {exc.strerror}") from None
-    differs = [r for r in rows if r.verdict.startswith(("differs", "only in"))]
-    return 1 if differs and args.fail_on_diff else 0
+    return 1 if differing(rows) and args.fail_on_diff else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

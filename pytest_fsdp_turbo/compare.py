@@ -90,6 +90,9 @@ def pair_runs(a: Path, b: Path) -> dict[str, tuple[Path | None, Path | None]]:
     return pairs
 
 
+NOT_A_NUMBER = "not a number"  # a verdict: a compared metric that holds no number
+
+
 def compare_runs(a: Path, b: Path) -> tuple[list[Row], str, str]:
     rows: list[Row] = []
     label_a = label_b = "?"
@@ -110,10 +113,47 @@ def compare_runs(a: Path, b: Path) -> tuple[list[Row], str, str]:
                 verdict = "missing"
             elif key in INFORMATIONAL:
                 verdict = "info"
+            elif not (_number(va) and _number(vb)):  # a metrics file edited by hand, say
+                verdict = NOT_A_NUMBER
             else:
                 verdict = "match" if within(tier, float(va), float(vb)) else f"differs ({tier})"
             rows.append(Row(label, key, va, vb, verdict))
     return rows, label_a, label_b
+
+
+def differing(rows: list[Row]) -> list[Row]:
+    """What --fail-on-diff fails on: a difference beyond the tier, a case on one side only, a
+    compared metric that holds no number."""
+    return [r for r in rows if r.verdict.startswith(("differs", "only in", NOT_A_NUMBER))]
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _timeline_rows(timeline: Path) -> list[dict]:
+    """timeline.json's rows, each {rank, phase, start, end} with numbers where numbers go; one
+    line naming the file and the row otherwise (a file edited or cut short)."""
+    try:
+        rows = json.loads(timeline.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"compare --timeline: {timeline}: not readable JSON ({exc})") from None
+    expected = "a list of {rank, phase, start, end} (a whole rank, a phase name, two numbers)"
+    if not isinstance(rows, list):
+        raise ConfigError(f"compare --timeline: {timeline}: expected {expected}")
+    for number, row in enumerate(rows):
+        fine = (
+            isinstance(row, dict)
+            and isinstance(row.get("rank"), int)
+            and isinstance(row.get("phase"), str)
+            and _number(row.get("start"))
+            and _number(row.get("end"))
+        )
+        if not fine:
+            raise ConfigError(
+                f"compare --timeline: {timeline}: row {number}: expected {expected}; got {row!r}"
+            )
+    return rows
 
 
 def _fmt(value) -> str:
@@ -154,7 +194,7 @@ def write_timeline_png(runs: list[tuple[str, Path]], path: Path) -> None:
             timeline = RunFolder(folder).timeline
             if not timeline.is_file():
                 raise ConfigError(f"compare --timeline: {timeline} does not exist")
-            panels.append((f"{label}: {case_id}", json.loads(timeline.read_text())))
+            panels.append((f"{label}: {case_id}", _timeline_rows(timeline)))
     plt = _pyplot()
     phases = sorted({row["phase"] for _, rows in panels for row in rows})
     colours = {p: plt.get_cmap("tab20")(i % 20) for i, p in enumerate(phases)}

@@ -55,6 +55,14 @@ ARTIFACT_NAME_MAX = 150
 _PLAIN_NODEID = re.compile(r"[A-Za-z0-9_/]+\.py(::[A-Za-z0-9_]+(\[[A-Za-z0-9_.-]*\])?)?")
 
 
+def call_artifact_name(nodeid: str, call: int) -> str:
+    """The folder of a test's `call`-th run (from 1): the node's own folder, then `+2`, `+3`, ...
+    after it; '+' is a character artifact_name never writes, so a second run of one test never
+    shares a folder with a test whose id ends in `-2`."""
+    name = artifact_name(nodeid)
+    return name if call == 1 else f"{name}+{call}"
+
+
 def artifact_name(nodeid: str) -> str:
     """One folder per test node id, the same on every machine: the module's path (folders joined
     by '.', without .py), then the test and its parameters, e.g.

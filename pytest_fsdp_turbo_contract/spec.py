@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -257,6 +257,9 @@ class RankSpec:
             ppo["rollout"] = Rollout(ppo["rollout"])
         if "capabilities" in engine:
             engine["capabilities"] = tuple(engine["capabilities"])
+        _typed("engine", EngineSpec, engine)
+        _typed("ppo", PPOSpec, ppo)
+        _typed("spec", cls, data)
         return cls(
             **{
                 **data,
@@ -278,3 +281,25 @@ class RankSpec:
     @classmethod
     def read(cls, path: Path) -> RankSpec:
         return cls.from_json(json.loads(path.read_text()))
+
+
+_PLAIN = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _typed(where: str, record: type, values: dict[str, Any]) -> None:
+    """spec.json as a rank may leave it (a rank can rewrite its own): each plain field (int,
+    float, str, bool, or None where its type allows) holds a value of its type, or ValueError
+    naming it, which a reader takes as an unreadable spec, never a crash in a check."""
+    for each in fields(record):
+        if each.name not in values or not isinstance(each.type, str):
+            continue
+        kinds = [k.strip() for k in each.type.split("|")]
+        allowed = tuple(t for k in kinds for t in _PLAIN.get(k, ()))
+        if len(allowed) == 0 or any(k not in _PLAIN and k != "None" for k in kinds):
+            continue  # enums, tuples, nested records: their own constructors judge them
+        value = values[each.name]
+        if value is None and "None" in kinds:
+            continue
+        wrong_bool = isinstance(value, bool) and bool not in allowed
+        if wrong_bool or not isinstance(value, allowed):
+            raise ValueError(f"spec.json: {where}.{each.name}: expected {each.type}, got {value!r}")

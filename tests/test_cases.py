@@ -554,6 +554,12 @@ def test_two_modules_with_a_test_of_the_same_name_never_share_an_artifact_folder
     long_a = artifact_name("t.py::test[" + "x" * 400 + "a]")
     long_b = artifact_name("t.py::test[" + "x" * 400 + "b]")
     assert len(long_a) <= ARTIFACT_NAME_MAX and long_a != long_b
+    # a test's second run, beside a test whose id ends in -2: two folders
+    from pytest_fsdp_turbo.report import call_artifact_name
+
+    second = call_artifact_name("e2e/t.py::test_x[a]", 2)
+    assert second == "e2e.t.test_x-a+2" and second != artifact_name("e2e/t.py::test_x[a-2]")
+    assert call_artifact_name("e2e/t.py::test_x[a]", 1) == artifact_name("e2e/t.py::test_x[a]")
 
 
 def test_a_case_file_too_deeply_nested_or_a_turbo_config_table_of_the_wrong_type_is_one_line(

@@ -68,6 +68,16 @@ def test_doctor_shows_devices_env_user_values_and_masks_secrets(tmp_path):
     assert missing.returncode == 1 and "doctor --require cuda: detected npu" in missing.stderr
 
 
+def test_doctor_says_the_checkout_is_not_needed_where_no_case_runs_fsdp_turbo(tmp_path):
+    (tmp_path / "cases.toml").write_text('[[case]]\nid = "plain"\nmodel = "tiny-qwen3"\n')
+    (tmp_path / "pytest.ini").write_text("[pytest]\nfsdp_turbo_cases = cases.toml\n")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = cli("doctor", "--device", "cpu", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "FSDPTurbo: not needed: no case in the case file runs fsdp_turbo" in done.stdout
+    assert "not available" not in done.stdout
+
+
 def test_doctor_reports_the_checkout_layout_and_torch_range(tmp_path):
     standin = Path(__file__).parent / "standin_fsdp_turbo" / "core_attention"
     done = cli("doctor", "--device", "cpu", env={"FSDP_TURBO_PATH": str(standin)})
@@ -411,6 +421,30 @@ def test_compare_into_an_unwritable_png_and_run_help_says_it_reads_the_ini(tmp_p
         locked.chmod(0o700)
     if os.getuid() != 0:  # root writes anywhere
         assert done.returncode == 2 and "compare --png: cannot write" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_compare_on_tampered_runs_says_one_line_each(tmp_path):
+    """A metric that holds a word, an image format that is not PNG and a timeline edited by hand:
+    a verdict or one line naming the input, never a traceback."""
+    runs = {}
+    for side, value in (("a", 0.5), ("b", "abc")):
+        folder = tmp_path / side / "run"
+        folder.mkdir(parents=True)
+        (folder / "spec.json").write_text('{"case_id": "c", "device_kind": "cpu"}')
+        (folder / "rank0.metrics.json").write_text(json.dumps({"actor/grad_norm": value}))
+        (folder / "timeline.json").write_text('[{"rank": 0, "phase": "init", "start": "x"}]')
+        runs[side] = str(tmp_path / side)
+    done = cli("compare", runs["a"], runs["b"], "--fail-on-diff")
+    row = next(line for line in done.stdout.splitlines() if "actor/grad_norm" in line)
+    assert done.returncode == 1 and row.split()[-3:] == ["not", "a", "number"], done.stdout
+    done = cli("compare", runs["a"], runs["b"], "--png", str(tmp_path / "x.xyz"))
+    assert done.returncode == 2 and done.stderr.strip().endswith(
+        f"compare --png: expected a file name ending in .png; got '{tmp_path / 'x.xyz'}'"
+    )
+    done = cli("compare", runs["a"], runs["b"], "--png", str(tmp_path / "t.png"), "--timeline")
+    assert done.returncode == 2 and "compare --timeline: " in done.stderr
+    assert "timeline.json: row 0: expected a list of {rank, phase, start, end}" in done.stderr
     assert "Traceback" not in done.stderr
 
 

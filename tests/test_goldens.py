@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -182,6 +183,30 @@ def test_recording_never_writes_through_a_link_or_outside_the_goldens_folder(tmp
                 goldens.record_golden(target, METRICS, locked / "goldens")
     finally:
         locked.chmod(0o700)
+
+
+def test_a_spec_json_a_rank_rewrote_never_reaches_a_golden_outside_the_folder(tmp_path):
+    """The golden is keyed by the run's spec.json, which a rank can rewrite: a case id that is a
+    path is one check failure naming it, even where a file waits at that path; a field of the
+    wrong type makes the spec unreadable (one line), never a crash in a check."""
+    root = tmp_path / "goldens"
+    planted = goldens.golden_path("../outside", "cpu", "fp32", 2, root)
+    goldens.record_golden(planted, METRICS)  # no root given: written where it points
+    rewritten = Result(launched=dataclasses.replace(launched(), case_id="../outside"))
+    with pytest.raises(CheckFailure) as refused:
+        goldens.check_or_record(rewritten, root, record=False)
+    assert str(refused.value).startswith(
+        "check g: case c: its spec.json keys the golden at "
+    ) and str(refused.value).endswith(
+        f"which resolves outside the goldens folder {root}: a case id is a name, never a path"
+    )
+    data = launched().to_json()
+    data["engine"]["world_size"] = "two"
+    with pytest.raises(ValueError, match=r"spec.json: engine.world_size: expected int, got 'two'"):
+        RankSpec.from_json(data)
+    data["engine"]["world_size"] = True  # a bool is no count either
+    with pytest.raises(ValueError, match="engine.world_size: expected int, got True"):
+        RankSpec.from_json(data)
 
 
 def test_compare_holds_two_runs_to_the_golden_tier_their_spec_declares(tmp_path):

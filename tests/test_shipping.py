@@ -3,6 +3,7 @@ lacks the driver's folders, is tests/test_ray_multinode.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,29 @@ def test_a_folder_too_large_or_missing_is_one_line_naming_it(tmp_path, monkeypat
     assert str(refused.value).startswith(f"{folder}: a Ray case sends this folder to its nodes")
     with pytest.raises(ValueError, match="it is not a folder"):
         shipping.pack(str(tmp_path / "nowhere"))
+
+
+def test_links_inside_the_folder_are_followed_and_nothing_outside_it_is_reached(tmp_path):
+    """A link to a folder out of it (a home folder with .ssh), a link to /dev/zero and a FIFO are
+    each one line naming the path, before anything is read: never sent, never a hang."""
+    folder = _folder(tmp_path / "engines")
+    (folder / "alias").symlink_to(folder / "pkg")  # inside: followed
+    shipping.unpack(shipping.pack(str(folder)).data, tmp_path / "node")
+    assert (tmp_path / "node" / "alias" / "__init__.py").read_text() == "X = 1\n"
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_rsa").write_text("secret")
+    for name, make, words in [
+        ("homelink", lambda p: p.symlink_to(home), f"links out of it, to {home}"),
+        ("zero", lambda p: p.symlink_to("/dev/zero"), "links out of it, to /dev/zero"),
+        ("fifo", os.mkfifo, "is not a regular file (a FIFO, a device or a socket)"),
+    ]:
+        hostile = _folder(tmp_path / name)
+        make(hostile / name)
+        with pytest.raises(ValueError) as refused:
+            shipping.pack(str(hostile))
+        assert str(refused.value).startswith(f"{hostile}: a Ray case sends this folder"), refused
+        assert f"{hostile / name}" in str(refused.value) and words in str(refused.value)
 
 
 def test_paths_under_a_sent_folder_point_at_its_copy_on_the_node():

@@ -111,6 +111,13 @@ def test_overrides_are_hydra_overrides_with_known_placeholders(tmp_path, overrid
         book(tmp_path, text)
 
 
+def test_nodes_alone_count_verls_eight_devices_a_node_against_the_world_size(tmp_path):
+    nodes_only = BASE.replace('"trainer.n_gpus_per_node=2"', '"trainer.nnodes=5"')
+    with pytest.raises(ConfigError, match=r"trainer.n_gpus_per_node x trainer.nnodes .*\(40\)"):
+        book(tmp_path, nodes_only)
+    assert book(tmp_path, nodes_only + "world_size = 40\n").get_trainer("t").world_size == 40
+
+
 def test_extends_puts_the_base_overrides_first_and_ids_are_unique_across_kinds(tmp_path):
     loaded = book(
         tmp_path,
@@ -737,6 +744,12 @@ def test_a_script_is_read_whole_or_refused_in_one_line(tmp_path):
     (tmp_path / "run.sh").write_text("python3 -m verl.trainer.main_ppo 'a=1\nb=2'\n")
     with pytest.raises(ConfigError, match="line 1: No closing quotation; keep each override"):
         book(tmp_path, text)
+    # a word that is no override (Hydra's --config-name, a typo) is named, never dropped
+    (tmp_path / "run.sh").write_text("python3 -m verl.trainer.main_ppo a=1 --config-name x b=2\n")
+    with pytest.raises(
+        ConfigError, match="'--config-name' after verl.trainer.main_ppo is no Hydra"
+    ):
+        book(tmp_path, text)
 
 
 def test_a_size_given_as_a_word_in_verls_config_is_one_line_naming_the_key():
@@ -747,6 +760,13 @@ def test_a_size_given_as_a_word_in_verls_config_is_one_line_naming_the_key():
     assert str(err.value) == (
         "verl's config: actor_rollout_ref.actor.ppo_mini_batch_size: expected a whole number; "
         "got 'two'"
+    )
+    config = verl_config(False)
+    config["actor_rollout_ref"]["actor"]["optim"]["clip_grad"] = "big"
+    with pytest.raises(ConfigError) as err:
+        declared(config, 2)
+    assert str(err.value) == (
+        "verl's config: actor_rollout_ref.actor.optim.clip_grad: expected a number; got 'big'"
     )
 
 

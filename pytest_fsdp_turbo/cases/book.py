@@ -80,6 +80,13 @@ class CaseBook:
     def trainer_cases(self) -> list[TrainerCase]:  # verl's trainer's
         return self.by_kind.get(CaseKindName.VERL_TRAINER, [])
 
+    @property
+    def runs_fsdp_turbo(self) -> bool:
+        """A case of the file runs fsdp_turbo: the FSDPTurbo checkout is needed."""
+        return any(c.is_turbo for c in self.cases) or any(
+            t.runs_fsdp_turbo for t in self.trainer_cases
+        )
+
     def get(self, case_id: str) -> Case:
         return find_case(self.cases, case_id, self.path)
 

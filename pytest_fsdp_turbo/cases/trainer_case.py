@@ -142,7 +142,13 @@ def overrides_of_script(script: Path) -> tuple[str, ...]:
                     f"{script}: {unread[0]!r} after {ENTRY} holds overrides the harness cannot "
                     "read; write them into the case's overrides"
                 )
-            return tuple(w for w in args if "=" in w or w[:1] == "~")
+            if stray := [w for w in args if "=" not in w and w[:1] != "~"]:
+                raise ConfigError(
+                    f"{script}: {stray[0]!r} after {ENTRY} is no Hydra override (key=value or "
+                    "~key), and the harness runs the overrides alone; write what it means into "
+                    "the case"
+                )
+            return tuple(args)
     raise ConfigError(f"{script}: no `python -m {ENTRY}` line")
 
 
@@ -205,8 +211,8 @@ def validate_trainer_case(
     check_known_failure(where, case.known_failure, case.devices)
     golden_reason_of(where, case.golden_tier, case.golden_reason)
     per_node, nodes = case.override("trainer.n_gpus_per_node"), case.override("trainer.nnodes")
-    if per_node is not None:
-        sizes = [_expanded(where, text, case.env) for text in (per_node, nodes or "1")]
+    if per_node is not None or nodes is not None:  # verl's YAML: 8 devices a node, 1 node
+        sizes = [_expanded(where, text, case.env) for text in (per_node or "8", nodes or "1")]
         declared = sizes[0] * sizes[1]
         if declared != case.world_size:
             raise where.error(

@@ -183,6 +183,11 @@ def check_or_record(
     if record:
         record_golden(path, result.metrics, root)
         return GoldenOutcome(GoldenStatus.RECORDED, path)
+    if not path.parent.resolve().is_relative_to(root.resolve()):  # the run's spec.json keys it
+        raise CheckFailure(
+            f"check g: case {result.case_id}: its spec.json keys the golden at {path}, which "
+            f"resolves outside the goldens folder {root}: a case id is a name, never a path"
+        )
     if not path.is_file() and strict:
         raise CheckFailure(
             f"check g: case {key.case_id}: no golden for {key.kind} {key.dtype} on "

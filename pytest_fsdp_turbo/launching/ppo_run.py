@@ -11,7 +11,7 @@ import pytest
 
 from pytest_fsdp_turbo.outcomes import fail_line, skip_or_fail
 from pytest_fsdp_turbo.processes.progress import Display
-from pytest_fsdp_turbo.report import artifact_name, note_run
+from pytest_fsdp_turbo.report import call_artifact_name, note_run
 from pytest_fsdp_turbo.session import settings_of
 from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
 
@@ -30,8 +30,7 @@ class PPORun:
 
     def artifact_name(self) -> str:
         self.calls += 1
-        name = artifact_name(self.request.node.nodeid)
-        return name + (f"-{self.calls}" if self.calls > 1 else "")
+        return call_artifact_name(self.request.node.nodeid, self.calls)
 
     def interrupted(self, case: Case | CaseParam | str, folder: Path) -> None:
         case_id = case if isinstance(case, str) else case.id

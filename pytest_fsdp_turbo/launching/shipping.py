@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import stat
 import tarfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -29,9 +30,12 @@ class Packed:
     data: bytes
 
 
-def _files(root: Path) -> Iterable[Path]:
-    """Every file to send, folder links followed (a link back to a folder above it is a loop,
-    and is not followed)."""
+def _files(root: Path) -> Iterable[tuple[Path, int]]:
+    """Every file to send and its size, folder links followed as long as they stay inside the
+    folder (a link back to a folder above it is a loop, and is not followed). A link out of it
+    (a home folder, /dev/zero) or anything but a regular file (a FIFO, a device) is one line:
+    what a case sends is the folder it names, nothing it reaches."""
+    inside = Path(os.path.realpath(root))
     for folder, dirs, files in os.walk(root, followlinks=True):
         here = Path(folder)
         above = {os.path.realpath(root / part) for part in here.relative_to(root).parents}
@@ -39,28 +43,51 @@ def _files(root: Path) -> Iterable[Path]:
             dirs[:] = []
             continue
         dirs[:] = sorted(d for d in dirs if d not in SKIPPED and not d.startswith(".venv"))
+        for name in dirs:
+            _stays_inside(root, inside, here / name)
         for name in sorted(files):
-            if not name.endswith((".pyc", ".lock")):
-                yield here / name
+            if name.endswith((".pyc", ".lock")):
+                continue
+            file = here / name
+            _stays_inside(root, inside, file)
+            try:
+                status = file.stat()
+            except OSError as exc:
+                raise ValueError(f"{root}: {file} cannot be sent: {exc.strerror}") from None
+            if not stat.S_ISREG(status.st_mode):
+                raise ValueError(
+                    f"{root}: a Ray case sends this folder to its nodes; {file} is not a regular "
+                    "file (a FIFO, a device or a socket): remove it from the folder"
+                )
+            yield file, status.st_size
+
+
+def _stays_inside(root: Path, inside: Path, path: Path) -> None:
+    target = Path(os.path.realpath(path))
+    if not target.is_relative_to(inside):
+        raise ValueError(
+            f"{root}: a Ray case sends this folder to its nodes; {path} links out of it, to "
+            f"{target}: links must stay inside the folder"
+        )
 
 
 def pack(path: str) -> Packed:
-    """The folder as an archive of its files (links followed, times and owners left out so the
-    digest is the content's); one line naming the folder when it cannot be sent."""
+    """The folder as an archive of its files (links inside it followed, times and owners left
+    out so the digest is the content's); one line naming the folder when it cannot be sent."""
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"{path}: a Ray case sends this folder to its nodes; it is not a folder")
     buffer, total = io.BytesIO(), 0
     with tarfile.open(fileobj=buffer, mode="w") as archive:
-        for file in _files(root):
-            data = file.read_bytes()
-            total += len(data)
-            if total > SHIP_LIMIT_BYTES:
+        for file, size in _files(root):
+            total += size
+            if total > SHIP_LIMIT_BYTES:  # judged on the sizes, before a byte is read
                 raise ValueError(
                     f"{path}: a Ray case sends this folder to its nodes, up to "
                     f"{SHIP_LIMIT_BYTES >> 20} MiB; it holds more (keep engine code in a folder of "
                     "its own, or install it on every node)"
                 )
+            data = file.read_bytes()
             info = tarfile.TarInfo(file.relative_to(root).as_posix())
             info.size, info.mode = len(data), 0o644 | (file.stat().st_mode & 0o111)
             archive.addfile(info, io.BytesIO(data))

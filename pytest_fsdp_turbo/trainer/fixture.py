@@ -11,7 +11,7 @@ import pytest
 
 from pytest_fsdp_turbo.cases import CaseParam, TrainerCase
 from pytest_fsdp_turbo.outcomes import fail_line, skip_or_fail
-from pytest_fsdp_turbo.report import artifact_name, note_run
+from pytest_fsdp_turbo.report import call_artifact_name, note_run
 from pytest_fsdp_turbo.trainer.run import TrainerRunner
 from pytest_fsdp_turbo_contract.errors import ConfigError, LeaseTimeout, Unavailable
 from pytest_fsdp_turbo_contract.results import RunResult
@@ -25,8 +25,7 @@ class TrainerRun:
     def __call__(self, case: CaseParam | TrainerCase | str) -> RunResult:
         given = case.case if isinstance(case, CaseParam) else case
         self.calls += 1
-        name = artifact_name(self.request.node.nodeid)
-        name += f"-{self.calls}" if self.calls > 1 else ""
+        name = call_artifact_name(self.request.node.nodeid, self.calls)
         try:
             resolved = self.book().get_trainer(given) if isinstance(given, str) else given
             if not isinstance(resolved, TrainerCase):

@@ -99,7 +99,7 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
         micro_batches=micro_batches,
         rollout=str(_get(config, f"{rollout}.name", "?")),
         rollout_replicas=max(1, world_size // per_replica),
-        grad_clip=float(_get(config, clip_key(config), 1.0)),
+        grad_clip=_clip(config),
         model_dtype=precision(config, f"{ACTOR}.fsdp_config.model_dtype", unset="fp32"),
         compute_dtype=precision(config, precision_key(config)),
         lr=_number(config, f"{ACTOR}.optim.lr", float),
@@ -112,6 +112,18 @@ def declared(config: dict, world_size: int) -> TrainerDeclared:
         rollout_dtype=_torch_dtype(_get(config, f"{rollout}.dtype")),
         updates=updates_per_step(config),
     )
+
+
+def _clip(config: dict) -> float:
+    """The clip's max_norm (verl's default 1.0 where unset); a word for it is one line."""
+    key = clip_key(config)
+    value = _get(config, key, 1.0)
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"verl's config: {key}: expected a number; got {value!r}") from None
 
 
 def _number(config: dict, dotted: str, kind: type) -> Any:
