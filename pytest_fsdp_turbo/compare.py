@@ -7,21 +7,25 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_fsdp_turbo.checks.goldens import GOLDEN_KEYS, within
+from pytest_fsdp_turbo.checks.goldens import GOLDEN_KEYS, relative_tolerance, within
 from pytest_fsdp_turbo.report import read_case_artifacts
 from pytest_fsdp_turbo_contract.artifacts import RunFolder, read_json
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.records import Reading
 from pytest_fsdp_turbo_contract.vocab import GoldenTier
 
-# shown side by side, never judged: they move with the machine and the sync policy
+# shown side by side, never judged: they move with the machine
 INFORMATIONAL = (
     Reading(lambda m: m.perf.peak_memory_bytes).key,
-    Reading(lambda m: m.train.retained_grad_bytes).key,
-    Reading(lambda m: m.train.reduce_scatter_calls).key,
     Reading(lambda m: m.perf.step_time_s).key,
 )
-COMPARED_KEYS = (*GOLDEN_KEYS, *INFORMATIONAL)
+# what the sync policy decides: exact between two runs that declare the same policy on as many
+# ranks (a held gradient or a reduce-scatter more is a real difference), shown only otherwise
+SYNC_BOUND = (
+    Reading(lambda m: m.train.retained_grad_bytes).key,
+    Reading(lambda m: m.train.reduce_scatter_calls).key,
+)
+COMPARED_KEYS = (*GOLDEN_KEYS, *SYNC_BOUND, *INFORMATIONAL)
 
 
 @dataclass
@@ -105,20 +109,41 @@ def compare_runs(a: Path, b: Path) -> tuple[list[Row], str, str]:
         label_b = rb["spec"].get("device_kind", "B")
         tier = ra["spec"].get("golden_tier", GoldenTier.RELATIVE)
         tier = GoldenTier.RELATIVE if tier == GoldenTier.NONE else tier
+        # the golden's own tolerance for the dtype the run declared (bf16's rounding, say)
+        relative = relative_tolerance(_declared_dtype(ra["spec"]))
+        same_sync = _sync_layout(ra["spec"]) == _sync_layout(rb["spec"])
         ma = ra["ranks"][0] if ra["ranks"] else {}
         mb = rb["ranks"][0] if rb["ranks"] else {}
         for key in COMPARED_KEYS:
             va, vb = ma.get(key), mb.get(key)
+            if va is None and vb is None:
+                continue  # neither run measures it (a trainer run has no memory reading, say)
             if va is None or vb is None:
                 verdict = "missing"
-            elif key in INFORMATIONAL:
+            elif key in INFORMATIONAL or (key in SYNC_BOUND and not same_sync):
                 verdict = "info"
             elif not (_number(va) and _number(vb)):  # a metrics file edited by hand, say
                 verdict = NOT_A_NUMBER
+            elif key in SYNC_BOUND:
+                verdict = "match" if va == vb else "differs (exact: the same sync policy)"
             else:
-                verdict = "match" if within(tier, float(va), float(vb)) else f"differs ({tier})"
+                close = within(tier, float(va), float(vb), relative)
+                verdict = "match" if close else f"differs ({tier})"
             rows.append(Row(label, key, va, vb, verdict))
     return rows, label_a, label_b
+
+
+def _declared_dtype(spec: dict) -> str:
+    engine = spec.get("engine")
+    return str(
+        spec.get("golden_dtype") or (engine.get("dtype", "") if isinstance(engine, dict) else "")
+    )
+
+
+def _sync_layout(spec: dict) -> tuple:
+    """What the sync-bound readings follow: the declared policy and the ranks."""
+    engine = spec.get("engine") if isinstance(spec.get("engine"), dict) else {}
+    return engine.get("gradient_sync"), engine.get("world_size")
 
 
 def differing(rows: list[Row]) -> list[Row]:

@@ -230,6 +230,37 @@ def test_compare_holds_two_runs_to_the_golden_tier_their_spec_declares(tmp_path)
     assert verdicts == {"exact": "differs (exact)", "relative": "match"}
 
 
+def test_compare_holds_bf16_to_its_rounding_and_sync_counts_exactly_and_skips_the_unmeasured(
+    tmp_path,
+):
+    """Two runs of one bf16 trainer case: a loss 0.5% apart is bf16's run-to-run rounding
+    (goldens allow 1e-2 there), one reduce-scatter more under the same sync policy is a real
+    difference, the same count under another policy is shown only, and a reading neither run
+    has (a trainer run measures no peak memory) is no row."""
+    import json
+
+    from pytest_fsdp_turbo.compare import compare_runs, differing
+
+    loss, calls = LossRecord.key("pg_loss"), "comm/reduce_scatter_calls"
+    for side, value, count, sync in (
+        ("a", 0.4, 10, "deferred"),
+        ("b", 0.402, 11, "deferred"),
+        ("c", 0.4, 11, "every_micro_batch"),
+    ):
+        folder = tmp_path / side / "run"
+        folder.mkdir(parents=True)
+        engine = {"dtype": "bf16", "gradient_sync": sync, "world_size": 2}
+        spec = {"case_id": "t", "device_kind": "cpu", "golden_dtype": "bf16", "engine": engine}
+        (folder / "spec.json").write_text(json.dumps(spec))
+        (folder / "rank0.metrics.json").write_text(json.dumps({loss: value, calls: count}))
+    rows, _, _ = compare_runs(tmp_path / "a", tmp_path / "b")
+    verdicts = {r.metric: r.verdict for r in rows}
+    assert verdicts == {loss: "match", calls: "differs (exact: the same sync policy)"}, verdicts
+    assert [r.metric for r in differing(rows)] == [calls]
+    rows, _, _ = compare_runs(tmp_path / "a", tmp_path / "c")
+    assert {r.metric: r.verdict for r in rows} == {loss: "match", calls: "info"}
+
+
 def test_the_golden_is_keyed_and_held_by_what_the_run_declared(tmp_path):
     """Device kind, dtype, ranks and tier come from the run's spec.json: a bf16 run on npu is
     recorded under npu-bf16 and held to bf16's tolerance, whatever case object a test holds."""
