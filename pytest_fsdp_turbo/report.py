@@ -42,7 +42,7 @@ COLUMNS = (
     "start s",
     "step s",
     "verdict",
-    "checks not applicable",
+    "not applicable",
 )
 
 
@@ -250,13 +250,16 @@ def render_table(rows: list[tuple[dict, str, str]]) -> list[str]:
                 _fmt(row.get("start_s"), "float"),
                 _fmt(row["step_s"], "float"),
                 verdict,
-                "; ".join(row.get("not_applicable", ())) or "-",
+                ", ".join(line.partition(":")[0] for line in row.get("not_applicable", ())) or "-",
             )
         )
     widths = [max(len(str(c[i])) for c in cells) for i in range(len(COLUMNS))]
-    return [
+    lines = [
         "  ".join(str(c[i]).ljust(widths[i]) for i in range(len(COLUMNS))).rstrip() for c in cells
     ]
+    # why each check could not apply, once for every row it stands for (trainer runs share theirs)
+    reasons = sorted({line for row, _, _ in rows for line in row.get("not_applicable", ())})
+    return lines + [f"not applicable, {line}" for line in reasons]
 
 
 def verdict_cell(row: dict, outcome: str, why: str) -> str:
@@ -269,9 +272,8 @@ def verdict_cell(row: dict, outcome: str, why: str) -> str:
             return f"passed (run failed: {row.get('cause') or '?'})"
         if failed:
             return f"passed (red as the test expects: {', '.join(sorted(failed))})"
-        if not any(status == PASSED for status, _ in judged.values()):
-            return "ran, unchecked"
-        return "passed"
+        passed = sorted(letter for letter, (status, _) in judged.items() if status == PASSED)
+        return f"passed: {' '.join(passed)}" if passed else "ran, unchecked"
     cause = row.get("cause") or "; ".join(failed.values()) or why
     return f"{outcome}: {cause}" if cause else outcome
 

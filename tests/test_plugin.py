@@ -475,7 +475,11 @@ def test_the_summary_verdict_says_what_the_checks_judged(pytester):
     table = result.stdout.str().split("fsdp-turbo e2e runs")[1].splitlines()
     rows = {line.split()[0]: line for line in table if line.startswith("test_")}
     assert "  ran, unchecked" in rows["test_unchecked"], rows
-    assert "  passed  " in rows["test_checked"] + "  ", rows
+    # the checks the run was judged by, in the row; why the others could not apply, once below
+    assert "  passed: a b c e f h i k l  " in rows["test_checked"] + "  ", rows
+    assert rows["test_checked"].rstrip().endswith("  d, j"), rows
+    below = [line for line in table if line.startswith("not applicable, ")]
+    assert below == ["not applicable, d: no replicas", "not applicable, j: one rank"], table
     over = re.search(
         r"failed: f: rank 0: \S+ = ([\d.]+) MiB, budget 1 MiB", rows["test_over_budget"]
     )
