@@ -152,6 +152,7 @@ def summary_row(result: RunResult, test: str = "", options: dict | None = None) 
     row = {
         "test": test,
         "case": result.case_id,
+        "engine": step.rank.engine,  # the class that trained, where the harness reads it
         "overrides": [f"{k}={v}" for k, v in sorted(overrides.items())],
         "cause": run_cause(result),
         "device": _spec_device(result),
@@ -235,6 +236,7 @@ def render_table(rows: list[tuple[dict, str, str]]) -> list[str]:
     for row, outcome, why in rows:
         verdict = verdict_cell(row, outcome, why)
         case = row["case"] + (f" [{', '.join(row['overrides'])}]" if row.get("overrides") else "")
+        case += f" ({row['engine'].rsplit('.', 1)[-1]})" if row.get("engine") else ""
         cells.append(
             (
                 row.get("test") or "-",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import textwrap
 from pathlib import Path
 
@@ -238,8 +239,20 @@ def test_config_shows_the_seed_npu_case_sync_policy_as_verls_yaml_gives_it(capsy
     out = capsys.readouterr().out.splitlines()
     assert out[1].strip() == f"gradient_sync: every_micro_batch ({SYNC_FLAG} = false)"
     assert "strategy: fsdp_turbo, world size 16, Ulysses SP 2" in out[2]
+    # the seed's script reads $HOME and exports HCCL's timeout: each shown as the run gets it
+    out = "\n".join(out)
+    assert (
+        f"data.train_files=$HOME/data/geo3k/train.parquet   ($HOME = {os.environ['HOME']})" in out
+    )
+    assert "env (the case's; a script's export lines are not run: they belong here):" in out
+    assert "  HCCL_CONNECT_TIMEOUT=1500" in out
     assert main(["config", "tiny-qwen3-verl-trainer-fsdp2-deferred"]) == 0
-    assert f"gradient_sync: deferred ({SYNC_FLAG} = true)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"gradient_sync: deferred ({SYNC_FLAG} = true)" in out
+    # the base case's experiment name, replaced by the deferred case's own
+    assert (
+        "trainer.experiment_name=tiny-qwen3-verl-trainer   (replaced by a later override of " in out
+    )
 
 
 # --- a trainer run read back from the observer's files, and judged -------------------------------
@@ -784,6 +797,18 @@ def test_an_engine_that_never_steps_is_named_with_the_line_that_says_why(tmp_pat
     assert "did it call exit" not in text  # an engine case's words, not a trainer's
     assert "no reading of rank 1: its run ended without one" in text
     assert text.count("noise") == 1  # the one trainer log the ranks share, shown once
+
+
+def test_the_summary_row_names_the_engine_class_that_trained(tmp_path):
+    """A registration that missed would run verl's own engine: the row says which class ran."""
+    from pytest_fsdp_turbo.report import render_table, summary_row
+
+    result = observed_run(tmp_path, engine_class="my_fork.engines.MyEngine")
+    checks.check_all(result)
+    row = json.loads(summary_row(result, "test_one_step"))
+    assert row["engine"] == "my_fork.engines.MyEngine"
+    table = render_table([(row, "passed", "")])
+    assert " t (MyEngine) " in table[1] and "passed: a e h j k" in table[1], table
 
 
 def test_a_mini_batch_trained_without_its_optimizer_step_is_the_runs_failure(tmp_path):

@@ -38,7 +38,7 @@ _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 # them: the harness runs the script's line, not the script)
 SHELL_OPERATORS = ("|", "||", "&&", ";", "&", "2>&1")
 SCRIPT_ARGS = ("$@", "$*", "${@}", "${*}")
-_VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 # what the harness sets in every process of a trainer run, which a case's env may not replace
 HARNESS_ENV = (RUN_DIR_VARIABLE, "PYTHONPATH", "VERL_USE_EXTERNAL_MODULES", Env.CASE_TOKEN)
 # Hydra's own output (its folder, its .hydra copy, its job log): the harness keeps it in the run
@@ -226,12 +226,12 @@ def validate_trainer_case(
 def _expanded(where: Where, text: str, env: dict[str, str]) -> int:
     """A count as the script's shell would see it: `$VAR` and `${VAR}` from the case's env, then
     this environment; one line naming a variable that is set nowhere or a count that is none."""
-    for name in _VARIABLE.findall(text):
+    for name in VARIABLE.findall(text):
         if name not in env and name not in os.environ:
             raise where.error(
                 "overrides", f"${name} set in the case's env or the environment", text
             )
-    value = _VARIABLE.sub(lambda m: env.get(m.group(1), os.environ.get(m.group(1), "")), text)
+    value = VARIABLE.sub(lambda m: env.get(m.group(1), os.environ.get(m.group(1), "")), text)
     if not value.strip().isdigit():
         raise where.error("overrides", "a whole number of devices or nodes", text)
     return int(value)

@@ -3,7 +3,10 @@ with the case's overrides (the sync policy first), and the overrides main_ppo is
 
 from __future__ import annotations
 
-from pytest_fsdp_turbo.cases.trainer_case import TrainerCase
+import os
+
+from pytest_fsdp_turbo.cases.trainer_case import VARIABLE, TrainerCase
+from pytest_fsdp_turbo.environ import mask_secrets
 from pytest_fsdp_turbo.trainer.verl_config import resolve_case
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 
@@ -14,9 +17,29 @@ def trainer_config_lines(case: TrainerCase) -> list[str]:
     return [
         f"trainer case {case.id} (verl's main_ppo, {case.world_size} ranks):",
         *(f"  {line}" for line in resolved.lines()),
-        "overrides (the case's; the harness adds one step, its logs and its observer):",
-        *(f"  {override}" for override in case.overrides),
+        "overrides (a script's, then the case's; the last of a key wins, as in Hydra; the harness "
+        "adds one step, its logs and its observer):",
+        *(f"  {line}" for line in _annotated(case)),
+        "env (the case's; a script's export lines are not run: they belong here):",
+        *(f"  {name}={value}" for name, value in sorted(mask_secrets(case.env).items())),
     ]
+
+
+def _annotated(case: TrainerCase) -> list[str]:
+    """Each override, with the variables it reads as they expand (the case's env, then this
+    environment) and a mark where a later override of the same key replaces it."""
+    keys = [item.lstrip("+~").partition("=")[0] for item in case.overrides]
+    lines = []
+    for index, (item, key) in enumerate(zip(case.overrides, keys)):
+        notes = []
+        for name in dict.fromkeys(VARIABLE.findall(item)):
+            value = case.env.get(name, os.environ.get(name))
+            shown = mask_secrets({name: value})[name] if value is not None else None
+            notes.append(f"${name} = {shown}" if shown is not None else f"${name} unset")
+        if key in keys[index + 1 :]:
+            notes.append(f"replaced by a later override of {key}")
+        lines.append(item + (f"   ({'; '.join(notes)})" if notes else ""))
+    return lines
 
 
 def trainer_case_lines(cases: list[TrainerCase]) -> list[str]:
