@@ -245,6 +245,7 @@ def test_config_shows_the_seed_npu_case_sync_policy_as_verls_yaml_gives_it(capsy
         f"data.train_files=$HOME/data/geo3k/train.parquet   ($HOME = {os.environ['HOME']})" in out
     )
     assert "env (the case's; a script's export lines are not run: they belong here):" in out
+    assert "  engine class: not declared: whatever verl's EngineRegistry holds" in out
     assert "  HCCL_CONNECT_TIMEOUT=1500" in out
     assert main(["config", "tiny-qwen3-verl-trainer-fsdp2-deferred"]) == 0
     out = capsys.readouterr().out

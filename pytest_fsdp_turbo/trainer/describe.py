@@ -17,6 +17,17 @@ def trainer_config_lines(case: TrainerCase) -> list[str]:
     return [
         f"trainer case {case.id} (verl's main_ppo, {case.world_size} ranks):",
         *(f"  {line}" for line in resolved.lines()),
+        "  engine class: "
+        + (
+            f"{case.engine_class} (a run where verl built another is red)"
+            if case.engine_class
+            else "not declared: whatever verl's EngineRegistry holds (the run records the class)"
+        )
+        + (
+            f"; external modules: {', '.join(case.external_modules)}"
+            if case.external_modules
+            else ""
+        ),
         "overrides (a script's, then the case's; the last of a key wins, as in Hydra; the harness "
         "adds one step, its logs and its observer):",
         *(f"  {line}" for line in _annotated(case)),
