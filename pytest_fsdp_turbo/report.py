@@ -130,6 +130,13 @@ def write_rows(item: pytest.Item) -> None:
     pending.clear()
 
 
+def _cut_at_a_word(text: str, most: int) -> str:
+    """At most `most` characters, ended at a word with "..." where it had to be cut."""
+    if len(text) <= most:
+        return text
+    return text[: most - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+
+
 def check_in_numbers(detail: str) -> str:
     """A failed check's message cut to its letter and numbers: "c: rank 0: parameter w: gradient
     differs from the single-process reference by 0.31, tolerance 0.0001"; where that is still
@@ -200,7 +207,7 @@ def run_cause(result: RunResult) -> str:
     if result.timed_out:
         return f"timed out after {result.timeout_s:g}s"
     if result.failure:
-        return result.failure[:CAUSE_CHARS]
+        return _cut_at_a_word(result.failure.splitlines()[0], CAUSE_CHARS)
     first = result.first_failed()
     if first is not None and first.error is not None and result.hung_in_a_collective:
         return f"rank {first.rank} {first.error.phase}: timed out in a collective"

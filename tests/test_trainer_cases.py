@@ -798,6 +798,11 @@ def test_an_engine_that_never_steps_is_named_with_the_line_that_says_why(tmp_pat
     assert "did it call exit" not in text  # an engine case's words, not a trainer's
     assert "no reading of rank 1: its run ended without one" in text
     assert text.count("noise") == 1  # the one trainer log the ranks share, shown once
+    from pytest_fsdp_turbo.report import run_cause
+
+    cause = run_cause(result)  # the summary's cell: cut at a word, never mid-word
+    assert cause.endswith("...") and len(cause) <= 60, cause
+    assert result.failure.startswith(cause[:-3]) and result.failure[len(cause) - 3] in " ,;:"
 
 
 def test_the_summary_row_names_the_engine_class_that_trained(tmp_path):
