@@ -756,8 +756,15 @@ def test_a_script_is_read_whole_or_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="not UTF-8 text"):
         book(tmp_path, text)
     (tmp_path / "run.sh").write_text("python3 -m verl.trainer.main_ppo 'a=1\nb=2'\n")
-    with pytest.raises(ConfigError, match="line 1: No closing quotation; keep each override"):
+    with pytest.raises(ConfigError, match="line 1: an override runs over lines; keep each"):
         book(tmp_path, text)
+    (tmp_path / "run.sh").write_text("python3 -m verl.trainer.main_ppo 'a=1\n")
+    with pytest.raises(ConfigError, match="run.sh: line 1: No closing quotation"):
+        book(tmp_path, text)
+    # a quoted string over lines elsewhere (a banner) is shell the script may hold
+    banner = 'echo "training\n  starts"\npython3 -m verl.trainer.main_ppo a=1\n'
+    (tmp_path / "run.sh").write_text(banner)
+    assert book(tmp_path, text).get_trainer("t").overrides[0] == "a=1"
     # a word that is no override (Hydra's --config-name, a typo) is named, never dropped
     (tmp_path / "run.sh").write_text("python3 -m verl.trainer.main_ppo a=1 --config-name x b=2\n")
     with pytest.raises(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,15 +127,14 @@ def overrides_of_script(script: Path) -> tuple[str, ...]:
         text = script.read_text(encoding="utf-8").replace("\\\n", " ")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{script}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    for number, line in enumerate(text.splitlines(), 1):
-        try:
-            words = shlex.split(line, comments=True)
-        except ValueError as exc:  # a quoted string that runs over lines, say
-            raise ConfigError(
-                f"{script}: line {number}: {exc}; keep each override on its line"
-            ) from None
+    for number, words in _commands(script, text.splitlines()):
         if ENTRY in words:
             args = words[words.index(ENTRY) + 1 :]
+            if any("\n" in word for word in args):
+                raise ConfigError(
+                    f"{script}: line {number}: an override runs over lines; keep each override "
+                    "on its line"
+                )
             ends = [i for i, w in enumerate(args) if w in SHELL_OPERATORS or w.startswith(">")]
             args = [w for w in args[: min(ends, default=len(args))] if w not in SCRIPT_ARGS]
             if unread := [w for w in args if w.startswith("$") and "=" not in w]:
@@ -150,6 +150,25 @@ def overrides_of_script(script: Path) -> tuple[str, ...]:
                 )
             return tuple(args)
     raise ConfigError(f"{script}: no `python -m {ENTRY}` line")
+
+
+def _commands(script: Path, lines: list[str]) -> Iterator[tuple[int, list[str]]]:
+    """(first line number, shell words) of each command, a quoted string that runs over lines
+    (a multi-line echo) read whole; one that never closes is one line naming where it opens."""
+    index = 0
+    while index < len(lines):
+        first, command = index + 1, lines[index]
+        index += 1
+        while True:
+            try:
+                words = shlex.split(command, comments=True)
+                break
+            except ValueError as exc:
+                if index == len(lines):
+                    raise ConfigError(f"{script}: line {first}: {exc}") from None
+                command += "\n" + lines[index]
+                index += 1
+        yield first, words
 
 
 def validate_trainer_case(
