@@ -242,15 +242,21 @@ def validate_trainer_case(
     return case
 
 
+def variable_value(name: str, env: dict[str, str]) -> str | None:
+    """A variable an override reads, as the script's shell would see it: the case's env, then
+    this environment (None: set in neither)."""
+    return env.get(name, os.environ.get(name))
+
+
 def _expanded(where: Where, text: str, env: dict[str, str]) -> int:
     """A count as the script's shell would see it: `$VAR` and `${VAR}` from the case's env, then
     this environment; one line naming a variable that is set nowhere or a count that is none."""
     for name in VARIABLE.findall(text):
-        if name not in env and name not in os.environ:
+        if variable_value(name, env) is None:
             raise where.error(
                 "overrides", f"${name} set in the case's env or the environment", text
             )
-    value = VARIABLE.sub(lambda m: env.get(m.group(1), os.environ.get(m.group(1), "")), text)
+    value = VARIABLE.sub(lambda m: variable_value(m.group(1), env) or "", text)
     if not value.strip().isdigit():
         raise where.error("overrides", "a whole number of devices or nodes", text)
     return int(value)
