@@ -1071,3 +1071,38 @@ def test_an_fsdp_turbo_trainer_case_puts_the_checkout_on_the_trainers_path_and_o
     runner.checkout = checkout
     assert runner.library_paths(fsdp2) == () and not asked
     assert runner.library_paths(turbo) == (str(layout),) and asked == [1]
+
+
+FAKE_TRAINER = """
+import multiprocessing.util, sys, tempfile
+from pathlib import Path
+
+# what verl's processes leave when killed: multiprocessing's pymp-* folder, a temporary file
+made = [multiprocessing.util.get_temp_dir(), tempfile.mkstemp()[1]]
+Path(sys.argv[1], "made.txt").write_text("\\n".join(made))
+sys.exit(3)
+"""
+
+
+def test_a_trainer_runs_temporary_files_go_with_the_run_whatever_its_end(tmp_path, monkeypatch):
+    """Every process of the run keeps its temporary files (pymp-*, vLLM's, Ray's) in the run's
+    own folder, removed after the run: a failed run leaves nothing in the box's TMPDIR."""
+    from pytest_fsdp_turbo.devices import Accelerator
+    from pytest_fsdp_turbo.leases import LeaseBook
+    from pytest_fsdp_turbo.trainer import run
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "fake_trainer_entry.py").write_text(FAKE_TRAINER)
+    monkeypatch.setattr(run, "ENTRY_MODULE", "fake_trainer_entry")
+    runner = run.TrainerRunner(
+        Accelerator("cpu", (0, 1)), LeaseBook(tmp_path / "leases"), tmp_path / "art",
+        pythonpath=(str(site),),
+    )  # fmt: skip
+    case = TrainerCase("t", "tiny-qwen3-chat", ("trainer.n_gpus_per_node=2",), timeout=60.0)
+    result = runner._run(case, "t", tmp_path / "model", ())
+    assert result.failure.startswith("verl's trainer exited 3"), result.failure
+    made = (tmp_path / "art" / "t" / "made.txt").read_text().splitlines()
+    scratch = json.loads((tmp_path / "art" / "t" / "env.json").read_text())["TMPDIR"]
+    assert len(made) == 2 and all(Path(p).is_relative_to(scratch) for p in made), (made, scratch)
+    assert not Path(scratch).exists() and not any(Path(p).exists() for p in made)

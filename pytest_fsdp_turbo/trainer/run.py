@@ -167,6 +167,9 @@ class TrainerRunner:
         env.update(worker_env)
         env[RUN_DIR_VARIABLE] = str(out)
         env[CASE_TOKEN_VAR] = token
+        # every process's temporary files (multiprocessing's pymp-*, vLLM's, Ray's session) in the
+        # run's own folder, removed with it after the run, whether it passed, failed or timed out
+        env["TMPDIR"] = spec.ray_temp_dir
         paths = [*self.pythonpath, *case_paths, HarnessEnv.read().pythonpath]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         RunFolder(out).env.write_text(json.dumps(mask_secrets(env), indent=1, sort_keys=True))
@@ -177,8 +180,8 @@ class TrainerRunner:
             timed_out, _, _ = supervise([trainer], case.timeout, watch=self._watch(case, folder))
         finally:
             reap_case(token, {trainer.pid: trainer.started}, grace_s=KILL_GRACE_S)
+            keep_actor_logs(Path(spec.ray_temp_dir), folder)  # then the folder goes
         duration = time.monotonic() - start
-        keep_actor_logs(Path(spec.ray_temp_dir), folder)
         return read_run(case, spec, out, trainer.poll(), duration, timed_out)
 
     def _watch(self, case: TrainerCase, folder: TrainerFolder) -> Callable[[float], None]:
