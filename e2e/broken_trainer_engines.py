@@ -247,6 +247,8 @@ def _register(transformer_impl) -> None:
                 f"{BUG}={bug!r}: {name!r} takes no @STEP (a number after noop_sync, zero_loss or "
                 f"all_reduce_each), not {each!r}"
             )
+        if engines[name] in chosen:
+            raise ValueError(f"{BUG}={bug!r}: {name!r} twice; one engine carries each bug once")
         if at:
             steps[name] = int(step)
         chosen.append(engines[name])

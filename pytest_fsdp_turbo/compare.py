@@ -110,10 +110,13 @@ def compare_runs(a: Path, b: Path) -> tuple[list[Row], str, str]:
         tier = ra["spec"].get("golden_tier", GoldenTier.RELATIVE)
         tier = GoldenTier.RELATIVE if tier == GoldenTier.NONE else tier
         # the golden's own tolerance for the dtype the run declared (bf16's rounding, say)
-        relative = relative_tolerance(_declared_dtype(ra["spec"]))
+        relative = max(relative_tolerance(_declared_dtype(r["spec"])) for r in (ra, rb))
         same_sync = _sync_layout(ra["spec"]) == _sync_layout(rb["spec"])
         ma = ra["ranks"][0] if ra["ranks"] else {}
         mb = rb["ranks"][0] if rb["ranks"] else {}
+        if not (ma or mb):  # both runs ended before any rank's readings
+            rows.append(Row(label, "(case)", None, None, "no readings on either side"))
+            continue
         for key in COMPARED_KEYS:
             va, vb = ma.get(key), mb.get(key)
             if va is None and vb is None:
@@ -141,9 +144,10 @@ def _declared_dtype(spec: dict) -> str:
 
 
 def _sync_layout(spec: dict) -> tuple:
-    """What the sync-bound readings follow: the declared policy and the ranks."""
+    """What the sync-bound readings follow: the declared policy, the ranks and the dtype (held
+    gradient bytes scale with it)."""
     engine = spec.get("engine") if isinstance(spec.get("engine"), dict) else {}
-    return engine.get("gradient_sync"), engine.get("world_size")
+    return engine.get("gradient_sync"), engine.get("world_size"), _declared_dtype(spec)
 
 
 def differing(rows: list[Row]) -> list[Row]:

@@ -20,7 +20,9 @@ def cli(*args, env=None, cwd=REPO):
         [sys.executable, "-m", "pytest_fsdp_turbo", *args],
         capture_output=True,
         text=True,
-        env={**os.environ, **(env or {})},
+        env={
+            k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None
+        },  # None: unset
         cwd=cwd,
         timeout=300,
     )
@@ -71,7 +73,7 @@ def test_doctor_shows_devices_env_user_values_and_masks_secrets(tmp_path):
 def test_doctor_says_the_checkout_is_not_needed_where_no_case_runs_fsdp_turbo(tmp_path):
     (tmp_path / "cases.toml").write_text('[[case]]\nid = "plain"\nmodel = "tiny-qwen3"\n')
     (tmp_path / "pytest.ini").write_text("[pytest]\nfsdp_turbo_cases = cases.toml\n")
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "FSDP_TURBO_PATH": None}
     done = cli("doctor", "--device", "cpu", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "FSDPTurbo: not needed: no case in the case file runs fsdp_turbo" in done.stdout

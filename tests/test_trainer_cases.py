@@ -765,6 +765,17 @@ def test_a_script_is_read_whole_or_refused_in_one_line(tmp_path):
     banner = 'echo "training\n  starts"\npython3 -m verl.trainer.main_ppo a=1\n'
     (tmp_path / "run.sh").write_text(banner)
     assert book(tmp_path, text).get_trainer("t").overrides[0] == "a=1"
+    # the shell's redirections end the command's words, as its operators do
+    (tmp_path / "run.sh").write_text(
+        "python3 -m verl.trainer.main_ppo a=1 2>err.log\npython3 -m verl.trainer.main_ppo b=2 &> l\n"
+    )
+    assert book(tmp_path, text).get_trainer("t").overrides[0] == "a=1"
+    for tail in ("< /dev/null", "|& tee log", "> log 2>&1"):
+        (tmp_path / "run.sh").write_text(f"python3 -m verl.trainer.main_ppo a=1 {tail}\n")
+        assert book(tmp_path, text).get_trainer("t").overrides[:2] == (
+            "a=1",
+            "trainer.n_gpus_per_node=2",
+        )
     # a word that is no override (Hydra's --config-name, a typo) is named, never dropped
     (tmp_path / "run.sh").write_text("python3 -m verl.trainer.main_ppo a=1 --config-name x b=2\n")
     with pytest.raises(
@@ -1011,6 +1022,16 @@ def test_bugs_on_two_steps_of_one_run_are_each_named_the_first_steps_first(tmp_p
     assert "expected reduce-scatters per micro-batch [5, 5], measured [5, 0]" in lines[0]
     assert lines[1].startswith("check h: step 1: trainer case t:"), lines
     assert "measured [3 all_reduce + 5 reduce_scatter, 5 reduce_scatter]" in lines[1], lines
+    # every check that judges each step notes every failed step on the run (the summary's cell)
+    both = observed_run(
+        tmp_path / "k",
+        stepped=(1.0, 1.0),
+        later={"stepped_scale": (1.0, 1.0)},
+        config=json.dumps(config),
+    )
+    checks.evaluate(both)
+    status, noted = both.judged["k"]
+    assert [line[:17] for line in noted.splitlines()] == ["check k: rank 0: ", "check k: step 1: "]
 
 
 def test_a_kl_loss_whose_reference_log_probs_were_never_replayed_fails_b(tmp_path):
@@ -1106,3 +1127,26 @@ def test_a_trainer_runs_temporary_files_go_with_the_run_whatever_its_end(tmp_pat
     scratch = json.loads((tmp_path / "art" / "t" / "env.json").read_text())["TMPDIR"]
     assert len(made) == 2 and all(Path(p).is_relative_to(scratch) for p in made), (made, scratch)
     assert not Path(scratch).exists() and not any(Path(p).exists() for p in made)
+
+
+def test_a_step_verl_skipped_closes_the_training_pass_so_the_next_mini_batch_starts_one(tmp_path):
+    """verl skips optimizer.step() on a norm that is not finite and goes on to the next
+    mini-batch: the observer's pass ends with the engine's optimizer_step, so the next forward
+    opens a fresh one (its collective counter too) instead of failing inside verl's forward."""
+    from pytest_fsdp_turbo_engine.trainer.observer import TrainerRank
+
+    folder = TrainerFolder(tmp_path)
+    folder.observe.mkdir(parents=True)
+    rank = TrainerRank(folder, 0)
+    exited = []
+
+    class Units:
+        def __exit__(self, *exc):
+            exited.append(True)
+
+    torch = pytest.importorskip("torch")
+    rank._pass, rank._units = {"module": torch.nn.Linear(2, 2)}, Units()
+    rank.before_clip()  # the engine's optimizer_step begins: the counter comes off (none here)
+    rank.reported(float("nan"))  # ... and returns without the optimizer having stepped
+    assert rank._pass is None and rank._units is None and exited == [True]
+    assert rank.steps == []  # nothing recorded for a step not taken: the run's failure says so

@@ -37,11 +37,19 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 # where the main_ppo command ends, and the script's own arguments (the case's overrides stand for
 # them: the harness runs the script's line, not the script)
-SHELL_OPERATORS = ("|", "||", "&&", ";", "&", "2>&1")
+SHELL_OPERATORS = ("|", "||", "&&", ";", "&", "|&")
+REDIRECT = re.compile(r"^(\d*[<>]|&>)")  # > log, 2>err, &> log, < /dev/null
 SCRIPT_ARGS = ("$@", "$*", "${@}", "${*}")
-VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+# $NAME or ${NAME}, never Hydra's own ${a.b} or ${oc.env:X}, which Hydra resolves
+VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 # what the harness sets in every process of a trainer run, which a case's env may not replace
-HARNESS_ENV = (RUN_DIR_VARIABLE, "PYTHONPATH", "VERL_USE_EXTERNAL_MODULES", Env.CASE_TOKEN)
+HARNESS_ENV = (
+    RUN_DIR_VARIABLE,
+    "PYTHONPATH",
+    "VERL_USE_EXTERNAL_MODULES",
+    Env.CASE_TOKEN,
+    "TMPDIR",  # the run's own folder, removed after it
+)
 # Hydra's own output (its folder, its .hydra copy, its job log): the harness keeps it in the run
 # folder (hydra.run.dir, which it sets last, as it does verl's checkpoint folder and step count)
 HARNESS_KEYS = ("hydra.",)
@@ -135,7 +143,7 @@ def overrides_of_script(script: Path) -> tuple[str, ...]:
                     f"{script}: line {number}: an override runs over lines; keep each override "
                     "on its line"
                 )
-            ends = [i for i, w in enumerate(args) if w in SHELL_OPERATORS or w.startswith(">")]
+            ends = [i for i, w in enumerate(args) if w in SHELL_OPERATORS or REDIRECT.match(w)]
             args = [w for w in args[: min(ends, default=len(args))] if w not in SCRIPT_ARGS]
             if unread := [w for w in args if w.startswith("$") and "=" not in w]:
                 raise ConfigError(
@@ -242,6 +250,11 @@ def validate_trainer_case(
     return case
 
 
+def variable_names(text: str) -> list[str]:
+    """The shell variables an override reads, each once, in order."""
+    return list(dict.fromkeys(a or b for a, b in VARIABLE.findall(text)))
+
+
 def variable_value(name: str, env: dict[str, str]) -> str | None:
     """A variable an override reads, as the script's shell would see it: the case's env, then
     this environment (None: set in neither)."""
@@ -251,12 +264,12 @@ def variable_value(name: str, env: dict[str, str]) -> str | None:
 def _expanded(where: Where, text: str, env: dict[str, str]) -> int:
     """A count as the script's shell would see it: `$VAR` and `${VAR}` from the case's env, then
     this environment; one line naming a variable that is set nowhere or a count that is none."""
-    for name in VARIABLE.findall(text):
+    for name in variable_names(text):
         if variable_value(name, env) is None:
             raise where.error(
                 "overrides", f"${name} set in the case's env or the environment", text
             )
-    value = VARIABLE.sub(lambda m: variable_value(m.group(1), env) or "", text)
+    value = VARIABLE.sub(lambda m: variable_value(m.group(1) or m.group(2), env) or "", text)
     if not value.strip().isdigit():
         raise where.error("overrides", "a whole number of devices or nodes", text)
     return int(value)

@@ -226,6 +226,18 @@ def check_rollout_weights(result: RunResult) -> None:
             )
 
 
+@judges("j")
+def check_trainer_rows(result: RunResult) -> None:
+    """j, as every case's, on every step (its note on the run: every failed step's line)."""
+    every_step(check_data_rows, "j", each_step(result))
+
+
+@judges("k")
+def check_trainer_clip(result: RunResult) -> None:
+    """k, as every case's, on every step (its note on the run: every failed step's line)."""
+    every_step(check_clip, "k", each_step(result))
+
+
 TRAINER_CHECKS = CheckSet(
     CaseKindName.VERL_TRAINER,
     (
@@ -235,8 +247,8 @@ TRAINER_CHECKS = CheckSet(
         ("e", lambda r, _: check_rollout_weights(r)),
         ("h", lambda r, _: check_trainer_sync(r)),
         ("i", lambda r, _: check_trainer_update(r)),
-        ("j", lambda r, _: every_step(check_data_rows, "j", each_step(r))),
-        ("k", lambda r, _: every_step(check_clip, "k", each_step(r))),
+        ("j", lambda r, _: check_trainer_rows(r)),
+        ("k", lambda r, _: check_trainer_clip(r)),
         ("l", lambda r, _: check_trainer_loss_gradient(r)),
     ),
     TRAINER_CANNOT,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SHIP_LIMIT_BYTES = 512 * 1024 * 1024  # a folder this large is not what a case means to send
-SKIPPED = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
+SKIPPED = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".tox", "venv"}
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,16 @@ def pack(path: str) -> Packed:
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"{path}: a Ray case sends this folder to its nodes; it is not a folder")
-    buffer, total = io.BytesIO(), 0
+    files = list(_files(root))
+    if sum(size for _, size in files) > SHIP_LIMIT_BYTES:  # judged before a byte is read
+        raise ValueError(
+            f"{path}: a Ray case sends this folder to its nodes, up to "
+            f"{SHIP_LIMIT_BYTES >> 20} MiB; it holds more (keep engine code in a folder of "
+            "its own, or install it on every node)"
+        )
+    buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as archive:
-        for file, size in _files(root):
-            total += size
-            if total > SHIP_LIMIT_BYTES:  # judged on the sizes, before a byte is read
-                raise ValueError(
-                    f"{path}: a Ray case sends this folder to its nodes, up to "
-                    f"{SHIP_LIMIT_BYTES >> 20} MiB; it holds more (keep engine code in a folder of "
-                    "its own, or install it on every node)"
-                )
+        for file, _ in files:
             data = file.read_bytes()
             info = tarfile.TarInfo(file.relative_to(root).as_posix())
             info.size, info.mode = len(data), 0o644 | (file.stat().st_mode & 0o111)

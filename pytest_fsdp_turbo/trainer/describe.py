@@ -3,7 +3,7 @@ with the case's overrides (the sync policy first), and the overrides main_ppo is
 
 from __future__ import annotations
 
-from pytest_fsdp_turbo.cases.trainer_case import VARIABLE, TrainerCase, variable_value
+from pytest_fsdp_turbo.cases.trainer_case import TrainerCase, variable_names, variable_value
 from pytest_fsdp_turbo.environ import mask_secrets
 from pytest_fsdp_turbo.trainer.verl_config import resolve_case
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
@@ -41,7 +41,7 @@ def _annotated(case: TrainerCase) -> list[str]:
     lines = []
     for index, (item, key) in enumerate(zip(case.overrides, keys)):
         notes = []
-        for name in dict.fromkeys(VARIABLE.findall(item)):
+        for name in variable_names(item):
             value = variable_value(name, case.env)
             shown = mask_secrets({name: value})[name] if value is not None else None
             notes.append(f"${name} = {shown}" if shown is not None else f"${name} unset")

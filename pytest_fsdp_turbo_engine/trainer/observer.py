@@ -354,6 +354,10 @@ class TrainerRank:
         value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if len(self.steps) > self._steps_at_clip:
             self.steps[-1].reported_grad_norm = value
+        elif self._pass is not None:  # no step: the next mini-batch's forward starts a new pass
+            if self._units is not None:
+                self._units.__exit__(None, None, None)
+            self._pass, self._units = None, None
         self._write()
 
     def _digest_parameters(self, module) -> None:
@@ -507,7 +511,7 @@ def _observe_trainer_rank(folder: TrainerFolder) -> None:
             train = engine.train_batch
 
             def train_batch(data, *a, **k):
-                rank.engine_class = f"{type(engine).__module__}.{type(engine).__qualname__}"
+                rank.engine_class = f"{type(engine).__module__}.{type(engine).__name__}"
                 rank.batch_seen(data)
                 rank.mini_batch(data, k.get("loss_function", a[0] if a else None))
                 if rank.capture and "loss_function" in k:
