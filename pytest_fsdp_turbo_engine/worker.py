@@ -48,12 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     phase = Phase(rank, report=folder.phases(rank))
     try:
         phase.fault = Fault.of(spec.fault)
-        phase.enter("init")
+        # the start-up (torch, transformers, the engines), before the first phase: the launcher
+        # starts the case timeout once every rank has recorded one (a forked rank: imported)
         import torch.distributed as dist
 
         from pytest_fsdp_turbo_contract.device_profiles import profile_of
         from pytest_fsdp_turbo_engine.step.run import run_ppo_step
 
+        phase.enter("init")
         backend = profile_of(spec.device_kind).collective_backend
         timeout = timedelta(seconds=spec.collective_timeout_s)
         dist.init_process_group(backend, timeout=timeout)

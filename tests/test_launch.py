@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fsdp_turbo.processes.supervisor import launch_local
+from pytest_fsdp_turbo.processes import supervisor
+from pytest_fsdp_turbo.processes.supervisor import LocalRank, launch_local
+from pytest_fsdp_turbo_contract.artifacts import RunFolder
 
 HANG = textwrap.dedent(
     """
@@ -37,6 +39,60 @@ def test_timeout_dumps_every_rank_stack_and_kills_the_tree(tmp_path, no_leaked_p
         assert "in wait_for_peer" in rank.log_path.read_text()
     assert "timed out after 3s" in result.failure_text()
     assert "in wait_for_peer" in result.failure_text()
+
+
+# a rank whose start-up (its imports, on a busy box) takes argv[1] seconds, then records its first
+# phase, as the engine worker does, and runs its case for argv[3] seconds
+SLOW_START = textwrap.dedent(
+    """
+    import json, sys, time
+    time.sleep(float(sys.argv[1]))
+    with open(sys.argv[2], "a") as record:
+        record.write(json.dumps({"phase": "init", "t": time.time()}) + "\\n")
+    time.sleep(float(sys.argv[3]))
+    """
+)
+
+
+def _slow_starters(folder: RunFolder, start_s: float, run_s: float) -> list[LocalRank]:
+    env = {"PATH": "/usr/bin:/bin"}
+    return [
+        LocalRank(
+            rank,
+            [sys.executable, "-c", SLOW_START, str(start_s), str(folder.phases(rank)), str(run_s)],
+            env,
+            folder.log(rank),
+        )
+        for rank in range(2)
+    ]
+
+
+def test_the_case_timeout_counts_from_when_every_rank_has_started(tmp_path, no_leaked_processes):
+    """A slow start-up (a fresh interpreter's imports on a busy box) is not the case's time: 2.5 s
+    of start-up and 0.5 s of case pass a 1.5 s timeout; counted from launch, they would not."""
+    folder = RunFolder(tmp_path)
+    started = supervisor.began_phases(tmp_path)
+    outcome = supervisor.supervise(_slow_starters(folder, 2.5, 0.5), 1.5, started=started)
+    assert not outcome.timed_out and set(outcome.ends) == {0, 1}
+    assert outcome.start_up_s is not None and outcome.start_up_s >= 2.5
+    control = RunFolder(tmp_path / "control")
+    control.path.mkdir()
+    assert supervisor.supervise(_slow_starters(control, 2.5, 0.5), 1.5).timed_out
+
+
+def test_a_start_up_that_never_ends_is_its_own_timeout_and_says_so(
+    tmp_path, monkeypatch, no_leaked_processes
+):
+    monkeypatch.setattr(supervisor, "START_UP_TIMEOUT_S", 1.0)
+    folder = RunFolder(tmp_path)
+    handles = _slow_starters(folder, 300, 0)
+    outcome = supervisor.supervise(handles, 60, started=supervisor.began_phases(tmp_path))
+    assert outcome.timed_out and outcome.start_up_s is None
+    result = supervisor.collect_result("slow", handles, tmp_path, 60, 0.0, outcome)
+    assert result.failure_text().startswith(
+        "case slow: its ranks did not finish starting (interpreter and imports, before their "
+        "first phase) within 1s"
+    )
 
 
 def test_first_failure_stops_the_rest_at_once(tmp_path, no_leaked_processes):

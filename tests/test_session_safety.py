@@ -96,8 +96,8 @@ def test_faults_end_tests_never_the_session(
     ):  # never imported here: the pytest process stays light
         pytest.skip("needs ray: pip install 'pytest-fsdp-turbo[ray]'")
     pytester.makepyfile(test_faults=SESSION)
-    # 1.2 s of the first Ray case's 240 s timeout: a fresh Ray rank imports torch inside its case
-    # timeout, which on a busy 2-core box took over 30 s (the timeout this case had)
+    # 1.2 s of the first Ray case's 240 s timeout (which counts from the rank's first phase: a
+    # fresh Ray rank's imports, over 30 s on a busy 2-core box, are not in it)
     pytester.makeini("[pytest]\nfsdp_turbo_stall_share = 0.005\n")
     junit = pytester.path / "junit.xml"
     monkeypatch.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "2")  # a dead GCS ends it soon

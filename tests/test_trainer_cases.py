@@ -46,6 +46,8 @@ def book(tmp_path: Path, text: str):
         ("world_size = 4", "world_size", "trainer.n_gpus_per_node x trainer.nnodes"),
         ('devices = ["tpu"]', "devices", "one of cpu, cuda, npu"),
         ("timeout = -1", "timeout", "a number of seconds > 0"),
+        ("steps = 0", "steps", "a positive integer; got 0"),
+        ('steps = "2"', "steps", "an integer"),
         ('extends = "nope"', "extends", "the id of a trainer case above this one"),
         # the fifth set of hostile inputs: each refused in one line, nothing dropped or escaped
         ('extends = ["a", "b"]', "extends", "the id of one trainer case above this one"),
@@ -69,6 +71,27 @@ def test_a_bad_trainer_case_is_one_line_naming_file_case_and_field(
     assert "\n" not in message
     assert f"trainer case 't': field {field!r}: expected {expected}" in message
     assert str(tmp_path / "cases.toml") in message
+
+
+def test_a_trainer_cases_steps_are_verls_training_steps_set_after_its_own_overrides(tmp_path):
+    """`steps` is trainer.total_training_steps, set by the harness after the case's overrides (a
+    case's own value would be replaced, so the field is the one place to say it)."""
+    from pytest_fsdp_turbo_engine.trainer.main import harness_overrides
+
+    (case,) = book(tmp_path, BASE + "steps = 3\n").trainer_cases
+    assert case.steps == 3
+    spec = TrainerSpec(
+        case_id="t",
+        device_kind=DeviceKind.CPU,
+        world_size=2,
+        model_path="m",
+        overrides=case.overrides,
+        total_training_steps=case.steps,
+    )
+    said = harness_overrides(spec, TrainerFolder(tmp_path / "run"))
+    assert said[0] == "trainer.total_training_steps=3"
+    (default,) = book(tmp_path, BASE).trainer_cases
+    assert default.steps == 1
 
 
 def test_a_tiny_trainer_case_has_its_reference_unless_it_says_no_and_a_real_one_asks(tmp_path):

@@ -267,3 +267,48 @@ def test_a_stopped_warm_parent_costs_seconds_and_the_case_runs_on_spawned_ranks(
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_a_stacks_first_fork_may_wait_for_its_zygotes_imports_a_later_one_may_not(
+    tmp_path, monkeypatch
+):
+    """The first fork of a stack waits for its zygote's imports (start-up, held to
+    READY_TIMEOUT_S); a later fork of it answers in milliseconds or the parent is silent. The
+    conversation's client side, with a parent that answers every request after 0.5 s."""
+    import threading
+    import time
+
+    from pytest_fsdp_turbo.processes import warm
+    from pytest_fsdp_turbo_contract.warm_protocol import Forked, decode_line, encode
+
+    class SlowParent(warm._Conversation):
+        pid, log_path, alive = 1, tmp_path / "parent.log", True
+
+        def __init__(self) -> None:
+            self.lines: list[bytes] = []
+            self.arrived = threading.Condition()
+            self._start_reading(self._answers())
+
+        def _answers(self):
+            while True:
+                with self.arrived:
+                    self.arrived.wait_for(lambda: self.lines)
+                    request = decode_line(self.lines.pop(0))
+                time.sleep(0.5)  # a zygote importing its stack
+                yield encode(Forked(100 + request.rank, rank=request.rank))
+
+        def _write(self, data: bytes) -> None:
+            with self.arrived:
+                self.lines.append(data)
+                self.arrived.notify()
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(warm, "FORK_TIMEOUT_S", 0.2)
+    parent = SlowParent()
+    spec, log = tmp_path / "spec.json", tmp_path / "rank.log"
+    assert parent.fork(0, {}, spec, log, preload="verl:cpu") == 100  # 0.5 s: its start-up
+    with pytest.raises(warm.WarmParentSilent, match=r"did not answer within 0\.2s \(fork rank 1"):
+        parent.fork(1, {}, spec, log, preload="verl:cpu")
+    assert parent.silent

@@ -70,7 +70,11 @@ class TrainerCase:
     # the script's own exports (HCCL_CONNECT_TIMEOUT, ...); the lease's collective environment
     # (device visibility, HCCL port ranges) wins over them
     env: dict[str, str] = field(default_factory=dict)
-    # the whole trainer: Ray, every actor, the rollout servers, one step
+    # verl's training steps (trainer.total_training_steps), each judged on its own: verl's
+    # start-up (Ray, its actors, the rollout servers, the workers its first step starts) is paid
+    # once, and a later step costs its own time (docs/performance.md)
+    steps: int = field(default=1, metadata={BOUNDS: Bounds(1)})
+    # the whole trainer: Ray, every actor, the rollout servers, its steps
     timeout: float = field(
         default=900.0,
         metadata={BOUNDS: Bounds(0, 1e6, low_open=True, expected="a number of seconds > 0")},

@@ -27,7 +27,13 @@ from pathlib import Path
 import psutil
 
 from pytest_fsdp_turbo.processes.session_processes import disown, own, session_processes
-from pytest_fsdp_turbo.processes.supervisor import WATCH_EVERY_S, collect_result, kill_pid_tree
+from pytest_fsdp_turbo.processes.supervisor import (
+    START_UP_TIMEOUT_S,
+    WATCH_EVERY_S,
+    Supervised,
+    collect_result,
+    kill_pid_tree,
+)
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.errors import ConfigError
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent
@@ -209,7 +215,8 @@ class RayDriver:
             self._request("launch", args)
         except OSError:
             return failed(self.gone())
-        deadline = start + timeout_s + LAUNCH_GRACE_S
+        bound = timeout_s + START_UP_TIMEOUT_S + LAUNCH_GRACE_S  # the ranks' start-up: not timed
+        deadline = start + bound
         while True:
             try:
                 reply = self._replies.get(timeout=WATCH_EVERY_S)
@@ -220,8 +227,9 @@ class RayDriver:
                 if time.monotonic() > deadline:
                     self.close(grace_s=0)
                     return failed(
-                        f"the Ray driver gave no outcome within {timeout_s + LAUNCH_GRACE_S:g}s "
-                        f"(case timeout + {LAUNCH_GRACE_S:g}s) and was stopped; {self._log_tail()}"
+                        f"the Ray driver gave no outcome within {bound:g}s (case timeout + the "
+                        f"ranks' start-up bound + {LAUNCH_GRACE_S:g}s) and was stopped; "
+                        f"{self._log_tail()}"
                     )
         if reply.get("gone"):
             self.proc.wait()
@@ -234,7 +242,7 @@ class RayDriver:
             for rank in range(world_size)
         ]
         ends = {int(rank): t for rank, t in reply["ends"].items()}
-        outcome = (reply["timed_out"], reply["first_failure"], ends)
+        outcome = Supervised(reply["timed_out"], reply["first_failure"], ends, reply["start_up_s"])
         result = collect_result(case_id, handles, artifacts_dir, timeout_s, reply["start"], outcome)
         result.notes.extend(reply["notes"])
         nodes = {int(rank): node for rank, node in reply.get("nodes", {}).items()}

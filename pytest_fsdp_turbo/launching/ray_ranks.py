@@ -30,9 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pytest_fsdp_turbo.environ import restored_environ
 from pytest_fsdp_turbo.launching.ray_actor import REPLAYED, RankActor, node_name
 from pytest_fsdp_turbo.launching.shipping import Packed, pack
-from pytest_fsdp_turbo.processes.supervisor import (
-    supervise,
-)
+from pytest_fsdp_turbo.processes.supervisor import began_phases, supervise
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.errors import ConfigError
@@ -232,12 +230,14 @@ def launch_ray(
             for rank, (actor, node) in enumerate(zip(actors, started))
         ]
         try:
-            timed_out, first_failure, ends = supervise(
+            # the timeout counts from the ranks' first phases (a fresh rank's imports: not in it)
+            outcome = supervise(
                 handles,
                 timeout_s,
                 POLL_S,
                 watch=lambda _elapsed: [handle.follow_phases(out) for handle in handles],
                 completed=lambda handle: handle.finished(),
+                started=began_phases(out),
             )
         finally:
             lost_files = [why for h in handles if (why := h.fetch_files(out)) is not None]
@@ -247,9 +247,10 @@ def launch_ray(
         spread = len(set(nodes.values()))
         return {
             "start": start,
-            "timed_out": timed_out,
-            "first_failure": first_failure,
-            "ends": ends,
+            "timed_out": outcome.timed_out,
+            "first_failure": outcome.first_failure,
+            "ends": outcome.ends,
+            "start_up_s": outcome.start_up_s,
             "codes": {handle.rank: handle.poll() for handle in handles},
             "nodes": nodes,
             "lost_nodes": gone,

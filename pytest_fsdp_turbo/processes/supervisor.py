@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import psutil
 
@@ -32,6 +32,9 @@ WORKER_MODULE = "pytest_fsdp_turbo_engine.worker"
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 STACK_DUMP_WAIT_S = 1.0
 WATCH_EVERY_S = 0.5
+# a fresh rank's interpreter and imports (torch, transformers, verl), before its first phase: a
+# guard against an import that hangs, never part of the case timeout (a busy box takes minutes)
+START_UP_TIMEOUT_S = 600.0
 LAUNCHED_AT_VAR = Env.LAUNCHED_AT  # wall clock at launch: start-up time per rank
 CASE_TOKEN_VAR = Env.CASE_TOKEN
 
@@ -231,19 +234,29 @@ class ForkedRank:
             self.parent.wait_exit(self.pid, 5.0)  # its exit, reported by the parent
 
 
+class Supervised(NamedTuple):
+    timed_out: bool
+    first_failure: int | None
+    ends: dict[int, float]  # rank -> when it ended (monotonic)
+    start_up_s: float | None  # until every rank had started (None: one never did)
+
+
 def supervise(
     handles: Sequence[RankHandle],
     timeout_s: float,
     poll_s: float = 0.05,
     watch: Callable[[float], None] | None = None,
     completed: Callable[[RankHandle], bool] | None = None,
-):
+    started: Callable[[RankHandle], bool] | None = None,
+) -> Supervised:
     """Wait for every rank; on the first failure or at the timeout, dump the stacks of the ranks
     still alive (which rank waited where) and stop them. `watch(elapsed)` is called about every
     WATCH_EVERY_S while the ranks run (live progress). A rank that exits 0 without `completed`
-    (its results) is a failure too, so its peers do not wait for it until a timeout.
-    Returns (timed_out, first_failure, ends)."""
+    (its results) is a failure too, so its peers do not wait for it until a timeout. With
+    `started` (a rank is past its interpreter's start and its imports), the timeout counts from
+    when every rank had started, and the start-up itself is held to START_UP_TIMEOUT_S."""
     start = time.monotonic()
+    clock = start if started is None else None  # when the timeout began to count
     ends: dict[int, float] = {}
     timed_out, first_failure = False, None
     watched = start
@@ -258,8 +271,14 @@ def supervise(
                     failed = code != 0 or (completed is not None and not completed(handle))
                     if failed and first_failure is None:
                         first_failure = handle.rank
+            now = time.monotonic()
+            if clock is None and all(h.rank in ends or started(h) for h in handles):  # type: ignore[misc]
+                clock = now
             stop = first_failure is not None and len(ends) < len(handles)
-            timed_out = not stop and time.monotonic() - start >= timeout_s
+            if clock is None:
+                timed_out = not stop and now - start >= START_UP_TIMEOUT_S
+            else:
+                timed_out = not stop and now - clock >= timeout_s
             if stop or timed_out:
                 for handle in handles:
                     if handle.rank not in ends:
@@ -270,7 +289,17 @@ def supervise(
     finally:
         for handle in handles:
             handle.kill()
-    return timed_out, first_failure, ends
+    return Supervised(timed_out, first_failure, ends, None if clock is None else clock - start)
+
+
+def began_phases(artifacts_dir: Path) -> Callable[[RankHandle], bool]:
+    """The engine worker's start-up is over: it recorded its first phase (after its imports)."""
+
+    def began(handle: RankHandle) -> bool:
+        report = RunFolder(artifacts_dir).phases(handle.rank)
+        return report.is_file() and report.stat().st_size > 0
+
+    return began
 
 
 def collect_result(
@@ -279,10 +308,21 @@ def collect_result(
     artifacts_dir: Path,
     timeout_s: float,
     start: float,
-    outcome: tuple,
+    outcome: Supervised,
 ) -> RunResult:
-    timed_out, first_failure, ends = outcome
+    timed_out, first_failure, ends, start_up_s = outcome
     notes = []
+    failure = ""
+    if timed_out and start_up_s is None:
+        failure = (
+            f"its ranks did not finish starting (interpreter and imports, before their first "
+            f"phase) within {START_UP_TIMEOUT_S:g}s; Python stacks of every rank are in its log"
+        )
+    elif timed_out and start_up_s:
+        notes.append(
+            f"fsdp-turbo: the case timeout counted from when every rank had started: their "
+            f"start-up (interpreter and imports) took {start_up_s:.1f}s before it"
+        )
     try:
         # what every rank did when, kept with the logs
         progress.write_timeline(artifacts_dir, len(handles))
@@ -305,6 +345,7 @@ def collect_result(
         timed_out=timed_out,
         timeout_s=timeout_s,
         first_failure=first_failure,
+        failure=failure,
         notes=notes,
     )
 
@@ -380,7 +421,9 @@ def launch_local(
             return RunResult.launcher_failed(
                 case_id, world_size, artifacts_dir, _warm_parent_died(warm_parent, exc)
             )
-        outcome = supervise(handles, timeout_s, poll_s, watch, completed)
+        # the engine worker records its phases, the first after its imports (a helper: none)
+        began = began_phases(artifacts_dir) if completed is not None else None
+        outcome = supervise(handles, timeout_s, poll_s, watch, completed, began)
         result = collect_result(case_id, handles, artifacts_dir, timeout_s, start, outcome)
         if warm_parent is not None and not warm_parent.alive:
             result.failure = _warm_parent_died(warm_parent)

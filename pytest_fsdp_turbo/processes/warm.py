@@ -43,9 +43,10 @@ from pytest_fsdp_turbo_contract.warm_protocol import (
 WARM_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
 NO_FORK_VAR = Env.NO_FORK
 SOCKET_VAR = Env.WARM_SOCKET
-READY_TIMEOUT_S = 300.0
-# a fork is answered in milliseconds, but the first one for a stack (verl) waits for its zygote's
-# imports, and every other request waits behind it: silence this long means stopped or stuck
+READY_TIMEOUT_S = 300.0  # the parent's start-up (its imports), or a zygote's: a hang guard
+# a fork is answered in milliseconds: silence this long means stopped or stuck. The first request
+# of a stack (verl) may wait for its zygote's imports, and a first request of this conversation
+# may wait behind another's: those are start-up, held to READY_TIMEOUT_S instead
 FORK_TIMEOUT_S = 60.0
 SILENT_SOCKETS: set[str] = set()  # shared parents that once left a fork unanswered: not adopted
 CONNECT_TIMEOUT_S = 5.0
@@ -84,6 +85,7 @@ class _Conversation:
         self.zygotes: list[int] = []
         self._replies: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
+        self._asked: set[str | None] = set()  # the stacks this conversation has forked from
         self._exited = threading.Condition()
         self._ended = threading.Event()
         self._ready: Ready | None = None
@@ -153,8 +155,11 @@ class _Conversation:
             if self.silent:
                 raise WarmParentSilent(f"the warm parent (pid {self.pid}) was given up earlier")
             self._write(encode(request))
+            first = request.preload not in self._asked  # may wait for a zygote's imports
+            self._asked.add(request.preload)
+            timeout_s = READY_TIMEOUT_S if first else FORK_TIMEOUT_S
             try:
-                reply = self._reply(FORK_TIMEOUT_S, what)
+                reply = self._reply(timeout_s, what)
             except RuntimeError:
                 if not self.alive:
                     raise
@@ -164,7 +169,7 @@ class _Conversation:
                 self.close()
                 raise WarmParentSilent(
                     f"the warm parent (pid {self.pid}) did not answer within "
-                    f"{FORK_TIMEOUT_S:g}s ({what}; stopped?); its log: {self.log_path}"
+                    f"{timeout_s:g}s ({what}; stopped?); its log: {self.log_path}"
                 ) from None
         if not isinstance(reply, Forked):
             raise RuntimeError(f"warm parent answered {reply} to {what}; see {self.log_path}")

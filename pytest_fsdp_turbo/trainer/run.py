@@ -133,6 +133,7 @@ class TrainerRunner:
                 world_size=case.world_size,
                 model_path=str(model),
                 overrides=case.overrides,
+                total_training_steps=case.steps,
                 cores=os.cpu_count() or 1,
                 worker_env=worker_env,
                 ray_temp_dir=tempfile.mkdtemp(prefix="pftr-"),  # short: Ray's sockets live there
@@ -177,7 +178,9 @@ class TrainerRunner:
         command = [sys.executable, "-m", ENTRY_MODULE, str(out)]
         trainer = LocalRank(0, command, env, folder.log, grace_s=KILL_GRACE_S)
         try:
-            timed_out, _, _ = supervise([trainer], case.timeout, watch=self._watch(case, folder))
+            timed_out = supervise(
+                [trainer], case.timeout, watch=self._watch(case, folder)
+            ).timed_out
         finally:
             reap_case(token, {trainer.pid: trainer.started}, grace_s=KILL_GRACE_S)
             keep_actor_logs(Path(spec.ray_temp_dir), folder)  # then the folder goes
