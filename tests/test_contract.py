@@ -246,14 +246,14 @@ NAMED_READ = re.compile(
 )
 # Where the plugin reads variables: the settings, with the options' table (detection's too:
 # DetectionEnv); the collective profile, which yields to any of its variables the run's
-# environment sets; the supervisor, reaping what a case started by the token in its environment;
+# environment sets; reaping, which finds what a case started by the token in its environment;
 # and a trainer case's overrides, whose $HOME and ${VAR} are expanded as the script's shell did
 # (its world size counted so at collection, its config resolved so for `config`).
 PLUGIN_READERS = {
     "settings.py",
     "options.py",
     "environ.py",
-    "processes/supervisor.py",
+    "processes/reaping.py",  # a process carrying the case token, found when reaping
     "cases/trainer_case.py",
     "trainer/verl_config.py",
 }

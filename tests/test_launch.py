@@ -230,7 +230,7 @@ def test_reaping_never_touches_a_session_whose_leader_took_a_dead_ranks_pid():
 
     import psutil
 
-    from pytest_fsdp_turbo.processes.supervisor import case_processes
+    from pytest_fsdp_turbo.processes.reaping import case_processes
 
     other = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True

@@ -16,13 +16,8 @@ import ray
 
 from pytest_fsdp_turbo.environ import node_env
 from pytest_fsdp_turbo.launching.shipping import moved, moved_search_path, unpack
-from pytest_fsdp_turbo.processes.supervisor import (
-    CASE_TOKEN_VAR,
-    LocalRank,
-    rank_env,
-    reap_case,
-    worker_command,
-)
+from pytest_fsdp_turbo.processes.reaping import CASE_TOKEN_VAR, reap_case
+from pytest_fsdp_turbo.processes.supervisor import LocalRank, rank_env, worker_command
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.device_profiles import profile_of
 from pytest_fsdp_turbo_contract.spec import RankSpec

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import psutil
 
+from pytest_fsdp_turbo.processes.reaping import kill_pid_tree
 from pytest_fsdp_turbo.processes.session_processes import disown, own, session_processes
 from pytest_fsdp_turbo.processes.supervisor import (
     START_UP_TIMEOUT_S,
     WATCH_EVERY_S,
     Supervised,
     collect_result,
-    kill_pid_tree,
 )
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.errors import ConfigError

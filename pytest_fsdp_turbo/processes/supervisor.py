@@ -1,10 +1,9 @@
 """Start one group of rank processes, watch them, and hand back a structured result.
 
-One log file per rank; one timeout for the group. A rank that fails stops the others at once; a group
-that times out dumps every rank's Python stacks (faulthandler, SIGUSR1) into its log first. Nothing
-the group started outlives it, passed or failed: every process tree is killed through psutil, then
-`reap_case` kills what escaped the trees (a helper in the rank's session or process group, or one
-that left both and re-parented, found by the case token in its environment).
+One log file per rank; one timeout for the group, counted from when every rank has started (its
+imports done). A rank that fails stops the others at once; a group that times out dumps every
+rank's Python stacks (faulthandler, SIGUSR1) into its log first. Nothing the group started outlives
+it, passed or failed (reaping.py).
 """
 
 from __future__ import annotations
@@ -20,9 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-import psutil
-
 from pytest_fsdp_turbo.processes import progress
+from pytest_fsdp_turbo.processes.reaping import (
+    CASE_TOKEN_VAR,
+    kill_pid_tree,
+    kill_trees,
+    process_create_time,
+    reap_case,
+)
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent
 from pytest_fsdp_turbo_contract.results import RankResult, RunResult
@@ -36,7 +40,6 @@ WATCH_EVERY_S = 0.5
 # guard against an import that hangs, never part of the case timeout (a busy box takes minutes)
 START_UP_TIMEOUT_S = 600.0
 LAUNCHED_AT_VAR = Env.LAUNCHED_AT  # wall clock at launch: start-up time per rank
-CASE_TOKEN_VAR = Env.CASE_TOKEN
 
 
 # what a torchrun agent sets for its own workers: inherited by a pytest started inside a torchrun
@@ -61,96 +64,6 @@ def rank_env(base: Mapping[str, str], rank: int, world_size: int) -> dict[str, s
         PYTHONFAULTHANDLER="1",
     )
     return env
-
-
-def _process_tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def kill_pid_tree(pid: int) -> None:
-    """Kill a process we did not start (a forked rank) and everything it started."""
-    for proc in reversed(_process_tree(pid)):
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-
-
-def case_processes(token: str, sessions: Mapping[int, float]) -> list[psutil.Process]:
-    """This user's processes a case started, wherever they went: in a rank's session or process
-    group (`sessions`: each rank's pid, which names both, and when it started), or carrying the
-    case's token in their environment (a helper that started a session of its own and re-parented).
-    A session whose leader is alive but started at another time is another process's, which got
-    a dead rank's pid: never touched; nor is anything that started before the ranks."""
-    me, uid = os.getpid(), os.getuid()
-    earliest = min(sessions.values(), default=0.0)
-    found = []
-    for proc in psutil.process_iter(["uids", "create_time"]):
-        with contextlib.suppress(psutil.Error, OSError):
-            if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != uid:
-                continue
-            if proc.info["create_time"] < earliest - 1.0:
-                continue
-            pid = proc.pid
-            leaders = {os.getsid(pid), os.getpgid(pid)} & set(sessions)
-            in_a_rank = any(_still_the_rank(leader, sessions[leader]) for leader in leaders)
-            if in_a_rank or proc.environ().get(CASE_TOKEN_VAR) == token:
-                found.append(proc)
-    return found
-
-
-def _still_the_rank(pid: int, started: float) -> bool:
-    """The session (group) leader `pid` is the rank itself, or gone: not a process that took
-    the pid since."""
-    try:
-        return abs(psutil.Process(pid).create_time() - started) < 0.5
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _create_time(pid: int) -> float:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.NoSuchProcess:
-        return time.time()  # gone already: nothing of it to match later
-
-
-def reap_case(token: str, sessions: Mapping[int, float], grace_s: float = 0.0) -> list[int]:
-    """Kill what a case left behind; the pids killed (nothing, for a case that cleaned up). With
-    `grace_s`, each is asked to end first (a trainer's Ray daemons and vLLM servers clean up their
-    files on SIGTERM) and killed when it has not after that long."""
-    found = left = case_processes(token, sessions)
-    for signal_name in ("terminate", "kill") if grace_s > 0 else ("kill",):
-        for proc in left:
-            with contextlib.suppress(psutil.Error):
-                getattr(proc, signal_name)()
-        _, left = psutil.wait_procs(left, timeout=grace_s if signal_name == "terminate" else 5)
-        if not left:
-            break
-    return [proc.pid for proc in found]
-
-
-def kill_trees(children: Sequence[subprocess.Popen], grace_s: float = 0.0) -> None:
-    """Kill each rank and everything it started; reap ranks through Popen to keep exit codes.
-    With `grace_s`, the whole tree is asked to end first (SIGTERM) and given that long."""
-    if grace_s > 0:
-        tree = [p for child in children for p in _process_tree(child.pid)]
-        for proc in tree:
-            with contextlib.suppress(psutil.Error):
-                proc.terminate()
-        psutil.wait_procs(tree, timeout=grace_s)
-    descendants = [p for child in children for p in _process_tree(child.pid)[1:]]
-    for proc in descendants:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    for child in children:
-        if child.poll() is None:
-            child.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.wait(timeout=5)
-    psutil.wait_procs(descendants, timeout=5)
 
 
 class RankHandle(Protocol):
@@ -187,7 +100,7 @@ class LocalRank:
                 preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         self.pid = self.proc.pid
-        self.started = _create_time(self.pid)
+        self.started = process_create_time(self.pid)
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -215,7 +128,7 @@ class ForkedRank:
     ):
         self.parent, self.rank, self.log_path = parent, rank, log_path
         self.pid = parent.fork(rank, env, spec, log_path, preload)
-        self.started = _create_time(self.pid)
+        self.started = process_create_time(self.pid)
 
     def poll(self) -> int | None:
         code = self.parent.exits.get(self.pid)

@@ -23,8 +23,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pytest_fsdp_turbo.processes.reaping import kill_pid_tree
 from pytest_fsdp_turbo.processes.session_processes import disown, own, session_processes
-from pytest_fsdp_turbo.processes.supervisor import kill_pid_tree
 from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo_contract.lifetime import die_with_parent
 from pytest_fsdp_turbo_contract.vocab import Env

@@ -23,7 +23,8 @@ from pytest_fsdp_turbo.devices import Accelerator
 from pytest_fsdp_turbo.environ import Timeouts, build_collective_env, mask_secrets
 from pytest_fsdp_turbo.leases import LeaseBook
 from pytest_fsdp_turbo.models import ModelUnavailable, resolve_model
-from pytest_fsdp_turbo.processes.supervisor import CASE_TOKEN_VAR, LocalRank, reap_case, supervise
+from pytest_fsdp_turbo.processes.reaping import CASE_TOKEN_VAR, reap_case
+from pytest_fsdp_turbo.processes.supervisor import LocalRank, supervise
 from pytest_fsdp_turbo.settings import HarnessEnv
 from pytest_fsdp_turbo.trainer.host_turns import PROGRESS_S, one_trainer_per_host
 from pytest_fsdp_turbo.trainer.readings import write_rank_metrics
