@@ -204,10 +204,10 @@ def run_cause(result: RunResult) -> str:
     and its exception type; a timeout; or why the group failed."""
     if result.ok:
         return ""
+    if result.failure:  # the group's own cause first: a start-up bound that ran out, say
+        return _cut_at_a_word(result.failure.splitlines()[0], CAUSE_CHARS)
     if result.timed_out:
         return f"timed out after {result.timeout_s:g}s"
-    if result.failure:
-        return _cut_at_a_word(result.failure.splitlines()[0], CAUSE_CHARS)
     first = result.first_failed()
     if first is not None and first.error is not None and result.hung_in_a_collective:
         return f"rank {first.rank} {first.error.phase}: timed out in a collective"

@@ -79,9 +79,17 @@ class ZygoteStarted:
     preload: str
 
 
-Message = Ready | Fork | Forked | Exited | ZygoteStarted
+@dataclass(frozen=True)
+class ZygoteStarting:
+    """Told to every conversation as a zygote begins importing its stack: the parent answers no
+    request until it is done, and that wait is start-up, not silence."""
+
+    preload: str
+
+
+Message = Ready | Fork | Forked | Exited | ZygoteStarted | ZygoteStarting
 _KINDS: dict[str, type] = {
-    kind.__name__: kind for kind in (Ready, Fork, Forked, Exited, ZygoteStarted)
+    kind.__name__: kind for kind in (Ready, Fork, Forked, Exited, ZygoteStarted, ZygoteStarting)
 }
 
 

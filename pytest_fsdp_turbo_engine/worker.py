@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     phase = Phase(rank, report=folder.phases(rank))
     try:
         phase.fault = Fault.of(spec.fault)
-        # the start-up (torch, transformers, the engines), before the first phase: the launcher
-        # starts the case timeout once every rank has recorded one (a forked rank: imported)
+        # the start-up (torch, transformers, the harness's step), before the first phase: the
+        # launcher starts the case timeout once every rank has recorded one (a forked rank has
+        # them already); an engine's own modules (verl's) are imported in load, its errors there
         import torch.distributed as dist
 
         from pytest_fsdp_turbo_contract.device_profiles import profile_of

@@ -4,6 +4,7 @@ trainer checks on hand-made readings, and the cause first when the trainer fails
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -21,7 +22,7 @@ from pytest_fsdp_turbo.trainer.verl_config import SYNC_FLAG, declared
 from pytest_fsdp_turbo_contract.artifacts import RunFolder
 from pytest_fsdp_turbo_contract.errors import ConfigError, Unavailable
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
-from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
+from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec, updates_per_step
 from pytest_fsdp_turbo_contract.vocab import DeviceKind, SyncPolicy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -311,6 +312,11 @@ def observed_run(
     out = tmp_path / "run"
     folder = TrainerFolder(out)
     folder.observe.mkdir(parents=True)
+    try:  # a config the test leaves unreadable on purpose counts one update a step
+        resolved = json.loads(config) if config else verl_config(flag)
+    except json.JSONDecodeError:
+        resolved = {}
+    written = 2 if later is not None else max(1, len((replay or {}).get("steps", ())))
     spec = TrainerSpec(
         "t",
         DeviceKind.CPU,
@@ -320,6 +326,8 @@ def observed_run(
         timeout_s=600.0,
         reference=replay is not None,
         micro_batch_pair=pair is not None,
+        # as many training steps as the optimizer steps written make, at the config's updates
+        total_training_steps=max(1, written // updates_per_step(resolved)),
     )
     spec.write(folder.spec)
     if replay:
@@ -1173,3 +1181,17 @@ def test_a_step_verl_skipped_closes_the_training_pass_so_the_next_mini_batch_sta
     rank.reported(float("nan"))  # ... and returns without the optimizer having stepped
     assert rank._pass is None and rank._units is None and exited == [True]
     assert rank.steps == []  # nothing recorded for a step not taken: the run's failure says so
+
+
+def test_a_run_that_stepped_fewer_times_than_its_case_asks_is_red_on_a(tmp_path):
+    """`steps` reaches verl, and a run that took fewer is red: the harness counts the optimizer
+    steps the observer saw against what it asked verl for (trainer_spec.json)."""
+    result = observed_run(tmp_path)
+    assert not failed(result), failed(result)
+    folder = TrainerFolder(result.artifacts_dir)
+    spec = TrainerSpec.read(folder.spec)
+    dataclasses.replace(spec, total_training_steps=2).write(folder.spec)
+    assert failed(result)["a"] == (
+        "check a: the case asks for 2 training step(s) of 1 optimizer step(s) (verl's resolved "
+        "config); the engine stepped 1 time(s)"
+    )

@@ -141,14 +141,17 @@ def test_verl_ranks_fork_from_a_zygote_that_imported_verl_once(ppo_run):
 
 
 def test_a_stack_that_fails_to_preload_leaves_forking_to_the_parent():
-    from pytest_fsdp_turbo_contract.warm_protocol import Fork, Ready
+    from pytest_fsdp_turbo_contract.warm_protocol import Fork, Ready, ZygoteStarting, encode
     from pytest_fsdp_turbo_engine.warm.server import Channel, Server, Zygote
 
     broken = Zygote("no-such-stack:cpu", [])
     assert broken.reason.startswith("KeyError"), broken.reason
-    server = Server(Ready(fork_safe=True), Channel(-1, lambda data: None))
+    said: list[bytes] = []
+    server = Server(Ready(fork_safe=True), Channel(-1, said.append))
     request = Fork({}, "log", rank=0, preload="no-such-stack:cpu")
     assert server.fork_in_zygote(request) is None
+    # said before its imports begin: whoever waits on the parent then waits for start-up
+    assert said == [encode(ZygoteStarting("no-such-stack:cpu"))]
     assert server.zygotes == {"no-such-stack:cpu": None}  # not tried again
     assert server.fork_in_zygote(replace(request, preload="verl:cuda")) is None  # cpu only
     assert "verl:cuda" not in server.zygotes
@@ -164,6 +167,7 @@ def test_every_warm_message_round_trips_through_its_one_encoding():
         wp.Forked(123, rank=1),
         wp.Exited(123, -9),
         wp.ZygoteStarted(77, "verl:cpu"),
+        wp.ZygoteStarting("verl:cpu"),
     ]
     wire = b"".join(wp.encode(m) for m in messages)
     buffer = wp.MessageBuffer()
@@ -269,17 +273,23 @@ def test_a_stopped_warm_parent_costs_seconds_and_the_case_runs_on_spawned_ranks(
     result.assert_outcomes(passed=1)
 
 
-def test_a_stacks_first_fork_may_wait_for_its_zygotes_imports_a_later_one_may_not(
+def test_a_fork_may_wait_for_a_zygotes_imports_when_the_parent_says_one_is_starting(
     tmp_path, monkeypatch
 ):
-    """The first fork of a stack waits for its zygote's imports (start-up, held to
-    READY_TIMEOUT_S); a later fork of it answers in milliseconds or the parent is silent. The
-    conversation's client side, with a parent that answers every request after 0.5 s."""
+    """A parent that builds a zygote first (verl's imports) says so, and the wait becomes
+    start-up, held to READY_TIMEOUT_S; without that word, silence past FORK_TIMEOUT_S is a
+    stopped parent. The conversation's client side, with a parent that answers each request
+    after 0.5 s and announces a zygote for the first stack it sees."""
     import threading
     import time
 
     from pytest_fsdp_turbo.processes import warm
-    from pytest_fsdp_turbo_contract.warm_protocol import Forked, decode_line, encode
+    from pytest_fsdp_turbo_contract.warm_protocol import (
+        Forked,
+        ZygoteStarting,
+        decode_line,
+        encode,
+    )
 
     class SlowParent(warm._Conversation):
         pid, log_path, alive = 1, tmp_path / "parent.log", True
@@ -290,11 +300,15 @@ def test_a_stacks_first_fork_may_wait_for_its_zygotes_imports_a_later_one_may_no
             self._start_reading(self._answers())
 
         def _answers(self):
+            zygotes: set[str] = set()
             while True:
                 with self.arrived:
                     self.arrived.wait_for(lambda: self.lines)
                     request = decode_line(self.lines.pop(0))
-                time.sleep(0.5)  # a zygote importing its stack
+                if request.preload not in zygotes:
+                    zygotes.add(request.preload)
+                    yield encode(ZygoteStarting(request.preload))
+                time.sleep(0.5)
                 yield encode(Forked(100 + request.rank, rank=request.rank))
 
         def _write(self, data: bytes) -> None:
@@ -308,7 +322,7 @@ def test_a_stacks_first_fork_may_wait_for_its_zygotes_imports_a_later_one_may_no
     monkeypatch.setattr(warm, "FORK_TIMEOUT_S", 0.2)
     parent = SlowParent()
     spec, log = tmp_path / "spec.json", tmp_path / "rank.log"
-    assert parent.fork(0, {}, spec, log, preload="verl:cpu") == 100  # 0.5 s: its start-up
+    assert parent.fork(0, {}, spec, log, preload="verl:cpu") == 100  # its zygote's imports
     with pytest.raises(warm.WarmParentSilent, match=r"did not answer within 0\.2s \(fork rank 1"):
-        parent.fork(1, {}, spec, log, preload="verl:cpu")
+        parent.fork(1, {}, spec, log, preload="verl:cpu")  # no zygote to start: silent
     assert parent.silent

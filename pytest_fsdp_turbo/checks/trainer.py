@@ -63,6 +63,7 @@ from pytest_fsdp_turbo_contract.trainer_records import (
     read_ranks,
     read_replicas,
 )
+from pytest_fsdp_turbo_contract.trainer_spec import TrainerSpec
 from pytest_fsdp_turbo_contract.vocab import CaseKindName
 
 # What a trainer run cannot have, and why (docs/verl.md says more). Short: the summary table shows them.
@@ -116,6 +117,12 @@ def check_trainer_grad_norm(result: RunResult) -> None:
             f"check a: verl's step metrics have no {VERL_GRAD_NORM} ({folder.step_metrics})"
         )
     updates = declared(result).ppo.updates
+    asked = TrainerSpec.read(folder.spec).total_training_steps  # what the harness asked verl for
+    if len(views) != asked * updates:
+        raise CheckFailure(
+            f"check a: the case asks for {asked} training step(s) of {updates} optimizer step(s) "
+            f"(verl's resolved config); the engine stepped {len(views)} time(s)"
+        )
     norms = [view.ranks[0].step.optimizer.grad_norm for _, view in views[:updates]]
     if len(norms) < updates or any(norm is None for norm in norms):
         raise CheckFailure(

@@ -41,8 +41,9 @@ from pytest_fsdp_turbo_contract.results import RunResult
 
 DRIVER_MODULE = "pytest_fsdp_turbo.launching.ray_ranks"
 LOCAL_START_TIMEOUT_S = 120.0  # starting a local instance on a busy 2-core box
-# beyond the case's own timeout: placement (ray_ranks.PLACEMENT_TIMEOUT_S), actor calls, kills
-LAUNCH_GRACE_S = 240.0
+# beyond the case's own timeout and its ranks' start-up bound: placement (120 s,
+# ray_ranks.PLACEMENT_TIMEOUT_S), the actors' start (300 s, START_TIMEOUT_S), calls and kills
+LAUNCH_GRACE_S = 480.0
 # Ray processes titled ray::<name> that are the cluster's own: its agents and its pooled workers
 # that host nothing (yet); an actor's worker is titled after its class (ray::RankActor)
 CLUSTER_TITLES = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")

@@ -334,6 +334,9 @@ def _launch_once(request: RunRequest, ids, ranges, port: int, parent, progress) 
     try:
         return launch(parent)
     except WarmParentSilent as silent:  # no rank of this launch ran: spawn them all instead
+        # what a rank forked before the silence wrote (its first phase: it would start the
+        # spawned ranks' timeout at once) is kept apart, as a port clash's attempt is
+        _set_aside(out, out / "forked-before-the-parent-went-silent")
         result = launch(None)
         result.notes.append(f"ranks spawned as fresh interpreters: {silent}")
         return result

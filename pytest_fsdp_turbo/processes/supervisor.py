@@ -36,8 +36,9 @@ WORKER_MODULE = "pytest_fsdp_turbo_engine.worker"
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 STACK_DUMP_WAIT_S = 1.0
 WATCH_EVERY_S = 0.5
-# a fresh rank's interpreter and imports (torch, transformers, verl), before its first phase: a
-# guard against an import that hangs, never part of the case timeout (a busy box takes minutes)
+# a fresh rank's interpreter and imports (torch, transformers, the harness's step), before its
+# first phase: a guard against an import that hangs, never part of the case timeout (a busy box
+# takes minutes); an engine's own modules are imported in its load phase, inside the timeout
 START_UP_TIMEOUT_S = 600.0
 LAUNCHED_AT_VAR = Env.LAUNCHED_AT  # wall clock at launch: start-up time per rank
 

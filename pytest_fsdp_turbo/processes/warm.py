@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from pytest_fsdp_turbo_contract.warm_protocol import (
     Message,
     Ready,
     ZygoteStarted,
+    ZygoteStarting,
     decode_line,
     encode,
     interpreter,
@@ -44,9 +46,9 @@ WARM_MODULE = "pytest_fsdp_turbo_engine.warm_parent"
 NO_FORK_VAR = Env.NO_FORK
 SOCKET_VAR = Env.WARM_SOCKET
 READY_TIMEOUT_S = 300.0  # the parent's start-up (its imports), or a zygote's: a hang guard
-# a fork is answered in milliseconds: silence this long means stopped or stuck. The first request
-# of a stack (verl) may wait for its zygote's imports, and a first request of this conversation
-# may wait behind another's: those are start-up, held to READY_TIMEOUT_S instead
+# a fork is answered in milliseconds: silence this long means stopped or stuck. While a zygote
+# imports its stack (verl), the parent says so (ZygoteStarting) and answers nothing: that wait
+# is start-up, held to READY_TIMEOUT_S from then
 FORK_TIMEOUT_S = 60.0
 SILENT_SOCKETS: set[str] = set()  # shared parents that once left a fork unanswered: not adopted
 CONNECT_TIMEOUT_S = 5.0
@@ -85,7 +87,7 @@ class _Conversation:
         self.zygotes: list[int] = []
         self._replies: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._asked: set[str | None] = set()  # the stacks this conversation has forked from
+        self._waited_s = 0.0  # how long the last reply was waited for, at most
         self._exited = threading.Condition()
         self._ended = threading.Event()
         self._ready: Ready | None = None
@@ -123,10 +125,18 @@ class _Conversation:
         self._replies.put(None)  # the parent ended, or the connection to it did
 
     def _reply(self, timeout_s: float, what: str) -> Message:
-        try:
-            message = self._replies.get(timeout=timeout_s)
-        except queue.Empty:
-            message = None
+        """The next reply; a zygote starting on the way gives the wait READY_TIMEOUT_S from then."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while True:
+            try:
+                message = self._replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                message = None
+            if not isinstance(message, ZygoteStarting):
+                break
+            deadline = time.monotonic() + READY_TIMEOUT_S
+        self._waited_s = round(deadline - started, 1)
         if message is None:
             raise RuntimeError(f"warm parent did not answer ({what}); see {self.log_path}")
         return message
@@ -155,11 +165,8 @@ class _Conversation:
             if self.silent:
                 raise WarmParentSilent(f"the warm parent (pid {self.pid}) was given up earlier")
             self._write(encode(request))
-            first = request.preload not in self._asked  # may wait for a zygote's imports
-            self._asked.add(request.preload)
-            timeout_s = READY_TIMEOUT_S if first else FORK_TIMEOUT_S
             try:
-                reply = self._reply(timeout_s, what)
+                reply = self._reply(FORK_TIMEOUT_S, what)
             except RuntimeError:
                 if not self.alive:
                     raise
@@ -169,7 +176,7 @@ class _Conversation:
                 self.close()
                 raise WarmParentSilent(
                     f"the warm parent (pid {self.pid}) did not answer within "
-                    f"{timeout_s:g}s ({what}; stopped?); its log: {self.log_path}"
+                    f"{self._waited_s:g}s ({what}; stopped?); its log: {self.log_path}"
                 ) from None
         if not isinstance(reply, Forked):
             raise RuntimeError(f"warm parent answered {reply} to {what}; see {self.log_path}")

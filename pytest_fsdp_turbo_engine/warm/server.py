@@ -23,6 +23,7 @@ from pytest_fsdp_turbo_contract.warm_protocol import (
     MessageBuffer,
     Ready,
     ZygoteStarted,
+    ZygoteStarting,
     encode,
     interpreter,
 )
@@ -218,6 +219,8 @@ class Server:
         if not self.makes_zygotes or not preload or preload.split(":")[-1] not in PRELOAD_KINDS:
             return None
         if preload not in self.zygotes:
+            for to in [None, *self.clients]:  # each waits on this loop while the zygote imports
+                self.send(to, ZygoteStarting(preload))
             zygote = Zygote(preload, self.inherited())
             if zygote.reason is not None:
                 sys.stderr.write(f"warm parent: no zygote for {preload}: {zygote.reason}\n")
