@@ -15,41 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
+
+from trainer_test import one_trainer_run  # benchmarks/, beside this script
 
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 from pytest_fsdp_turbo_contract.trainer_records import first_step_metrics, read_ranks, read_replay
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", default="tiny-qwen3-verl-trainer-fsdp2-deferred")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"--fsdp-turbo-artifacts={tmp}",
-            "-m",
-            "verl_trainer",
-            "-k",
-            f"{args.case}-cpu",
-            "e2e/test_verl_trainer.py",
-        ]
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-        runs = [path.parent for path in Path(tmp).glob("*/trainer_spec.json")]
-        if done.returncode != 0 or len(runs) != 1:
-            raise SystemExit(f"the trainer run failed ({done.returncode}):\n{done.stdout[-3000:]}")
-        report(TrainerFolder(runs[0]), args.case)
+    selection = ["-m", "verl_trainer", "-k", f"{args.case}-cpu", "e2e/test_verl_trainer.py"]
+    with one_trainer_run(selection) as (folder, _wall):
+        report(folder, args.case)
 
 
 def report(folder: TrainerFolder, case: str) -> None:

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
+
+from trainer_test import one_trainer_run  # benchmarks/, beside this script
 
 from pytest_fsdp_turbo_contract.trainer_files import TrainerFolder
 
@@ -35,28 +33,10 @@ def main() -> None:
         CASES.read_text()
         + f'\n[[trainer_case]]\nid = "{bench}"\nextends = "{args.case}"\nsteps = 2\n'
     )
+    test = f"e2e/test_verl_trainer.py::test_verl_trainer_one_step[{bench}-cpu]"
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            command = [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                f"--fsdp-turbo-cases={cases}",
-                f"--fsdp-turbo-artifacts={tmp}",
-                f"e2e/test_verl_trainer.py::test_verl_trainer_one_step[{bench}-cpu]",
-            ]
-            started = time.monotonic()
-            done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-            wall = time.monotonic() - started
-            runs = [path.parent for path in Path(tmp).glob("*/trainer_spec.json")]
-            if done.returncode != 0 or len(runs) != 1:
-                raise SystemExit(
-                    f"the trainer run failed ({done.returncode}):\n{done.stdout[-3000:]}"
-                )
-            report(TrainerFolder(runs[0]), args.case, wall)
+        with one_trainer_run([f"--fsdp-turbo-cases={cases}", test]) as (folder, wall):
+            report(folder, args.case, wall)
     finally:
         cases.unlink(missing_ok=True)
 

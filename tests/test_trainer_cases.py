@@ -353,7 +353,7 @@ def observed_run(
             "stepped_residual": 0.0,
             "micro_batch_pair": None if pair is None else pair[rank],
         }
-        steps = [step] * max(1, len((replay or {}).get("steps", ())))
+        steps = [step] * written
         if later is not None:
             steps = [step, {**step, **{k: v[rank] for k, v in later.items()}}]
         steps = steps if optimizer_steps else []

@@ -186,8 +186,8 @@ def supervise(
                     if failed and first_failure is None:
                         first_failure = handle.rank
             now = time.monotonic()
-            if clock is None and all(h.rank in ends or started(h) for h in handles):  # type: ignore[misc]
-                clock = now
+            if started is not None and clock is None:  # waiting for the ranks' start-up
+                clock = now if all(h.rank in ends or started(h) for h in handles) else None
             stop = first_failure is not None and len(ends) < len(handles)
             if clock is None:
                 timed_out = not stop and now - start >= START_UP_TIMEOUT_S
